@@ -1,0 +1,290 @@
+"""The group buffer: a Redis stream of scored SampleGroups with one consumer group.
+
+Delivery rules (DESIGN.md):
+- push is one optimistic transaction: WATCH the dedup marker, MULTI{SET marker, XADD,
+  counters}EXEC, so a job re-run after a crash never stores a second copy (concurrent
+  pushes of one process share one transaction);
+- readers get their own pending entries first, then new ones (XREADGROUP);
+- ack = XACK + XDEL: the stream holds only entries not yet acknowledged, so nothing
+  unconsumed is ever trimmed and memory is bounded by admission control instead;
+- an entry that does not decode is moved to the dead-letter stream with the reason
+  and acknowledged; reading goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError, WatchError
+
+from pipeline.keys import TRAINER_GROUP, Counter, Keys
+from pipeline.schema import SampleGroup, SchemaError, decode_group, encode
+
+log = logging.getLogger(__name__)
+
+DEDUP_TTL_S = 7 * 24 * 3600  # longer than any run: a re-run job must never push twice
+RECENT_KEEP = 2000  # group summaries kept for the monitor
+
+class GroupSummary(msgspec.Struct, kw_only=True, array_like=True):
+    """A few numbers per pushed group, kept in `{ns}:recent` for the monitor."""
+
+    env: str
+    admission_version: int
+    reward_mean: float
+    failed: int  # episodes with status failed
+    tokens: int  # response tokens
+    pushed_at: float
+    episodes: int = 0  # samples in the group (0 in summaries written before this field existed)
+
+
+_summary_encoder = msgspec.msgpack.Encoder()
+summary_decoder = msgspec.msgpack.Decoder(GroupSummary)
+
+
+def summarize(group: SampleGroup) -> GroupSummary:
+    rewards = group.rewards()
+    return GroupSummary(
+        env=group.env,
+        admission_version=group.admission_version,
+        reward_mean=sum(rewards) / len(rewards) if rewards else 0.0,
+        failed=sum(1 for s in group.samples if s.status.value == "failed"),
+        tokens=sum(s.response_length for s in group.samples),
+        pushed_at=time.time(),
+        episodes=len(group.samples),
+    )
+
+
+@dataclass
+class _Push:
+    marker: str
+    fields: dict[str, Any]
+    deltas: dict[str, int]
+    summary: bytes
+    future: asyncio.Future
+
+
+@dataclass(frozen=True)
+class Entry:
+    stream_id: str
+    group: SampleGroup
+
+
+class GroupBuffer:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, dedup_ttl_s: int = DEDUP_TTL_S):
+        self.redis = redis
+        self.keys = keys
+        self.dedup_ttl_s = dedup_ttl_s
+        self._outbox: list[_Push] = []
+        self._flusher: asyncio.Future | None = None
+        self._pending_cursor: dict[str, str] = {}  # consumer -> last pending id handed out
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.groups, TRAINER_GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    # ------------------------------------------------------------ write side
+    async def push(self, group: SampleGroup, **counter_deltas: int) -> str | None:
+        """Store `group` once. Returns its stream id, or None when it was already pushed.
+
+        `counter_deltas` (e.g. running=-1) are applied atomically with the push, and
+        only when the group was actually stored.
+        """
+        item = _Push(
+            marker=self.keys.dedup(group.group_id),
+            fields={"g": encode(group), "id": group.group_id},
+            deltas=counter_deltas,
+            summary=_summary_encoder.encode(summarize(group)),
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._outbox.append(item)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.ensure_future(self._flush())
+        return await item.future
+
+    async def _flush(self) -> None:
+        """Store every queued push in one transaction; repeat while pushes keep arriving.
+
+        Coalescing concurrent pushes of one process saves round trips; the payload
+        stays out of Lua (Redis copies script arguments into Lua at ~1.6 us per KB,
+        on its only thread).
+        """
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            try:
+                results: list[str | None] | list[BaseException] = await self._store(batch)
+            except Exception as exc:  # connection lost: every caller of this batch sees it
+                results = [exc] * len(batch)
+            for item, result in zip(batch, results):
+                if item.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result(result)
+
+    async def _store(self, batch: list["_Push"]) -> list[str | None]:
+        """WATCH the dedup markers, then MULTI{SET marker, XADD, counters}EXEC for the
+        absent ones. A concurrent push of the same group elsewhere changes a watched
+        marker, aborts the EXEC, and the retry sees the marker: stored exactly once."""
+        markers = [item.marker for item in batch]
+        async with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(*markers)
+                    present = await pipe.mget(*markers)
+                    pipe.multi()
+                    xadd_at: list[int | None] = []  # position of each stored item's XADD reply
+                    claimed: set[str] = set()
+                    for item, seen in zip(batch, present):
+                        if seen is None and item.marker not in claimed:
+                            claimed.add(item.marker)
+                            xadd_at.append(len(pipe))
+                            self._queue_store(pipe, item)
+                        else:
+                            xadd_at.append(None)
+                            pipe.hincrby(self.keys.counters, Counter.DUPLICATES, 1)
+                    replies = await pipe.execute()
+                    return [None if at is None else replies[at].decode() for at in xadd_at]
+                except WatchError:
+                    continue
+
+    def _queue_store(self, pipe: Any, item: "_Push") -> None:
+        pipe.xadd(self.keys.groups, item.fields)
+        pipe.set(item.marker, "1", ex=self.dedup_ttl_s)
+        pipe.hincrby(self.keys.counters, Counter.BUFFERED, 1)
+        for name, delta in item.deltas.items():
+            pipe.hincrby(self.keys.counters, name, int(delta))
+        pipe.lpush(self.keys.recent, item.summary)
+        pipe.ltrim(self.keys.recent, 0, RECENT_KEEP - 1)
+
+    async def requeue(self, group: SampleGroup) -> str:
+        """Put back a group the trainer handed back (slime's add_samples): no dedup check."""
+        entry_id = await self.redis.xadd(self.keys.groups, {"g": encode(group), "id": group.group_id})
+        return entry_id.decode()
+
+    async def dead_letter(self, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
+        pipe = self.redis.pipeline(transaction=True)
+        self.stage_dead_letter(pipe, source=source, reason=reason, payload=payload, ref=ref)
+        await pipe.execute()
+
+    def stage_dead_letter(self, pipe: Pipeline, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
+        """Add the dead letter to the caller's transaction (it applies with the caller's other writes)."""
+        pipe.xadd(
+            self.keys.dead,
+            {"source": source, "reason": reason[:2000], "ref": ref, "payload": payload, "at": f"{time.time():.3f}"},
+        )
+        pipe.hincrby(self.keys.counters, Counter.DEAD, 1)
+        log.warning("dead-lettered %s entry %s: %s", source, ref or "?", reason[:300])
+
+    # ------------------------------------------------------------- read side
+    async def read(
+        self, consumer: str, count: int, *, block_ms: int | None = None, exclude: frozenset[str] = frozenset()
+    ) -> list[Entry]:
+        """Up to `count` entries: this consumer's pending ones first, then new ones.
+
+        `exclude` skips pending ids the caller accounts for itself (the slime side's
+        recorded rollout steps). Blocks up to `block_ms` for new entries (None = no wait).
+        """
+        entries = await self._read_pending(consumer, count, exclude)
+        if len(entries) < count:
+            entries += await self._read_new(consumer, count - len(entries), block_ms)
+        return entries
+
+    async def _read_pending(self, consumer: str, count: int, exclude: frozenset[str]) -> list[Entry]:
+        entries: list[Entry] = []
+        cursor = self._pending_cursor.get(consumer, "-")
+        while cursor is not None and len(entries) < count:
+            rows = await self.redis.xpending_range(
+                self.keys.groups, TRAINER_GROUP, min=cursor, max="+", count=max(count, 64), consumername=consumer
+            )
+            if not rows:
+                cursor = None
+                break
+            ids = [r["message_id"].decode() for r in rows]
+            cursor = "(" + ids[-1]
+            wanted = [i for i in ids if i not in exclude][: count - len(entries)]
+            if wanted:
+                entries += await self.fetch(wanted)
+                cursor = "(" + wanted[-1]
+        self._pending_cursor[consumer] = cursor if cursor is not None else "+"
+        return entries
+
+    async def _read_new(self, consumer: str, count: int, block_ms: int | None) -> list[Entry]:
+        try:
+            reply = await self.redis.xreadgroup(
+                TRAINER_GROUP, consumer, {self.keys.groups: ">"}, count=count, block=block_ms
+            )
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self.ensure_group()  # Redis lost its data (restart without persistence)
+            return []
+        if not reply:
+            return []
+        _stream, rows = reply[0]
+        return await self._decode_rows(rows)
+
+    async def fetch(self, ids: Iterable[str]) -> list[Entry]:
+        """Entries by id, in the given order; ids no longer in the stream are skipped."""
+        pipe = self.redis.pipeline(transaction=False)
+        ids = list(ids)
+        for entry_id in ids:
+            pipe.xrange(self.keys.groups, min=entry_id, max=entry_id, count=1)
+        replies = await pipe.execute()
+        rows = [reply[0] for reply in replies if reply]
+        missing = len(ids) - len(rows)
+        if missing:
+            log.error("%d requested buffer entries are gone from %s", missing, self.keys.groups)
+        return await self._decode_rows(rows)
+
+    async def _decode_rows(self, rows: list) -> list[Entry]:
+        entries: list[Entry] = []
+        for raw_id, fields in rows:
+            entry_id = raw_id.decode()
+            payload = fields.get(b"g", b"")
+            try:
+                entries.append(Entry(entry_id, decode_group(payload)))
+            except SchemaError as exc:
+                # one transaction: a crash in between must not dead-letter the entry twice
+                pipe = self.redis.pipeline(transaction=True)
+                self.stage_dead_letter(pipe, source="groups", reason=str(exc), payload=payload, ref=entry_id)
+                self.stage_ack(pipe, [entry_id])
+                await pipe.execute()
+        return entries
+
+    async def ack(self, ids: Iterable[str]) -> None:
+        ids = list(ids)
+        if not ids:
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        self.stage_ack(pipe, ids)
+        await pipe.execute()
+
+    def stage_ack(self, pipe: Pipeline, ids: list[str]) -> None:
+        """Queue XACK + XDEL of `ids` on `pipe`, so an ack can share a caller's transaction."""
+        pipe.xack(self.keys.groups, TRAINER_GROUP, *ids)
+        pipe.xdel(self.keys.groups, *ids)
+
+    async def depth(self) -> tuple[int, int]:
+        """(ready, pending): groups not yet handed out, and handed out but not acknowledged."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xlen(self.keys.groups)
+        pipe.xpending(self.keys.groups, TRAINER_GROUP)
+        try:
+            length, pending = await pipe.execute()
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return 0, 0
+        n_pending = int(pending["pending"]) if pending else 0
+        return max(0, int(length) - n_pending), n_pending

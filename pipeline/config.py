@@ -1,0 +1,214 @@
+"""Typed configuration: the pipeline YAML (producers, workers, environments) and the
+slime-side settings (from slime's `args` with env-var fallbacks).
+
+Every section is a msgspec Struct with `forbid_unknown_fields`, so a typo in a YAML
+key is an error that names the key and its path, not a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import msgspec
+import yaml
+
+from pipeline.keys import DEFAULT_NAMESPACE
+from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL
+from pipeline.schema import SamplingParams
+from pipeline.staleness import StalePolicy
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or wrong; the message names the file and key."""
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class RedisSection(_Section):
+    url: str = ""  # empty = $ROLLOUT_REDIS_URL or redis://127.0.0.1:6379/0
+    namespace: str = DEFAULT_NAMESPACE
+
+    def resolved_url(self) -> str:
+        return self.url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
+
+
+class EngineSection(_Section):
+    url: str = "auto"  # "auto" = follow `{ns}:engine` published by the slime side
+    tokenizer: str = ""  # path or name loadable by transformers.AutoTokenizer
+    request_timeout_s: float = 600.0
+    max_retries: int = 5
+    retry_backoff_s: float = 0.5
+    max_context_tokens: int = 32768
+
+
+class RolloutSection(_Section):
+    n_samples_per_prompt: int = 8
+    rollout_batch_size: int = 32  # groups per training step (B)
+    eta: int = 2  # staleness bound
+    max_response_tokens: int = 4096  # budget over all turns of one episode
+    max_turns: int = 8  # default; an environment may override
+    sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0)
+
+
+class WorkersSection(_Section):
+    concurrency: int = 32  # groups run at once per process (arq max_jobs)
+    job_timeout_s: float = 3600.0
+    max_tries: int = 3
+    poll_delay_s: float = 0.05
+    heartbeat_s: float = 5.0
+    dead_after_s: float = 20.0  # a worker silent this long has its jobs released
+    drain_grace_s: float = 30.0  # SIGTERM: finish running groups within this, then hand back
+
+
+class CallBudget(_Section):
+    """Timeout and retry budget of one kind of environment call."""
+
+    timeout_s: float = 30.0
+    retries: int = 3
+    backoff_s: float = 0.5
+
+
+class EnvTimeouts(_Section):
+    start: CallBudget = CallBudget()
+    step: CallBudget = CallBudget()
+    verify: CallBudget = CallBudget(timeout_s=60.0)
+    verify_deadline_s: float = 300.0  # aggregate deadline for one episode's verification
+
+
+class EnvConfig(_Section):
+    """One environment, as in OpenReward's train_config.yaml (plus our kinds)."""
+
+    kind: str  # registered kind ("math", "code", "nemo_gym", "openreward", ...) or a dotted path
+    weight: float = 1.0  # mixing weight for producers
+    max_turns: Union[int, None] = None  # None = rollout.max_turns
+    nonterminal_reward: Union[float, None] = None  # reward when the episode never reached a terminal state
+    reward_reduction: Literal["sum", "mean", "max", "min"] = "sum"
+    min_reward: Union[float, None] = None
+    max_reward: Union[float, None] = None
+    splits: list[str] = []
+    num_samples: Union[int, None] = None
+    secrets: list[str] = []  # names of env vars; values are read at start and never logged or stored
+    # zero: failed episodes get reward 0 (and no loss), the group goes on; retry_all_failed:
+    # the same, but a group whose every episode failed (an outage) is retried, not pushed;
+    # drop_group: any failed episode fails the group (retried, then handed back)
+    on_failure: Literal["zero", "retry_all_failed", "drop_group"] = "zero"
+    timeouts: EnvTimeouts = EnvTimeouts()
+    options: dict[str, Any] = {}  # kind-specific settings, validated by the kind
+    dataset: dict[str, Any] = {}  # where `rollout prepare` reads this env's tasks (producers/sources.py)
+
+    def __post_init__(self) -> None:
+        if self.weight < 0:
+            raise ValueError(f"weight must be >= 0, got {self.weight}")
+        if self.min_reward is not None and self.max_reward is not None and self.min_reward > self.max_reward:
+            raise ValueError(f"min_reward {self.min_reward} > max_reward {self.max_reward}")
+
+
+class PipelineConfig(_Section):
+    redis: RedisSection = RedisSection()
+    engine: EngineSection = EngineSection()
+    rollout: RolloutSection = RolloutSection()
+    workers: WorkersSection = WorkersSection()
+    environments: dict[str, EnvConfig] = {}
+
+    def env(self, name: str) -> EnvConfig:
+        try:
+            return self.environments[name]
+        except KeyError:
+            known = ", ".join(sorted(self.environments)) or "none"
+            raise ConfigError(f"environment {name!r} is not configured (configured: {known})") from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Load and validate a pipeline YAML; `None` gives the embedded defaults."""
+    data: dict[str, Any] = {}
+    where = "<defaults>"
+    if path is not None:
+        where = str(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"config {where}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {where}: top level must be a mapping, got {type(data).__name__}")
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    return parse_config(data, where)
+
+
+def parse_config(data: dict[str, Any], where: str = "<dict>") -> PipelineConfig:
+    envs = data.get("environments")
+    if isinstance(envs, dict):  # validate one by one so the error names the environment
+        for name, env in envs.items():
+            try:
+                msgspec.convert(env, EnvConfig)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(f"config {where}: environments.{name}: {exc}") from exc
+    try:
+        return msgspec.convert(data, PipelineConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"config {where}: {exc}") from exc
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+# ------------------------------------------------------------------ slime side
+
+# TrainerSettings field -> (slime args attribute, env var fallback)
+_TRAINER_SOURCES = {
+    "redis_url": ("pipeline_redis_url", "ROLLOUT_REDIS_URL"),
+    "namespace": ("pipeline_namespace", "ROLLOUT_NAMESPACE"),
+    "consumer": ("pipeline_consumer", "ROLLOUT_CONSUMER"),
+    "rollout_batch_size": ("rollout_batch_size", "ROLLOUT_BATCH_SIZE"),
+    "n_samples_per_prompt": ("n_samples_per_prompt", "ROLLOUT_N_SAMPLES"),
+    "eta": ("pipeline_eta", "ROLLOUT_ETA"),
+    "stale_policy": ("pipeline_stale_policy", "ROLLOUT_STALE_POLICY"),
+    "filter_zero_variance": ("pipeline_filter_zero_variance", "ROLLOUT_FILTER_ZERO_VARIANCE"),
+    "wait_log_s": ("pipeline_wait_log_s", "ROLLOUT_WAIT_LOG_S"),
+    "wait_timeout_s": ("pipeline_wait_timeout_s", "ROLLOUT_WAIT_TIMEOUT_S"),
+    "publish_engine": ("pipeline_publish_engine", "ROLLOUT_PUBLISH_ENGINE"),
+}
+
+
+class TrainerSettings(_Section):
+    """Settings of the slime data source / rollout function.
+
+    Read from slime's `args` (set them in `--custom-config-path x.yaml`, keys
+    prefixed `pipeline_`), falling back to `ROLLOUT_*` environment variables.
+    """
+
+    redis_url: str = DEFAULT_REDIS_URL
+    namespace: str = DEFAULT_NAMESPACE
+    consumer: str = "trainer"  # stable name: a restarted trainer finds its pending entries
+    rollout_batch_size: int = 1
+    n_samples_per_prompt: int = 1
+    eta: int = 2
+    stale_policy: StalePolicy = StalePolicy.REQUEUE
+    filter_zero_variance: bool = False
+    wait_log_s: float = 30.0  # log while blocked waiting for groups
+    wait_timeout_s: float = 0.0  # 0 = wait forever
+    publish_engine: bool = True  # publish slime's router URL as `{ns}:engine`
+
+    @classmethod
+    def from_args(cls, args: Any) -> "TrainerSettings":
+        values: dict[str, Any] = {}
+        for name, (attr, env) in _TRAINER_SOURCES.items():
+            value = getattr(args, attr, None)
+            if value is None and env in os.environ:
+                value = os.environ[env]
+            if value is not None:
+                values[name] = value
+        try:
+            # strict=False: env vars are strings ("2", "true") and must coerce.
+            return msgspec.convert(values, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"slime-side pipeline settings: {exc} (args attribute or ROLLOUT_* env var)") from exc

@@ -1,0 +1,129 @@
+"""The Redis key layout of one pipeline (DESIGN.md), owned by this module alone.
+
+Every key shares the prefix `{ns}:` so several pipelines can share one Redis.
+arq's queue is `{ns}:queue`; arq's per-job keys (`arq:job:<id>`, `arq:in-progress:<id>`,
+`arq:result:<id>`, `arq:retry:<id>`) are global, so the arq job id itself carries the
+namespace (`Keys.arq_job_id`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_NAMESPACE = "rollout"
+TRAINER_GROUP = "trainer"  # the stream's consumer group
+
+
+class Counter:
+    """Field names of the `{ns}:counters` hash. All updates are atomic HINCRBY."""
+
+    ENQUEUED = "enqueued"  # jobs admitted by producers (monotonic; requeues count again)
+    RUNNING = "running"  # gauge: groups being generated now
+    BUFFERED = "buffered"  # groups pushed into the stream
+    DUPLICATES = "duplicates"  # pushes refused by the dedup marker
+    ACCEPTED = "accepted"  # groups handed to a training step
+    DISCARDED = "discarded"  # groups that left without training (sum of the reasons below)
+    STALE = "stale"  # rejected at consumption: staleness above eta
+    FILTERED = "filtered"  # dropped by the zero-variance filter
+    FAILED = "failed"  # jobs that ended without a group (out of tries)
+    REQUEUED = "requeued"  # tasks handed back to the producer
+    DEAD = "dead"  # entries written to the dead-letter stream
+    EPISODES = "episodes"  # episodes finished (all statuses)
+    EPISODES_FAILED = "episodes_failed"
+    TOKENS = "tokens"  # response tokens generated
+
+
+@dataclass(frozen=True)
+class Keys:
+    ns: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not self.ns or any(c in self.ns for c in " {}*?[]"):
+            raise ValueError(f"namespace {self.ns!r} is empty or has characters unsafe in Redis key patterns")
+
+    def _k(self, suffix: str) -> str:
+        return f"{self.ns}:{suffix}"
+
+    @property
+    def queue(self) -> str:
+        return self._k("queue")
+
+    @property
+    def groups(self) -> str:
+        return self._k("groups")
+
+    @property
+    def dead(self) -> str:
+        return self._k("dead")
+
+    @property
+    def version(self) -> str:
+        return self._k("version")
+
+    @property
+    def engine(self) -> str:
+        return self._k("engine")
+
+    @property
+    def trainer(self) -> str:
+        return self._k("trainer")
+
+    @property
+    def counters(self) -> str:
+        return self._k("counters")
+
+    @property
+    def workers(self) -> str:
+        return self._k("workers")
+
+    @property
+    def cursor(self) -> str:
+        return self._k("cursor")
+
+    @property
+    def requeue(self) -> str:
+        """List of msgpack Tasks the trainer side handed back (stale/failed) for re-admission."""
+        return self._k("requeue")
+
+    @property
+    def recent(self) -> str:
+        """Capped list of small per-group summaries (env, reward mean, staleness) for the monitor."""
+        return self._k("recent")
+
+    def arq_job_id(self, group_id: str) -> str:
+        """arq's job id for the group `group_id` (= `PromptJob.job_id`): `{ns}:{group_id}`.
+
+        arq keys a job by its id alone (`arq:job:<id>`, `arq:in-progress:<id>`, ...), not by
+        queue: without the namespace, two pipelines on one Redis with the same task ids would
+        refuse or hold each other's jobs. The group id stays the dedup key inside the namespace.
+        """
+        return self._k(group_id)
+
+    def group_id_of(self, arq_job_id: str) -> str:
+        """The group id inside one of this namespace's arq job ids (inverse of `arq_job_id`)."""
+        prefix = self._k("")
+        if not arq_job_id.startswith(prefix):
+            raise ValueError(f"arq job id {arq_job_id!r} is not in namespace {self.ns!r}")
+        return arq_job_id[len(prefix):]
+
+    def worker_jobs(self, worker_id: str) -> str:
+        """Set of arq job ids a worker is running: the reaper releases them when it dies."""
+        return self._k(f"worker:{worker_id}:jobs")
+
+    @property
+    def job_errors(self) -> str:
+        """Hash job id -> last error of a job that will be retried (for its dead letter)."""
+        return self._k("job_errors")
+
+    def dedup(self, group_id: str) -> str:
+        return self._k(f"dedup:{group_id}")
+
+    def consumed(self, rollout_id: int) -> str:
+        return self._k(f"consumed:{rollout_id}")
+
+    @property
+    def consumed_pattern(self) -> str:
+        return self._k("consumed:*")
+
+    def rollout_id_of(self, consumed_key: str) -> int:
+        return int(consumed_key.rsplit(":", 1)[1])

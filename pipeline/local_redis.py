@@ -1,0 +1,108 @@
+"""Start a private `redis-server` on a free loopback port (tests, demo, benchmarks).
+
+Never touches a shared Redis: each instance gets its own port and directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_pong(
+    port: int, proc: subprocess.Popen, log_tail: Callable[[], str], *, what: str, timeout: float = 10.0
+) -> None:
+    """Wait until a server process just started on `port` answers PING; its log tail if it died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {log_tail()}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"*1\r\n$4\r\nPING\r\n")  # RESP, not inline: fakeredis parses only RESP
+                if s.recv(64).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} on port {port} not ready after {timeout}s")
+
+
+def stop_process(proc: subprocess.Popen, *, kill: bool = False, grace_s: float = 10.0) -> None:
+    """SIGTERM (or SIGKILL) a server process and reap it; SIGKILL if it outlives the grace."""
+    if kill:
+        proc.kill()
+    else:
+        proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalRedis:
+    def __init__(
+        self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None, detached: bool = False
+    ):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.detached = detached  # own session: a terminal's Ctrl-C does not stop it before its clients drain
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="rollout-redis-")
+        self.dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "LocalRedis":
+        args = [
+            self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+            "--save", "", "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "always" if self.appendonly else "everysec",
+            "--logfile", str(self.dir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=self.detached
+        )
+        wait_for_pong(self.port, self.proc, self._log_tail, what="redis-server")
+        return self
+
+    def _log_tail(self) -> str:
+        log = self.dir / "redis.log"
+        return log.read_text()[-2000:] if log.exists() else ""
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, kill=kill)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

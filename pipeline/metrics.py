@@ -1,0 +1,207 @@
+"""The monitor's figures for machines: a Prometheus collector and a wandb logger.
+
+Both are fed by `pipeline.monitor.snapshot`, so a scrape, a wandb point and the
+terminal view always show the same numbers. Pipeline counters are exported as
+Prometheus counters (`rollout_<name>_total`) so rates come from `rate()`; the
+window rates of the snapshot are exported as gauges beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+import msgspec
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from pipeline.aio import LoopThread
+from pipeline.keys import Counter
+from pipeline.redis_conn import connect, redact
+
+if TYPE_CHECKING:
+    from pipeline.monitor import MonitorSnapshot, Target
+
+GAUGE_COUNTERS = {Counter.RUNNING}  # counters hash fields that go up and down
+
+
+def figures(snap: "MonitorSnapshot") -> dict[str, float]:
+    """Every figure of a snapshot under a flat, stable name (wandb keys, --once table)."""
+    f: dict[str, float] = {
+        "queue/ready": snap.queue.ready,
+        "queue/deferred": snap.queue.deferred,
+        "queue/running": snap.queue.running,
+        "jobs/running_counter": snap.running_counter,
+        "buffer/ready": snap.buffer_ready,
+        "buffer/pending": snap.buffer_pending,
+        "dead_letters": snap.dead_letters,
+        "requeue_waiting": snap.requeue_waiting,
+        "workers/live": snap.workers_live,
+        "workers/known": len(snap.workers),
+        "policy_version": snap.policy_version,
+        "throughput/groups_per_min": snap.throughput.groups_per_min,
+        "throughput/episodes_per_min": snap.throughput.episodes_per_min,
+        "throughput/tokens_per_s": snap.throughput.tokens_per_s,
+    }
+    if snap.admission_headroom is not None:
+        f["admission/headroom"] = snap.admission_headroom
+    if snap.staleness_max is not None:
+        f["staleness/max"] = snap.staleness_max
+    for lag, groups in snap.staleness_hist.items():
+        f[f"staleness/hist/{lag}"] = groups
+    for env, stats in snap.envs.items():
+        f[f"env/{env}/reward_mean"] = stats.reward_mean
+        f[f"env/{env}/failure_rate"] = stats.failure_rate
+    for name, value in snap.counters.items():
+        f[f"counters/{name}"] = value
+    return f
+
+
+# ------------------------------------------------------------------ Prometheus
+
+
+def _metric_name(text: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", text)
+
+
+class _Families:
+    """Builds labelled metric families; every one carries the pipeline namespace."""
+
+    def __init__(self, namespace: str):
+        self.ns = namespace
+        self.out: list[Metric] = []
+
+    def gauge(self, name: str, doc: str, value: float | None) -> None:
+        family = GaugeMetricFamily(f"rollout_{name}", doc, labels=["namespace"])
+        if value is not None:
+            family.add_metric([self.ns], float(value))
+        self.out.append(family)
+
+    def labelled(self, name: str, doc: str, label: str, values: Mapping[Any, float]) -> None:
+        family = GaugeMetricFamily(f"rollout_{name}", doc, labels=["namespace", label])
+        for key, value in values.items():
+            family.add_metric([self.ns, str(key)], float(value))
+        self.out.append(family)
+
+    def counter(self, name: str, doc: str, value: float) -> None:
+        family = CounterMetricFamily(f"rollout_{_metric_name(name)}", doc, labels=["namespace"])
+        family.add_metric([self.ns], float(value))
+        self.out.append(family)
+
+
+def prometheus_families(snap: "MonitorSnapshot") -> list[Metric]:
+    m = _Families(snap.namespace)
+    m.gauge("up", "1 when the monitor could read the pipeline's Redis", 1)
+    m.labelled("queue_jobs", "arq jobs by state", "state", msgspec.structs.asdict(snap.queue))
+    m.labelled("buffer_groups", "groups ready for the trainer / handed out and not acked", "state",
+               {"ready": snap.buffer_ready, "pending": snap.buffer_pending})
+    m.gauge("dead_letters", "entries in the dead-letter stream", snap.dead_letters)
+    m.gauge("requeue_waiting", "tasks handed back by the trainer, not yet re-admitted", snap.requeue_waiting)
+    m.labelled("workers", "workers by liveness", "state",
+               {"live": snap.workers_live, "dead": len(snap.workers) - snap.workers_live})
+    m.labelled("worker_heartbeat_age_seconds", "seconds since each worker's last heartbeat", "worker",
+               {w.id: w.age_s for w in snap.workers})
+    m.labelled("worker_load", "groups running in each worker", "worker", {w.id: w.load for w in snap.workers})
+    m.gauge("policy_version", "policy version (training steps done)", snap.policy_version)
+    m.gauge("admission_headroom", "groups producers may still admit", snap.admission_headroom)
+    m.gauge("groups_per_minute", "groups pushed per minute (recent window)", snap.throughput.groups_per_min)
+    m.gauge("episodes_per_minute", "episodes per minute (recent window)", snap.throughput.episodes_per_min)
+    m.gauge("tokens_per_second", "response tokens per second (recent window)", snap.throughput.tokens_per_s)
+    m.labelled("recent_staleness_groups", "recent groups by staleness (version - admission version)",
+               "staleness", snap.staleness_hist)
+    m.gauge("recent_staleness_max", "largest staleness among recent groups", snap.staleness_max)
+    m.labelled("env_reward_mean", "mean reward of recent groups", "env",
+               {e: s.reward_mean for e, s in snap.envs.items()})
+    m.labelled("env_failure_rate", "failed episodes / episodes in recent groups", "env",
+               {e: s.failure_rate for e, s in snap.envs.items()})
+    for name, value in sorted(snap.counters.items()):
+        if name in GAUGE_COUNTERS:
+            m.gauge(f"{_metric_name(name)}_groups", f"counter '{name}' (a gauge)", value)
+        else:
+            m.counter(name, f"pipeline counter '{name}'", value)
+    return m.out
+
+
+class PipelineCollector(Collector):
+    """Takes a snapshot at every scrape (on a private event loop thread)."""
+
+    def __init__(self, target: "Target", timeout_s: float = 10.0):
+        self.target = target
+        self.timeout_s = timeout_s
+        self._loop = LoopThread("rollout-monitor-prometheus")
+        self._redis = connect(target.redis_url, retries=2)
+        self._lock = threading.Lock()  # the HTTP server may serve scrapes concurrently
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            try:
+                snap = self._loop.run(self.target.snapshot(self._redis), timeout=self.timeout_s)
+            except Exception as exc:  # a scrape must answer even when Redis is down
+                print(f"rollout monitor: scrape failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                down = GaugeMetricFamily("rollout_up", "1 when the monitor could read Redis", labels=["namespace"])
+                down.add_metric([self.target.keys.ns], 0.0)
+                yield down
+                return
+        yield from prometheus_families(snap)
+
+    def close(self) -> None:
+        try:
+            self._loop.run(self._redis.aclose(), timeout=5)
+        finally:
+            self._loop.close()
+
+
+def start_prometheus(target: "Target", host: str, port: int) -> tuple[Any, PipelineCollector]:
+    """Serve `/metrics` on host:port in a background thread. Returns (server, collector)."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    collector = PipelineCollector(target)
+    registry.register(collector)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, collector
+
+
+def serve_prometheus(target: "Target", host: str, port: int) -> int:
+    server, collector = start_prometheus(target, host, port)
+    print(f"rollout monitor: Prometheus metrics of ns={target.keys.ns} on {redact(target.redis_url)} "
+          f"at http://{host}:{port}/metrics (Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+        collector.close()
+    return 0
+
+
+# ----------------------------------------------------------------------- wandb
+
+
+class WandbLogger:
+    """Logs `figures(snapshot)` to a wandb run. wandb is an optional extra, imported lazily."""
+
+    def __init__(self, *, project: str, namespace: str, mode: str | None = None, run_dir: str | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise SystemExit(
+                "rollout monitor --wandb: wandb is not installed; install it with "
+                "`pip install 'rollout-pipeline[wandb]'` (or `pip install wandb`)"
+            ) from None
+        mode = mode or os.environ.get("WANDB_MODE", "online")
+        self.run = wandb.init(
+            project=project, name=f"monitor-{namespace}", mode=mode, dir=run_dir, job_type="pipeline-monitor",
+            config={"namespace": namespace}, reinit=True,
+        )
+
+    def log(self, snap: "MonitorSnapshot") -> None:
+        self.run.log(figures(snap))
+
+    def close(self) -> None:
+        self.run.finish()

@@ -1,0 +1,361 @@
+"""`rollout monitor`: one consistent picture of a running pipeline, read from Redis.
+
+    rollout monitor                  # live terminal view (rich), refreshed every --interval s
+    rollout monitor --once           # print the table once and exit
+    rollout monitor --json           # one snapshot as JSON, for scripts
+    rollout monitor --serve 9400     # Prometheus text endpoint (see pipeline/metrics.py)
+    rollout monitor --wandb          # log the figures to a wandb run (offline works)
+
+Where each figure comes from:
+- queue: arq keeps every queued job in the zset `{ns}:queue` (score = enqueue time
+  or defer-until, in ms) until the job finishes; a job being run also has the key
+  `arq:in-progress:<job_id>` (arq 0.28 `constants.in_progress_key_prefix`). arq's keys
+  are global, but the ids in the queue are `Keys.arq_job_id(group id)` = `{ns}:...`, so
+  another pipeline's jobs never count here. ready = due and not in progress, deferred =
+  score in the future, running = due and in progress.
+- buffer: `GroupBuffer.depth()`; dead letters: XLEN `{ns}:dead`.
+- workers: zset `{ns}:workers` id -> last heartbeat (unix s); live = heard from
+  within `dead_after_s`. Load = the jobs a worker records as running in
+  `{ns}:worker:<id>:jobs` (workers/liveness.py; the reaper releases them).
+- admission headroom: `pipeline.staleness.admission_headroom` with `{ns}:trainer`.
+- throughput, staleness, rewards: the `{ns}:recent` list of `GroupSummary`; the
+  live view and wandb switch to counter deltas between refreshes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from collections import Counter as Tally
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import msgspec
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
+from pipeline.keys import DEFAULT_NAMESPACE, Counter, Keys
+from pipeline.redis_conn import connect, redact, redis_url_from_env
+from pipeline.staleness import admission_headroom
+from pipeline.state import PipelineState, TrainerInfo
+
+ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"  # arq 0.28 constants.in_progress_key_prefix
+ENV_NAMESPACE = "ROLLOUT_NAMESPACE"  # as the slime side reads it (config._TRAINER_SOURCES)
+DEFAULT_WINDOW_S = 60.0
+DEFAULT_RECENT_N = 500
+DEFAULT_DEAD_AFTER_S = 20.0  # WorkersSection.dead_after_s
+MAX_DUE_JOBS_CHECKED = 50_000  # bound on the per-job in-progress check of a huge queue
+
+
+# ------------------------------------------------------------------ snapshot
+
+
+class QueueDepth(msgspec.Struct, kw_only=True):
+    ready: int  # due, waiting for a worker slot
+    deferred: int  # scheduled for later (retries with a delay)
+    running: int  # due and held by a worker (arq in-progress key)
+
+
+class WorkerStatus(msgspec.Struct, kw_only=True):
+    id: str
+    last_heartbeat: float
+    age_s: float
+    live: bool
+    load: int  # jobs (groups) it is running now
+
+
+class EnvStats(msgspec.Struct, kw_only=True):
+    groups: int
+    episodes: int
+    failed: int
+    reward_mean: float
+    failure_rate: float  # failed episodes / episodes
+
+
+class Throughput(msgspec.Struct, kw_only=True):
+    source: str  # "recent": groups pushed within the window; "counters": deltas since the last refresh
+    span_s: float
+    groups_per_min: float
+    episodes_per_min: float
+    tokens_per_s: float
+
+
+class MonitorSnapshot(msgspec.Struct, kw_only=True):
+    at: float
+    namespace: str
+    queue: QueueDepth
+    running_counter: int  # Counter.RUNNING as workers keep it (should track queue.running)
+    buffer_ready: int
+    buffer_pending: int
+    dead_letters: int
+    requeue_waiting: int  # tasks the trainer handed back, not yet re-admitted
+    workers: list[WorkerStatus]
+    workers_live: int
+    policy_version: int
+    trainer: TrainerInfo | None
+    admission_headroom: int | None  # None until the trainer has published its settings
+    counters: dict[str, int]
+    throughput: Throughput
+    recent_groups: int  # summaries the staleness and env figures below are computed from
+    staleness_hist: dict[int, int]  # policy_version - admission_version -> groups
+    staleness_max: int | None
+    envs: dict[str, EnvStats]
+
+
+async def snapshot(
+    redis: aioredis.Redis,
+    keys: Keys,
+    *,
+    now: float | None = None,
+    window_s: float = DEFAULT_WINDOW_S,
+    recent_n: int = DEFAULT_RECENT_N,
+    dead_after_s: float = DEFAULT_DEAD_AFTER_S,
+) -> MonitorSnapshot:
+    """Read every figure of one pipeline from Redis (a handful of round trips)."""
+    now = time.time() if now is None else now
+    now_ms = int(now * 1000)
+    pipe = redis.pipeline(transaction=False)
+    pipe.zrangebyscore(keys.queue, "-inf", now_ms, start=0, num=MAX_DUE_JOBS_CHECKED)
+    pipe.zcount(keys.queue, "-inf", now_ms)
+    pipe.zcount(keys.queue, f"({now_ms}", "+inf")
+    pipe.xlen(keys.dead)
+    pipe.llen(keys.requeue)
+    pipe.zrange(keys.workers, 0, -1, withscores=True)
+    pipe.lrange(keys.recent, 0, recent_n - 1)
+    due_ids, due, deferred, dead, requeue_waiting, beats, raw_recent = await pipe.execute()
+
+    state = PipelineState(redis, keys)
+    version = await state.get_version()
+    trainer = await state.get_trainer_info()
+    counters = await state.counters()
+    ready, pending = await GroupBuffer(redis, keys).depth()
+    running = await _count_in_progress(redis, due_ids)
+    workers = await _worker_statuses(redis, keys, beats, now, dead_after_s)
+    recent = _decode_summaries(raw_recent)
+    return MonitorSnapshot(
+        at=now,
+        namespace=keys.ns,
+        queue=QueueDepth(ready=due - running, deferred=deferred, running=running),
+        running_counter=counters.get(Counter.RUNNING, 0),
+        buffer_ready=ready,
+        buffer_pending=pending,
+        dead_letters=dead,
+        requeue_waiting=requeue_waiting,
+        workers=workers,
+        workers_live=sum(w.live for w in workers),
+        policy_version=version,
+        trainer=trainer,
+        admission_headroom=_headroom(trainer, version, counters),
+        counters=counters,
+        throughput=window_throughput(recent, now, window_s),
+        recent_groups=len(recent),
+        staleness_hist=staleness_histogram(recent, version),
+        staleness_max=max((version - s.admission_version for s in recent), default=None),
+        envs=env_stats(recent),
+    )
+
+
+async def _count_in_progress(redis: aioredis.Redis, job_ids: Sequence[bytes]) -> int:
+    if not job_ids:
+        return 0
+    pipe = redis.pipeline(transaction=False)
+    for job_id in job_ids:
+        pipe.exists(ARQ_IN_PROGRESS_PREFIX + job_id.decode())
+    return sum(await pipe.execute())
+
+
+async def _worker_statuses(
+    redis: aioredis.Redis, keys: Keys, beats: list[tuple[bytes, float]], now: float, dead_after_s: float
+) -> list[WorkerStatus]:
+    ids = [raw_id.decode() for raw_id, _beat in beats]
+    pipe = redis.pipeline(transaction=False)
+    for worker_id in ids:
+        pipe.scard(keys.worker_jobs(worker_id))
+    loads = await pipe.execute() if ids else []
+    statuses = [
+        WorkerStatus(id=worker_id, last_heartbeat=beat, age_s=round(max(0.0, now - beat), 3),
+                     live=now - beat <= dead_after_s, load=int(load))
+        for worker_id, (_raw, beat), load in zip(ids, beats, loads)
+    ]
+    return sorted(statuses, key=lambda w: (not w.live, w.id))
+
+
+def _decode_summaries(raw: Iterable[bytes]) -> list[GroupSummary]:
+    out = []
+    for item in raw:
+        try:
+            out.append(summary_decoder.decode(item))
+        except msgspec.DecodeError:
+            continue  # a foreign or corrupt entry must not blind the monitor
+    return out
+
+
+def _headroom(trainer: TrainerInfo | None, version: int, counters: dict[str, int]) -> int | None:
+    if trainer is None:
+        return None
+    return admission_headroom(
+        eta=trainer.eta, version=version, batch_size=trainer.rollout_batch_size,
+        admitted=counters.get(Counter.ENQUEUED, 0), discarded=counters.get(Counter.DISCARDED, 0),
+    )
+
+
+def window_throughput(recent: list[GroupSummary], now: float, window_s: float) -> Throughput:
+    """Rates over the groups pushed in the last `window_s` seconds.
+
+    The recent list is capped: when even its oldest entry is inside the window, the
+    span shrinks to what the list covers, so a fast pipeline is not under-reported.
+    """
+    inside = [s for s in recent if now - s.pushed_at <= window_s]
+    span = window_s
+    if recent and len(inside) == len(recent) and len(recent) >= DEFAULT_RECENT_N:
+        span = max(1e-3, now - min(s.pushed_at for s in recent))
+    return Throughput(
+        source="recent", span_s=round(span, 3),
+        groups_per_min=60.0 * len(inside) / span,
+        episodes_per_min=60.0 * sum(s.episodes for s in inside) / span,
+        tokens_per_s=sum(s.tokens for s in inside) / span,
+    )
+
+
+def counter_throughput(previous: MonitorSnapshot, current: MonitorSnapshot) -> Throughput:
+    """Rates from counter deltas between two snapshots (exact, whatever the recent cap)."""
+    span = max(1e-3, current.at - previous.at)
+
+    def delta(name: str) -> int:
+        return max(0, current.counters.get(name, 0) - previous.counters.get(name, 0))
+
+    return Throughput(
+        source="counters", span_s=round(span, 3),
+        groups_per_min=60.0 * delta(Counter.BUFFERED) / span,
+        episodes_per_min=60.0 * delta(Counter.EPISODES) / span,
+        tokens_per_s=delta(Counter.TOKENS) / span,
+    )
+
+
+def staleness_histogram(recent: list[GroupSummary], version: int) -> dict[int, int]:
+    """How stale the recent groups would be if trained now: version - admission version."""
+    return dict(sorted(Tally(version - s.admission_version for s in recent).items()))
+
+
+def env_stats(recent: list[GroupSummary]) -> dict[str, EnvStats]:
+    by_env: dict[str, list[GroupSummary]] = {}
+    for s in recent:
+        by_env.setdefault(s.env, []).append(s)
+    stats = {}
+    for env, groups in sorted(by_env.items()):
+        episodes = sum(g.episodes for g in groups)
+        failed = sum(g.failed for g in groups)
+        stats[env] = EnvStats(
+            groups=len(groups), episodes=episodes, failed=failed,
+            reward_mean=sum(g.reward_mean for g in groups) / len(groups),
+            failure_rate=failed / episodes if episodes else 0.0,
+        )
+    return stats
+
+
+_json_encoder = msgspec.json.Encoder()
+
+
+def to_json(snap: MonitorSnapshot) -> str:
+    return _json_encoder.encode(snap).decode()
+
+
+# ------------------------------------------------------------------------ CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout monitor", description="Watch one pipeline's queue, buffer and workers.")
+    p.add_argument("--redis-url", default=None, help="default: the config's redis.url, $ROLLOUT_REDIS_URL or local")
+    p.add_argument("--namespace", "-n", default=None,
+                   help="key prefix of the pipeline (default: config, $ROLLOUT_NAMESPACE or 'rollout')")
+    p.add_argument("--config", default=None, help="pipeline YAML: redis url, namespace and dead_after_s from it")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S, help="seconds of recent groups for rates")
+    p.add_argument("--recent", type=int, default=DEFAULT_RECENT_N, help="recent groups for staleness/reward figures")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
+    mode.add_argument("--once", action="store_true", help="print the table once and exit")
+    mode.add_argument("--serve", type=int, metavar="PORT", help="serve Prometheus text on PORT (/metrics)")
+    p.add_argument("--host", default="0.0.0.0", help="address for --serve")
+    p.add_argument("--wandb", action="store_true", help="log every refresh to a wandb run (pip install '.[wandb]')")
+    p.add_argument("--wandb-project", default="rollout-pipeline")
+    p.add_argument("--wandb-mode", choices=["online", "offline"], default=None, help="default: $WANDB_MODE or online")
+    return p
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to read from and how to judge liveness, resolved from flags, config and env."""
+
+    redis_url: str
+    keys: Keys
+    dead_after_s: float
+    window_s: float
+    recent_n: int
+
+    async def snapshot(self, redis: aioredis.Redis) -> MonitorSnapshot:
+        return await snapshot(
+            redis, self.keys, window_s=self.window_s, recent_n=self.recent_n, dead_after_s=self.dead_after_s
+        )
+
+
+def resolve_target(args: argparse.Namespace) -> Target:
+    url, ns, dead_after = redis_url_from_env(), os.environ.get(ENV_NAMESPACE, DEFAULT_NAMESPACE), DEFAULT_DEAD_AFTER_S
+    if args.config:
+        from pipeline.config import load_config
+
+        cfg = load_config(args.config)
+        url, ns, dead_after = cfg.redis.resolved_url(), cfg.redis.namespace, cfg.workers.dead_after_s
+    return Target(
+        redis_url=args.redis_url or url, keys=Keys(args.namespace or ns), dead_after_s=dead_after,
+        window_s=args.window, recent_n=args.recent,
+    )
+
+
+async def _one_snapshot(target: Target) -> MonitorSnapshot:
+    redis = connect(target.redis_url, retries=2)
+    try:
+        return await target.snapshot(redis)
+    finally:
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    target = resolve_target(args)
+    try:
+        if args.serve is not None:
+            from pipeline.metrics import serve_prometheus
+
+            return serve_prometheus(target, args.host, args.serve)
+        if not (args.json or args.once):
+            from pipeline.monitor_view import run_live
+
+            return asyncio.run(run_live(target, args))
+        snap = asyncio.run(_one_snapshot(target))
+    except KeyboardInterrupt:
+        return 130
+    except (RedisError, OSError) as exc:
+        print(f"rollout monitor: cannot read {redact(target.redis_url)}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(to_json(snap))
+    else:
+        from pipeline.monitor_view import print_once
+
+        print_once(snap)
+    if args.wandb:  # one point, e.g. from cron
+        from pipeline.metrics import WandbLogger
+
+        logger = WandbLogger(project=args.wandb_project, namespace=target.keys.ns, mode=args.wandb_mode)
+        logger.log(snap)
+        logger.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The monitor's terminal view (rich): one renderable per snapshot, and the live loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import msgspec
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+
+from pipeline.monitor import MonitorSnapshot, Target, counter_throughput
+from pipeline.redis_conn import connect, redact
+
+MAX_WORKER_ROWS = 12
+BAR_WIDTH = 30
+
+
+def _overview(snap: MonitorSnapshot) -> Table:
+    t = Table(title=f"pipeline '{snap.namespace}'  ·  policy version {snap.policy_version}", title_justify="left")
+    for column in ("", "figure", "", "figure"):
+        t.add_column(column, justify="right" if column else "left")
+    q, tp = snap.queue, snap.throughput
+    headroom = "no trainer yet" if snap.admission_headroom is None else str(snap.admission_headroom)
+    eta = "-" if snap.trainer is None else f"{snap.trainer.eta} (B={snap.trainer.rollout_batch_size})"
+    rows = [
+        ("queue ready", q.ready, "groups/min", f"{tp.groups_per_min:.1f}"),
+        ("queue deferred", q.deferred, "episodes/min", f"{tp.episodes_per_min:.1f}"),
+        ("jobs running", f"{q.running} (counter {snap.running_counter})", "tokens/s", f"{tp.tokens_per_s:,.0f}"),
+        ("buffer ready", snap.buffer_ready, "rates from", f"{tp.source}, {tp.span_s:.0f}s"),
+        ("buffer pending", snap.buffer_pending, "admission headroom", headroom),
+        ("dead letters", snap.dead_letters, "eta", eta),
+        ("requeue waiting", snap.requeue_waiting, "workers live", f"{snap.workers_live}/{len(snap.workers)}"),
+    ]
+    for row in rows:
+        t.add_row(*(str(cell) for cell in row))
+    return t
+
+
+def _staleness(snap: MonitorSnapshot) -> Table:
+    t = Table(title=f"staleness of the last {snap.recent_groups} groups (version - admission version)",
+              title_justify="left")
+    t.add_column("lag", justify="right")
+    t.add_column("groups", justify="right")
+    t.add_column("")
+    biggest = max(snap.staleness_hist.values(), default=0)
+    eta = snap.trainer.eta if snap.trainer else None
+    for lag, groups in snap.staleness_hist.items():
+        bar = "█" * max(1, round(BAR_WIDTH * groups / biggest)) if biggest else ""
+        style = "red" if eta is not None and lag > eta else "green"
+        t.add_row(str(lag), str(groups), f"[{style}]{bar}[/{style}]")
+    return t
+
+
+def _envs(snap: MonitorSnapshot) -> Table:
+    t = Table(title="environments (recent groups)", title_justify="left")
+    for column in ("env", "groups", "episodes", "reward mean", "failure rate"):
+        t.add_column(column, justify="left" if column == "env" else "right")
+    for env, s in snap.envs.items():
+        t.add_row(env, str(s.groups), str(s.episodes), f"{s.reward_mean:.3f}", f"{s.failure_rate:.1%}")
+    return t
+
+
+def _workers(snap: MonitorSnapshot) -> Table:
+    t = Table(title="workers", title_justify="left")
+    for column in ("id", "state", "last heartbeat", "load"):
+        t.add_column(column, justify="left" if column in ("id", "state") else "right")
+    for w in snap.workers[:MAX_WORKER_ROWS]:
+        state = "[green]live[/green]" if w.live else "[red]silent[/red]"
+        t.add_row(w.id, state, f"{w.age_s:.1f}s ago", str(w.load))
+    if len(snap.workers) > MAX_WORKER_ROWS:
+        t.caption = f"... and {len(snap.workers) - MAX_WORKER_ROWS} more"
+    return t
+
+
+def render(snap: MonitorSnapshot) -> Group:
+    return Group(_overview(snap), _staleness(snap), _envs(snap), _workers(snap))
+
+
+def print_once(snap: MonitorSnapshot, console: Console | None = None) -> None:
+    (console or Console()).print(render(snap))
+
+
+async def run_live(target: Target, args: argparse.Namespace) -> int:
+    """Refresh every `args.interval` s; after the first refresh, rates come from counter deltas."""
+    logger = None
+    if args.wandb:
+        from pipeline.metrics import WandbLogger
+
+        logger = WandbLogger(project=args.wandb_project, namespace=target.keys.ns, mode=args.wandb_mode)
+    redis = connect(target.redis_url, retries=2)
+    previous: MonitorSnapshot | None = None
+    header = f"[dim]{redact(target.redis_url)} · every {args.interval:g}s · Ctrl-C quits[/dim]"
+    try:
+        with Live(Panel(header), refresh_per_second=4, screen=False) as live:
+            while True:
+                snap = await target.snapshot(redis)
+                if previous is not None:
+                    snap = msgspec.structs.replace(snap, throughput=counter_throughput(previous, snap))
+                previous = snap
+                live.update(Group(render(snap), header))
+                if logger is not None:
+                    logger.log(snap)
+                await asyncio.sleep(args.interval)
+    finally:
+        await redis.aclose()
+        if logger is not None:
+            logger.close()

@@ -1,0 +1,324 @@
+"""Wire contracts: Task -> PromptJob -> Sample / SampleGroup, and their one codec.
+
+Every object that crosses Redis is a msgspec Struct encoded as msgpack and decoded
+with a typed decoder (never pickle). Per-token arrays travel as raw little-endian
+bytes (int32 tokens, float32 log-probs, uint8 loss mask): encoding an 8k-token
+sample is then a few memcpy's instead of 24k Python objects.
+
+Invariants (DESIGN.md) are checked when a group is built *and* when it is decoded
+(`SampleGroup.__post_init__` runs in both cases); errors name the group, the
+sample index and the field.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence, Union
+
+import msgspec
+import numpy as np
+
+TOKEN_DTYPE = np.dtype("<i4")
+LOGPROB_DTYPE = np.dtype("<f4")
+MASK_DTYPE = np.dtype("u1")
+
+Prompt = Union[str, list[dict[str, Any]]]
+
+
+class SchemaError(ValueError):
+    """A wire object violates its contract; the message says which object and field."""
+
+
+class Status(str, enum.Enum):
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One line of tasks.jsonl."""
+
+    id: str
+    env: str
+    prompt: Prompt
+    label: Union[str, None] = None
+    metadata: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise SchemaError("task: field 'id' is empty")
+        if not self.env:
+            raise SchemaError(f"task {self.id!r}: field 'env' is empty")
+        if isinstance(self.prompt, str):
+            if not self.prompt.strip():
+                raise SchemaError(f"task {self.id!r}: field 'prompt' is empty")
+        elif not self.prompt:
+            raise SchemaError(f"task {self.id!r}: field 'prompt' has no messages")
+        else:
+            for i, message in enumerate(self.prompt):
+                if "role" not in message:
+                    raise SchemaError(f"task {self.id!r}: prompt[{i}] has no 'role'")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
+    """SGLang sampling params, restricted to the keys the router forwards (PROTOCOLS.md).
+
+    Types are strict on purpose: SGLang answers 400 to a float where an int belongs.
+    """
+
+    temperature: Union[float, None] = None
+    max_new_tokens: Union[int, None] = None
+    top_p: Union[float, None] = None
+    top_k: Union[int, None] = None
+    min_p: Union[float, None] = None
+    frequency_penalty: Union[float, None] = None
+    presence_penalty: Union[float, None] = None
+    repetition_penalty: Union[float, None] = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Union[list[int], None] = None
+    ignore_eos: Union[bool, None] = None
+    skip_special_tokens: Union[bool, None] = None
+    no_stop_trim: Union[bool, None] = None
+    min_new_tokens: Union[int, None] = None
+    n: Union[int, None] = None
+    sampling_seed: Union[int, None] = None
+    json_schema: Union[str, None] = None
+    regex: Union[str, None] = None
+    ebnf: Union[str, None] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the keys that were set, ready for the `sampling_params` body field."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+class PromptJob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One arq job = one GRPO group = one task x n episodes."""
+
+    task: Task
+    epoch: int
+    n_samples: int
+    sampling: SamplingParams = SamplingParams()
+    admission_version: int = 0
+    enqueued_at: float = 0.0
+    attempt: int = 0  # 0 = first admission; k = k-th re-admission of a requeued task (fresh job/group id)
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 1:
+            raise SchemaError(f"job {self.job_id}: n_samples must be >= 1, got {self.n_samples}")
+
+    @property
+    def job_id(self) -> str:
+        """The group id, unique within a namespace (arq's id is `Keys.arq_job_id(job_id)`)."""
+        return job_id_for(self.task.id, self.epoch, self.attempt)
+
+
+def job_id_for(task_id: str, epoch: int, attempt: int = 0) -> str:
+    """Deterministic job/group id: arq refuses a second enqueue of a live id.
+
+    A requeued task (its group was rejected stale or failed) is admitted again under
+    `{task_id}:{epoch}r{attempt}`: a fresh id, because the old one is also the
+    group's dedup key in the buffer and must not block the new group.
+    """
+    return f"{task_id}:{epoch}" if attempt == 0 else f"{task_id}:{epoch}r{attempt}"
+
+
+class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One episode, in wire form. Build with `Sample.build(...)` from lists or arrays."""
+
+    # Raw little-endian arrays. Typed memoryview so that decoding is zero-copy: msgspec hands
+    # out views into the payload instead of copying ~9 bytes per token (bytes work as input).
+    tokens: memoryview  # int32 LE, prompt + response
+    response_length: int
+    loss_mask: memoryview  # uint8, one per response token
+    rollout_log_probs: memoryview  # float32 LE, one per response token (0.0 under mask 0)
+    reward: float
+    status: Status
+    reward_components: dict[str, Any] = {}
+    weight_versions: list[str] = []
+    prompt: Prompt = ""
+    response: str = ""
+    label: Union[str, None] = None
+    metadata: dict[str, Any] = {}
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        tokens: Sequence[int] | np.ndarray,
+        response_length: int,
+        loss_mask: Sequence[int] | np.ndarray,
+        rollout_log_probs: Sequence[float] | np.ndarray,
+        reward: float,
+        status: Status | str,
+        **fields: Any,
+    ) -> "Sample":
+        return cls(
+            tokens=memoryview(np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()),
+            response_length=int(response_length),
+            loss_mask=memoryview(np.asarray(loss_mask, dtype=MASK_DTYPE).tobytes()),
+            rollout_log_probs=memoryview(np.asarray(rollout_log_probs, dtype=LOGPROB_DTYPE).tobytes()),
+            reward=float(reward),
+            status=Status(status),
+            **fields,
+        )
+
+    # Cheap, zero-copy views. Treat them as read-only.
+    def token_array(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype=TOKEN_DTYPE)
+
+    def loss_mask_array(self) -> np.ndarray:
+        return np.frombuffer(self.loss_mask, dtype=MASK_DTYPE)
+
+    def log_prob_array(self) -> np.ndarray:
+        return np.frombuffer(self.rollout_log_probs, dtype=LOGPROB_DTYPE)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_DTYPE.itemsize
+
+    def check(self, where: str) -> None:
+        """Raise SchemaError naming `where` (e.g. "group g1 sample 3") on a broken invariant."""
+        if len(self.tokens) % TOKEN_DTYPE.itemsize:
+            raise SchemaError(f"{where}: field 'tokens' has {len(self.tokens)} bytes, not a multiple of 4 (int32)")
+        if len(self.rollout_log_probs) % LOGPROB_DTYPE.itemsize:
+            raise SchemaError(
+                f"{where}: field 'rollout_log_probs' has {len(self.rollout_log_probs)} bytes, not a multiple of 4 (float32)"
+            )
+        n = self.response_length
+        if n < 0:
+            raise SchemaError(f"{where}: field 'response_length' is negative ({n})")
+        if n > self.num_tokens:
+            raise SchemaError(f"{where}: field 'response_length' is {n} but 'tokens' has only {self.num_tokens}")
+        if len(self.loss_mask) != n:
+            raise SchemaError(f"{where}: field 'loss_mask' has {len(self.loss_mask)} entries, response_length is {n}")
+        n_lp = len(self.rollout_log_probs) // LOGPROB_DTYPE.itemsize
+        if n_lp != n:
+            raise SchemaError(f"{where}: field 'rollout_log_probs' has {n_lp} entries, response_length is {n}")
+        if self.reward != self.reward:  # NaN would poison the group's advantage
+            raise SchemaError(f"{where}: field 'reward' is NaN")
+
+
+class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The unit the buffer stores and the trainer consumes: delivered whole or not at all."""
+
+    group_id: str
+    task: Task
+    admission_version: int
+    n_samples: int
+    samples: list[Sample]
+    worker_id: str = ""
+    timings: dict[str, float] = {}
+    epoch: int = 0  # the PromptJob's: a requeued task is re-admitted in the epoch it belongs to
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.samples) != self.n_samples:
+            raise SchemaError(
+                f"group {self.group_id!r}: field 'samples' has {len(self.samples)} samples, n_samples is {self.n_samples}"
+            )
+        for i, sample in enumerate(self.samples):
+            sample.check(f"group {self.group_id!r} sample {i}")
+
+    @property
+    def task_id(self) -> str:
+        return self.task.id
+
+    @property
+    def env(self) -> str:
+        return self.task.env
+
+    def oldest_version(self) -> int:
+        """The oldest policy version that produced any token of this group.
+
+        Engine weight versions that are not integers (SGLang's default is "default")
+        carry no information; the admission version bounds them from below.
+        """
+        versions = [self.admission_version]
+        for sample in self.samples:
+            versions.extend(int(v) for v in sample.weight_versions if _is_int(v))
+        return min(versions)
+
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+
+class RequeueReason(str, enum.Enum):
+    STALE = "stale"  # the trainer side rejected the group (staleness above eta)
+    FAILED = "failed"  # the job ran out of tries for a transient reason (engine down, env budget spent)
+
+
+class Requeue(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One `{ns}:requeue` entry: a group that left without training, for the producer to re-admit.
+
+    The producer admits `(task, epoch, attempt + 1)`: the task's own epoch, not the one it
+    is producing now (else an epoch would miss the task and a later one train it twice),
+    and the attempt limit counts per (task, epoch).
+    """
+
+    task: Task
+    epoch: int
+    attempt: int  # of the group handed back
+    reason: RequeueReason
+
+    @property
+    def group_id(self) -> str:
+        return job_id_for(self.task.id, self.epoch, self.attempt)
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_group_decoder = msgspec.msgpack.Decoder(SampleGroup)
+_job_decoder = msgspec.msgpack.Decoder(PromptJob)
+_task_decoder = msgspec.msgpack.Decoder(Task)
+_requeue_decoder = msgspec.msgpack.Decoder(Requeue)
+_task_json_decoder = msgspec.json.Decoder(Task)
+
+
+def encode(obj: msgspec.Struct) -> bytes:
+    return _encoder.encode(obj)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # ValidationError is a subclass of DecodeError;
+        # msgpack str fields with invalid UTF-8 raise UnicodeDecodeError, which must not crash a reader either
+        raise SchemaError(f"undecodable {what}: {exc}") from exc
+
+
+def decode_group(data: bytes) -> SampleGroup:
+    return _decode(_group_decoder, data, "SampleGroup")
+
+
+def decode_job(data: bytes) -> PromptJob:
+    return _decode(_job_decoder, data, "PromptJob")
+
+
+def decode_task(data: bytes) -> Task:
+    return _decode(_task_decoder, data, "Task")
+
+
+def decode_requeue(data: bytes) -> Requeue:
+    return _decode(_requeue_decoder, data, "Requeue")
+
+
+def decode_task_json(line: str | bytes) -> Task:
+    """Decode one tasks.jsonl line; the caller adds file:line to the error."""
+    try:
+        return _task_json_decoder.decode(line)
+    except msgspec.DecodeError as exc:
+        raise SchemaError(str(exc)) from exc
+
+
+def encode_task_json(task: Task) -> bytes:
+    return msgspec.json.encode(task)

@@ -1,0 +1,462 @@
+"""The slime side: a data source for `--data-source-path` and a rollout function for
+`--rollout-function-path`.
+
+    --data-source-path pipeline.slime.RedisDataSource
+    --rollout-function-path pipeline.slime.generate_rollout
+
+slime is imported lazily: without it, samples are `LocalSample` (same field names as
+`slime.utils.types.Sample`) and the rollout function returns `LocalRolloutOutput`
+(same fields as `RolloutFnTrainOutput`), so local runs and tests need no slime.
+
+Checkpoint-aligned delivery: the stream ids handed to rollout step `rid` are
+recorded in `{ns}:consumed:{rid}` before they are returned; `save(rid)` acknowledges
+(and deletes) everything recorded up to `rid`; after a crash, `load(rid)` makes
+every later step `r` replay exactly the groups recorded for `r`, in order.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections import Counter as Tally
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from pipeline.aio import LoopThread
+from pipeline.buffer import Entry, GroupBuffer
+from pipeline.config import ConfigError, TrainerSettings
+from pipeline.keys import Counter, Keys
+from pipeline.redis_conn import connect, redact
+from pipeline.schema import Requeue, RequeueReason, Sample, SampleGroup, Status, Task, encode
+from pipeline.staleness import StalePolicy, staleness
+from pipeline.state import PipelineState, TrainerInfo
+
+log = logging.getLogger(__name__)
+
+READ_BLOCK_MS = 1000
+
+
+# ------------------------------------------------------------ lazy slime import
+
+def _slime_classes() -> tuple[Any, Any, Any] | None:
+    """(Sample, DataSource, RolloutFnTrainOutput) from slime, or None when absent."""
+    try:
+        from slime.rollout.base_types import RolloutFnTrainOutput
+        from slime.rollout.data_source import DataSource
+        from slime.utils.types import Sample as SlimeSample
+    except ImportError:
+        return None
+    return SlimeSample, DataSource, RolloutFnTrainOutput
+
+
+_SLIME = _slime_classes()
+
+
+@dataclass
+class LocalSample:
+    """No-slime fallback with the field names of `slime.utils.types.Sample`."""
+
+    class Status(enum.Enum):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict[str, Any]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    label: str | None = None
+    reward: float | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    status: "LocalSample.Status" = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    remove_sample: bool = False
+
+
+@dataclass
+class LocalRolloutOutput:
+    """No-slime fallback with the fields of `RolloutFnTrainOutput`."""
+
+    samples: list[list[Any]]
+    metrics: dict[str, Any] | None = None
+
+
+SampleClass: Any = _SLIME[0] if _SLIME else LocalSample
+_DataSourceBase: Any = _SLIME[1] if _SLIME else object
+_OutputClass: Any = _SLIME[2] if _SLIME else LocalRolloutOutput
+
+
+# -------------------------------------------------------------- conversion
+
+def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
+    """One wire group -> n trainer Samples with contiguous group_index/index."""
+    group = entry.group
+    n = group.n_samples
+    pipeline_meta = {
+        "group_id": group.group_id,
+        "task_id": group.task_id,
+        "env": group.env,
+        "admission_version": group.admission_version,
+        "stream_id": entry.stream_id,
+        "worker_id": group.worker_id,
+        "epoch": group.epoch,
+        "attempt": group.attempt,
+        # the whole task (label, metadata): a group slime hands back may still be requeued
+        "task": msgspec.to_builtins(group.task),
+    }
+    out = []
+    for j, s in enumerate(group.samples):
+        metadata = dict(s.metadata)
+        metadata["pipeline"] = pipeline_meta
+        metadata["reward_components"] = s.reward_components
+        sample = SampleClass(
+            group_index=group_index,
+            index=group_index * n + j,
+            prompt=s.prompt,
+            tokens=s.token_array().tolist(),
+            response=s.response,
+            response_length=s.response_length,
+            label=s.label,
+            reward=s.reward,
+            loss_mask=mask_list(s.loss_mask_array()),
+            weight_versions=list(s.weight_versions),
+            rollout_log_probs=s.log_prob_array().tolist(),
+            status=SampleClass.Status(s.status.value),
+            metadata=metadata,
+        )
+        # A failed episode (environment or engine down past its budget) says nothing about the
+        # policy: slime zeroes the loss mask of a removed sample, so its tokens are not trained
+        # on with the reward 0 they got. (Its reward still enters the group's mean/std in
+        # slime's advantage normalisation; `on_failure: drop_group` avoids even that.)
+        sample.remove_sample = s.status is Status.FAILED
+        out.append(sample)
+    return out
+
+
+def mask_list(mask: np.ndarray) -> list[int]:
+    """`mask.tolist()` built from its runs: a loss mask is a few runs of 1s (model turns) and
+    0s (observations), and `[v] * run` costs a fraction of one int object per element."""
+    if mask.size == 0:
+        return []
+    if mask.all():  # single-turn episodes: one run
+        return [1] * mask.size
+    bounds = [0, *(np.flatnonzero(np.diff(mask)) + 1).tolist(), mask.size]
+    out: list[int] = []
+    for begin, end in zip(bounds, bounds[1:]):
+        out += [int(mask[begin])] * (end - begin)
+    return out
+
+
+def from_trainer_group(samples: list[Any]) -> SampleGroup:
+    """Trainer Samples handed back by slime (add_samples) -> a wire group."""
+    meta = samples[0].metadata.get("pipeline", {})
+    wire = []
+    for s in samples:
+        metadata = {k: v for k, v in s.metadata.items() if k not in ("pipeline", "reward_components")}
+        status = s.status.value if isinstance(s.status, enum.Enum) else str(s.status)
+        wire.append(
+            Sample.build(
+                tokens=s.tokens,
+                response_length=s.response_length,
+                loss_mask=s.loss_mask if s.loss_mask is not None else [1] * s.response_length,
+                rollout_log_probs=s.rollout_log_probs or [0.0] * s.response_length,
+                reward=float(s.reward or 0.0),
+                status=status if status != "pending" else Status.ABORTED,
+                reward_components=s.metadata.get("reward_components", {}),
+                weight_versions=list(s.weight_versions),
+                prompt=s.prompt,
+                response=s.response,
+                label=s.label,
+                metadata=metadata,
+            )
+        )
+    task = _task_of(meta, samples[0].prompt)
+    return SampleGroup(
+        group_id=meta.get("group_id", f"returned:{time.time_ns()}"),
+        task=task,
+        admission_version=int(meta.get("admission_version", 0)),
+        n_samples=len(wire),
+        samples=wire,
+        worker_id=meta.get("worker_id", ""),
+        epoch=int(meta.get("epoch", 0)),
+        attempt=int(meta.get("attempt", 0)),
+    )
+
+
+def _task_of(meta: dict[str, Any], prompt: Any) -> Task:
+    if "task" in meta:
+        return msgspec.convert(meta["task"], Task)
+    return Task(id=meta.get("task_id", "unknown"), env=meta.get("env", "unknown"), prompt=prompt or "?")
+
+
+# ------------------------------------------------------------- batch stats
+
+@dataclass
+class BatchStats:
+    wait_s: float = 0.0
+    replayed: bool = False
+    staleness: list[int] = field(default_factory=list)
+    rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    stale: int = 0
+    requeued: int = 0
+    dropped: int = 0
+    kept_stale: int = 0
+    filtered: int = 0
+    samples_failed: int = 0  # handed over with remove_sample=True
+
+    def metrics(self, ready: int, pending: int, counters: dict[str, int]) -> dict[str, float]:
+        m: dict[str, float] = {
+            "pipeline/buffer_ready": ready,
+            "pipeline/buffer_pending": pending,
+            "pipeline/wait_s": self.wait_s,
+            "pipeline/replayed": float(self.replayed),
+            "pipeline/groups_stale": self.stale,
+            "pipeline/groups_requeued": self.requeued,
+            "pipeline/groups_dropped": self.dropped,
+            "pipeline/groups_kept_stale": self.kept_stale,
+            "pipeline/groups_filtered": self.filtered,
+            "pipeline/samples_failed": self.samples_failed,
+        }
+        if self.staleness:
+            m["pipeline/staleness_mean"] = sum(self.staleness) / len(self.staleness)
+            m["pipeline/staleness_max"] = max(self.staleness)
+            for k, count in sorted(Tally(self.staleness).items()):
+                m[f"pipeline/staleness_hist/{k}"] = count
+        for env, rewards in self.rewards.items():
+            m[f"pipeline/reward_mean/{env}"] = sum(rewards) / len(rewards)
+        for name, value in counters.items():
+            m[f"pipeline/counters/{name}"] = value
+        return m
+
+
+# ---------------------------------------------------------------- data source
+
+class RedisDataSource(_DataSourceBase):
+    """slime data source reading whole scored groups from the Redis buffer."""
+
+    def __init__(self, args: Any):
+        self.args = args
+        self.settings = TrainerSettings.from_args(args)
+        self.keys = Keys(self.settings.namespace)
+        self._loop = LoopThread()
+        self._redis = connect(self.settings.redis_url)
+        self.buffer = GroupBuffer(self._redis, self.keys)
+        self.state = PipelineState(self._redis, self.keys)
+        self.current_rollout_id: int | None = None  # set by generate_rollout
+        self._next_rollout_id = 0
+        self.last_stats = BatchStats()
+        try:
+            self._run(self.buffer.ensure_group())
+            self._recorded: dict[int, list[str]] = self._run(self._load_recorded())
+        except Exception as exc:
+            raise ConnectionError(f"pipeline redis {redact(self.settings.redis_url)}: {type(exc).__name__}: {exc}") from None
+        log.info(
+            "RedisDataSource on %s ns=%s consumer=%s (%d recorded steps)",
+            redact(self.settings.redis_url), self.keys.ns, self.settings.consumer, len(self._recorded),
+        )
+
+    def _run(self, coro: Any) -> Any:
+        return self._loop.run(coro)
+
+    # slime's DataSource interface ------------------------------------------
+    def get_samples(self, num_samples: int) -> list[list[Any]]:
+        rid = self.current_rollout_id if self.current_rollout_id is not None else self._next_rollout_id
+        self.current_rollout_id = None
+        self._next_rollout_id = rid + 1
+        entries, self.last_stats = self._run(self._take(rid, num_samples))
+        base = rid * num_samples
+        return [to_trainer_group(entry, base + i) for i, entry in enumerate(entries)]
+
+    def add_samples(self, samples: list[list[Any]]) -> None:
+        for group in samples:
+            if group:
+                self._run(self.buffer.requeue(from_trainer_group(group)))
+
+    def save(self, rollout_id: int) -> None:
+        self._run(self._release_through(rollout_id))
+
+    def load(self, rollout_id: int | None = None) -> None:
+        """Resume after checkpoint `rollout_id`: steps after it replay their recorded groups."""
+        self._recorded = self._run(self._load_recorded())
+        if rollout_id is None or rollout_id < 0:
+            self._next_rollout_id = 0
+            return
+        self._run(self._release_through(rollout_id))
+        self._next_rollout_id = rollout_id + 1
+
+    def __len__(self) -> int:
+        ready, _pending = self._run(self.buffer.depth())
+        return ready
+
+    def close(self) -> None:
+        try:
+            self._run(self._redis.aclose())
+        finally:
+            self._loop.close()
+
+    # internals -----------------------------------------------------------------
+    async def _load_recorded(self) -> dict[int, list[str]]:
+        recorded: dict[int, list[str]] = {}
+        async for key in self._redis.scan_iter(match=self.keys.consumed_pattern, count=500):
+            rid = self.keys.rollout_id_of(key.decode())
+            recorded[rid] = [i.decode() for i in await self._redis.lrange(key, 0, -1)]
+        return dict(sorted(recorded.items()))
+
+    async def _release_through(self, rollout_id: int) -> None:
+        for rid in [r for r in self._recorded if r <= rollout_id]:
+            await self.buffer.ack(self._recorded.pop(rid))
+            await self._redis.delete(self.keys.consumed(rid))
+
+    def _claimed_ids(self) -> frozenset[str]:
+        return frozenset(i for ids in self._recorded.values() for i in ids)
+
+    async def _take(self, rid: int, n: int) -> tuple[list[Entry], BatchStats]:
+        stats = BatchStats()
+        started = time.monotonic()
+        recorded = self._recorded.setdefault(rid, [])
+        entries = await self.buffer.fetch(recorded) if recorded else []
+        stats.replayed = bool(entries)
+        version = await self.state.get_version()
+        last_log = started
+        while len(entries) < n:
+            batch = await self.buffer.read(
+                self.settings.consumer, n - len(entries), block_ms=READ_BLOCK_MS, exclude=self._claimed_ids()
+            )
+            accepted = [e for e in batch if await self._admit(e, version, stats)]
+            if accepted:
+                ids = [e.stream_id for e in accepted]
+                pipe = self._redis.pipeline(transaction=True)
+                pipe.rpush(self.keys.consumed(rid), *ids)
+                pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
+                await pipe.execute()
+                recorded.extend(ids)
+                entries.extend(accepted)
+            now = time.monotonic()
+            if not batch and now - last_log >= self.settings.wait_log_s:
+                last_log = now
+                ready, pending = await self.buffer.depth()
+                log.info("rollout %d: waiting for groups (%d/%d, ready=%d pending=%d)", rid, len(entries), n, ready, pending)
+            if self.settings.wait_timeout_s and now - started > self.settings.wait_timeout_s:
+                raise TimeoutError(f"rollout {rid}: only {len(entries)}/{n} groups after {self.settings.wait_timeout_s:.0f}s")
+        for entry in entries:
+            stats.staleness.append(staleness(version, entry.group.oldest_version()))
+            stats.rewards[entry.group.env].extend(entry.group.rewards())
+            stats.samples_failed += sum(s.status is Status.FAILED for s in entry.group.samples)
+        stats.wait_s = time.monotonic() - started
+        return entries, stats
+
+    async def _admit(self, entry: Entry, version: int, stats: BatchStats) -> bool:
+        """Apply the group-size contract, the staleness policy and the zero-variance filter."""
+        group = entry.group
+        expected = self.settings.n_samples_per_prompt
+        if group.n_samples != expected:
+            pipe = self._redis.pipeline(transaction=True)
+            self.buffer.stage_dead_letter(
+                pipe, source="groups", reason=f"group has {group.n_samples} samples, trainer expects {expected}",
+                payload=encode(group), ref=entry.stream_id,
+            )
+            self.buffer.stage_ack(pipe, [entry.stream_id])
+            await pipe.execute()
+            raise ConfigError(
+                f"group {group.group_id!r} (stream id {entry.stream_id}) has {group.n_samples} samples but "
+                f"n_samples_per_prompt is {expected}: workers and trainer disagree on n "
+                "(the group was moved to the dead-letter stream)"
+            )
+        if staleness(version, group.oldest_version()) > self.settings.eta:
+            stats.stale += 1
+            policy = self.settings.stale_policy
+            if policy is StalePolicy.KEEP:
+                stats.kept_stale += 1
+                await self.state.incr(**{Counter.STALE: 1})
+                return True
+            return await self._discard(entry, Counter.STALE, requeue=policy is StalePolicy.REQUEUE, stats=stats)
+        rewards = group.rewards()
+        if self.settings.filter_zero_variance and len(set(rewards)) == 1:
+            stats.filtered += 1
+            return await self._discard(entry, Counter.FILTERED, requeue=False, stats=stats)
+        return True
+
+    async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats) -> bool:
+        """Counters, the optional requeue entry and the ack in one transaction: a crash
+        cannot leave the entry pending after it was counted (it would be counted twice)."""
+        pipe = self._redis.pipeline(transaction=True)
+        if requeue:
+            group = entry.group  # back into its own epoch, as the next attempt (producers/enqueue.py)
+            back = Requeue(task=group.task, epoch=group.epoch, attempt=group.attempt, reason=RequeueReason.STALE)
+            pipe.rpush(self.keys.requeue, encode(back))
+            pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
+            stats.requeued += 1
+        elif reason == Counter.STALE:
+            stats.dropped += 1
+        pipe.hincrby(self.keys.counters, reason, 1)
+        pipe.hincrby(self.keys.counters, Counter.DISCARDED, 1)
+        self.buffer.stage_ack(pipe, [entry.stream_id])
+        await pipe.execute()
+        return False
+
+    # called by generate_rollout ---------------------------------------------------
+    def publish(self, rollout_id: int) -> None:
+        """Policy version = rollout_id (steps done), trainer settings, engine URL."""
+        s = self.settings
+        self._run(self.state.set_version(rollout_id))
+        self._run(self.state.set_trainer_info(
+            TrainerInfo(rollout_batch_size=s.rollout_batch_size, n_samples_per_prompt=s.n_samples_per_prompt, eta=s.eta)
+        ))
+        ip, port = getattr(self.args, "sglang_router_ip", None), getattr(self.args, "sglang_router_port", None)
+        if s.publish_engine and ip and port:
+            self._run(self.state.set_engine(f"http://{ip}:{port}"))
+
+    def batch_metrics(self) -> dict[str, float]:
+        ready, pending = self._run(self.buffer.depth())
+        counters = self._run(self.state.counters())
+        return self.last_stats.metrics(ready, pending, counters)
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """slime rollout function: exactly rollout_batch_size whole groups from the buffer.
+
+    It never aborts engine requests: generation belongs to the workers. `evaluation=True`
+    (slime calls the rollout function for eval when `--eval-function-path` is unset) runs
+    slime's own evaluation: fixed prompts at the current policy, not the off-policy stream.
+    """
+    if evaluation:
+        return _slime_eval(args, rollout_id)
+    if not isinstance(data_source, RedisDataSource):
+        raise TypeError(
+            f"pipeline.slime.generate_rollout needs --data-source-path pipeline.slime.RedisDataSource, "
+            f"got {type(data_source).__module__}.{type(data_source).__name__}"
+        )
+    batch_size = int(getattr(args, "rollout_batch_size", data_source.settings.rollout_batch_size))
+    data_source.publish(rollout_id)
+    data_source.current_rollout_id = rollout_id
+    groups = data_source.get_samples(batch_size)
+    metrics = data_source.batch_metrics()
+    return _OutputClass(samples=groups, metrics=metrics)
+
+
+def _slime_eval(args: Any, rollout_id: int) -> Any:
+    """slime's `eval_rollout` over `--eval-prompt-data` on slime's engines, as its stock
+    `sglang_rollout.generate_rollout(evaluation=True)` does, minus that function's
+    `rollout_global_dataset` assertion, which concerns training data this pipeline supplies."""
+    try:
+        from slime.rollout.sglang_rollout import eval_rollout
+        from slime.utils.async_utils import run
+    except ImportError as exc:
+        raise ConfigError(
+            "pipeline.slime.generate_rollout(evaluation=True) runs slime's eval_rollout, but slime is not "
+            f"importable here ({exc}); evaluation needs slime and --eval-prompt-data"
+        ) from exc
+    output, _aborted = run(eval_rollout(args, rollout_id))
+    return output

@@ -1,0 +1,114 @@
+"""The environment interface every kind implements (local verifiers, NeMo Gym,
+OpenReward, plugins).
+
+An `Environment` is built once per worker process for one configured environment
+(it holds connection pools and settings). `start(task)` opens an `EnvSession` for
+one episode: the initial chat messages and tools, then `step` per turn with the
+model's tool calls, `verify` at the end, `close` always.
+
+Messages are plain chat dicts as the tokenizer's chat template takes them:
+`{"role": "tool", "content": "...", "tool_call_id": "...", "name": "..."}` for
+tool output, `{"role": "user", "content": "..."}` for an env's free-text reply.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Awaitable, Callable, TypeVar, Union
+
+import msgspec
+
+from pipeline.config import EnvConfig
+from pipeline.schema import Status, Task
+
+Message = dict[str, Any]
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call parsed from the model's text of a turn."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+class StepResult(msgspec.Struct, kw_only=True):
+    messages: list[Message]  # observations to append (role tool / user)
+    reward: Union[float, None] = None  # optional per-step reward
+    done: bool = False  # the environment reached a terminal state
+
+
+class Verification(msgspec.Struct, kw_only=True):
+    reward: float
+    components: dict[str, Any] = {}
+    # Set by environments that judge termination themselves and shape their reward with
+    # `rewards.shape_reward` (nonterminal_reward folded into the reduction, then clamp).
+    # None: the runner applies `nonterminal_reward` from its own view (a step said done).
+    terminal: Union[bool, None] = None
+
+
+class EpisodeRecord(msgspec.Struct, kw_only=True):
+    """What `verify` sees of a finished episode (text level; tokens stay with the runner)."""
+
+    task: Task
+    messages: list[Message]  # full conversation: initial, assistant turns (with tool_calls), observations
+    response_text: str  # the assistant's text over all turns, concatenated
+    step_rewards: list[float] = []
+    finished: bool = False  # an environment step returned done=True
+    status: Status = Status.COMPLETED
+    turns: int = 0
+
+
+class EnvError(RuntimeError):
+    """An environment call failed for good (after its retry budget); the episode is failed.
+
+    The message names the environment call and the last cause; it goes into the failed
+    sample's metadata, so it never contains secrets.
+    """
+
+
+class EnvSession(abc.ABC):
+    """One episode's view of an environment."""
+
+    messages: list[Message]
+    tools: list[dict[str, Any]]  # OpenAI function-tool schemas for the chat template
+
+    @abc.abstractmethod
+    async def step(self, calls: list[ToolCall]) -> StepResult:
+        """Run the model's tool calls; return observations, an optional step reward, done."""
+
+    @abc.abstractmethod
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        """Score the finished episode."""
+
+    async def close(self) -> None:
+        """Release per-episode resources (sessions, cookies). Always called."""
+
+
+class Environment(abc.ABC):
+    """One configured environment in one worker process."""
+
+    def __init__(self, name: str, config: EnvConfig):
+        self.name = name
+        self.config = config
+
+    @abc.abstractmethod
+    async def start(self, task: Task) -> EnvSession:
+        """Open a session for one episode of `task`."""
+
+    async def aclose(self) -> None:
+        """Release process-wide resources (HTTP sessions, pools)."""
+
+
+SessionT = TypeVar("SessionT", bound=EnvSession)
+
+
+async def opened(session: SessionT, opening: Callable[[], Awaitable[None]]) -> SessionT:
+    """`session` once `opening()` succeeded; closed again if it failed, so that a session whose
+    seeding failed halfway (a server-side session, an HTTP connection) never leaks."""
+    try:
+        await opening()
+    except BaseException:
+        await session.close()
+        raise
+    return session

@@ -1,0 +1,170 @@
+"""`code`: run the model's Python program against the task's tests in the sandbox.
+
+The program is the last fenced code block (```python ... ``` or ``` ... ```) of the
+model's last assistant message. Tests come from `task.metadata["tests"]`, a list
+(or its JSON text) whose items are either
+
+- `{"input": "...", "output": "..."}`: run the program with that stdin; its stdout
+  must equal `output` up to trailing whitespace on each line, or
+- a string (or `{"assert": "..."}`): Python appended to the program (HumanEval/MBPP
+  style asserts); the run must exit 0.
+
+APPS-style `{"inputs": [...], "outputs": [...]}` is accepted too. Each test is one
+sandbox run (`workers.envs.sandbox`). Reward: the fraction of tests passed, or with
+`reward: all_pass` 1.0 only when every test passes (it stops at the first failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, Literal, Union
+
+import msgspec
+
+from pipeline.config import ConfigError, EnvConfig
+from pipeline.schema import Status, Task
+from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, Verification
+from workers.envs.math import final_answer_text
+from workers.envs.options import Options, parse_options
+from workers.envs.rewards import shaped
+from workers.envs.toolless import ToollessSession
+from workers.envs.sandbox import Limits, RunResult, probe_isolation, run_python
+
+_FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+
+
+class CodeOptions(Options):
+    reward: Literal["fraction", "all_pass"] = "fraction"
+    limits: Limits = Limits()
+    parallel: int = 2  # sandbox runs at once per episode
+    require_isolation: bool = False  # refuse to run without network/PID namespaces
+
+
+class IOTest(msgspec.Struct, kw_only=True):
+    input: str = ""
+    output: str
+
+
+class AssertTest(msgspec.Struct, kw_only=True):
+    code: str
+
+
+Test = Union[IOTest, AssertTest]
+
+
+def extract_program(text: str) -> Union[str, None]:
+    """The last fenced block that is Python (or untagged)."""
+    blocks = [body for lang, body in _FENCE.findall(text) if lang.lower() in ("", "python", "py", "python3")]
+    return blocks[-1] if blocks else None
+
+
+def parse_tests(task: Task) -> list[Test]:
+    raw: Any = task.metadata.get("tests")
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    if isinstance(raw, dict) and "inputs" in raw:  # APPS input_output
+        raw = [{"input": i, "output": o} for i, o in zip(raw["inputs"], raw["outputs"])]
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("metadata.tests must be a non-empty list")
+    tests: list[Test] = []
+    for index, item in enumerate(raw):
+        if isinstance(item, str):
+            tests.append(AssertTest(code=item))
+        elif isinstance(item, dict) and "assert" in item:
+            tests.append(AssertTest(code=str(item["assert"])))
+        elif isinstance(item, dict) and "output" in item:
+            tests.append(IOTest(input=str(item.get("input", "")), output=str(item["output"])))
+        else:
+            raise ValueError(f"metadata.tests[{index}] is neither an assert string nor {{input, output}}")
+    return tests
+
+
+def _normalise(text: str) -> list[str]:
+    return [line.rstrip() for line in text.strip().splitlines()]
+
+
+def judge(test: Test, result: RunResult) -> tuple[bool, str]:
+    """(passed, why not)."""
+    if result.timed_out:
+        return False, "wall timeout"
+    if result.output_exceeded:
+        return False, "output limit"
+    if result.returncode != 0:
+        tail = result.stderr.strip().splitlines()[-1:] or [f"exit {result.returncode}"]
+        return False, tail[0][:300]
+    if isinstance(test, IOTest) and _normalise(result.stdout) != _normalise(test.output):
+        return False, "wrong output"
+    return True, ""
+
+
+class CodeEnvironment(Environment):
+    def __init__(self, name: str, config: EnvConfig):
+        super().__init__(name, config)
+        self.options = parse_options(name, config, CodeOptions)
+        self.isolation = probe_isolation()
+        if self.options.require_isolation and not self.isolation.network:
+            raise ConfigError(
+                f"environments.{name}.options.require_isolation: this host gives the sandbox no network/PID "
+                f"namespaces (isolation: {self.isolation.summary}); see workers/envs/sandbox.py"
+            )
+
+    async def start(self, task: Task) -> EnvSession:
+        try:
+            tests = parse_tests(task)
+        except (ValueError, msgspec.ValidationError) as exc:
+            raise EnvError(f"code env {self.name!r}: task {task.id!r}: {exc}") from exc
+        return CodeSession(self, task, tests)
+
+    async def run_tests(self, program: str, tests: list[Test]) -> list[tuple[bool, str]]:
+        gate = asyncio.Semaphore(self.options.parallel)
+        failed = asyncio.Event()
+        stop_early = self.options.reward == "all_pass"
+
+        async def one(test: Test) -> tuple[bool, str]:
+            async with gate:
+                if stop_early and failed.is_set():
+                    return False, "not run (an earlier test failed)"
+                if isinstance(test, AssertTest):
+                    result = await run_python(f"{program}\n\n{test.code}\n", "", self.options.limits)
+                else:
+                    result = await run_python(program, test.input, self.options.limits)
+                verdict = judge(test, result)
+                if not verdict[0]:
+                    failed.set()
+                return verdict
+
+        return list(await asyncio.gather(*(one(t) for t in tests)))
+
+
+class CodeSession(ToollessSession):
+    def __init__(self, env: CodeEnvironment, task: Task, tests: list[Test]):
+        super().__init__(task)
+        self.env = env
+        self.tests = tests
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        config = self.env.config
+        terminal = episode.status == Status.COMPLETED
+        program = extract_program(final_answer_text(episode))
+        base = {"isolation": self.env.isolation.summary, "total": len(self.tests)}
+        if program is None:
+            return shaped(config, [0.0], terminal=terminal, components={**base, "passed": 0, "error": "no code block"})
+        try:
+            verdicts = await asyncio.wait_for(
+                self.env.run_tests(program, self.tests), config.timeouts.verify_deadline_s
+            )
+        except asyncio.TimeoutError as exc:
+            raise EnvError(
+                f"code env {self.env.name!r}: {len(self.tests)} tests exceeded the verification deadline "
+                f"({config.timeouts.verify_deadline_s}s)"
+            ) from exc
+        passed = sum(ok for ok, _ in verdicts)
+        if self.env.options.reward == "all_pass":
+            reward = 1.0 if passed == len(verdicts) else 0.0
+        else:
+            reward = passed / len(verdicts)
+        failures = [f"test {i}: {why}" for i, (ok, why) in enumerate(verdicts) if not ok]
+        components = {**base, "passed": passed, "failures": failures[:5]}
+        return shaped(config, [reward], terminal=terminal, components=components)

@@ -1,0 +1,120 @@
+"""`math`: single-turn answer checking with the `math-verify` library.
+
+The answer is read from the model's last assistant message: `\\boxed{...}` first,
+then (with `answer: any`, the default) plain forms math-verify recognises ("the
+answer is 1/2", "$x = 0.5$", a last number). The task's `label` is the gold answer
+(LaTeX or plain). Reward 1.0 when math-verify finds them equal, else 0.0; the
+extracted answer and the gold go into the components.
+
+math-verify bounds its own parsing with SIGALRM, which only works in a process's
+main thread, and sympy can take seconds on adversarial input. So checks run in a
+small process pool by default (`check_in: process`): the worker's event loop never
+blocks on sympy and every check keeps its timeout. `check_in: inline` runs them in
+the caller (fine for tests and tiny runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Literal, Union
+
+from pipeline.config import EnvConfig
+from pipeline.schema import Status, Task
+from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, Verification
+from workers.envs.options import Options, parse_options
+from workers.envs.rewards import call_with_budget, deadline_in, shaped
+from workers.envs.toolless import ToollessSession
+
+AnswerForm = Literal["boxed", "any"]
+
+
+class MathOptions(Options):
+    answer: AnswerForm = "any"  # "boxed": only \boxed{...} counts
+    check_in: Literal["process", "inline"] = "process"
+    processes: int = 2
+    parse_timeout_s: int = 5  # math-verify's own bound per parse/verify (whole seconds)
+
+
+def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> tuple[float, Union[str, None]]:
+    """(reward, extracted answer text). Top level so a process pool can run it."""
+    from math_verify import parse, verify
+
+    if answer == "boxed" and "\\boxed" not in response:
+        return 0.0, None
+    # Under a non-main thread SIGALRM is unavailable: fall back to no timeout there.
+    import threading
+
+    timeout: Union[int, None] = timeout_s if threading.current_thread() is threading.main_thread() else None
+    predicted = parse(response, parsing_timeout=timeout)
+    if not predicted:
+        return 0.0, None
+    extracted = str(predicted[-1])
+    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
+    if not gold_parsed:
+        gold_parsed = parse(gold, parsing_timeout=timeout)
+    correct = bool(gold_parsed) and verify(gold_parsed, predicted, timeout_seconds=timeout)
+    return (1.0 if correct else 0.0), extracted
+
+
+def final_answer_text(episode: EpisodeRecord) -> str:
+    """The model's last assistant message (earlier turns may hold scratch work)."""
+    for message in reversed(episode.messages):
+        if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+            return message["content"]
+    return episode.response_text
+
+
+class MathEnvironment(Environment):
+    def __init__(self, name: str, config: EnvConfig):
+        super().__init__(name, config)
+        self.options = parse_options(name, config, MathOptions)
+        self._pool: Union[ProcessPoolExecutor, None] = None
+
+    async def start(self, task: Task) -> EnvSession:
+        if task.label is None:
+            raise EnvError(f"math env {self.name!r}: task {task.id!r} has no label (the gold answer)")
+        return MathSession(self, task)
+
+    async def check(self, response: str, gold: str) -> tuple[float, Union[str, None]]:
+        args = (response, gold, self.options.answer, self.options.parse_timeout_s)
+        if self.options.check_in == "inline":
+            return check_answer(*args)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor(), check_answer, *args)
+        except BrokenProcessPool as exc:  # a checker died (OOM-killed): start a fresh pool next time
+            self._pool = None
+            raise EnvError(f"math env {self.name!r}: checker process died") from exc
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn: the worker process has threads (event loop helpers, SDK pings); fork would copy their locks.
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(max_workers=self.options.processes, mp_context=context)
+        return self._pool
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class MathSession(ToollessSession):
+    def __init__(self, env: MathEnvironment, task: Task):
+        super().__init__(task)
+        self.env = env
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        gold = self.task.label or ""
+        timeouts = self.env.config.timeouts
+        reward, extracted = await call_with_budget(
+            lambda: self.env.check(final_answer_text(episode), gold),
+            timeouts.verify,
+            f"math env {self.env.name!r}: check",
+            deadline=deadline_in(timeouts.verify_deadline_s),
+        )
+        components = {"answer": extracted, "gold": gold, "correct": reward == 1.0}
+        return shaped(self.env.config, [reward], terminal=episode.status == Status.COMPLETED, components=components)

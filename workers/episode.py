@@ -1,0 +1,303 @@
+"""One episode, token in / token out (DESIGN.md "Episodes").
+
+    prompt ids (chat template, tools)  ->  per turn:
+      /generate(full sequence)  ->  append output ids verbatim (mask 1, engine log-probs)
+      parse tool calls from that turn's text
+      env.step(calls)           ->  append the template's continuation tokens (mask 0, log-prob 0.0)
+    stop: no tool call | env done | max_turns | response budget | context length
+    verify -> reward (nonterminal reward, clamp) -> Sample
+
+An engine `abort` (pause for a weight update) resumes the same turn from the tokens
+produced so far with the remaining budget; every generate call's weight version is
+recorded, so a resumed episode carries both versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pipeline.config import EnvConfig, PipelineConfig
+from pipeline.schema import SamplingParams, Sample, Status, Task
+from workers.chat import ChatTokens
+from workers.engine import ContextOverflow, EngineClient, EngineError
+from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
+from workers.envs.rewards import final_reward
+from workers.tools import ParsedTurn, ToolParser, get_parser
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    sampling: SamplingParams  # per-call cap in max_new_tokens, if set
+    max_turns: int
+    max_response_tokens: int  # budget over all turns
+    max_context_tokens: int
+    tool_parser: ToolParser
+    max_abort_resumes: int = 50  # an engine that aborts forever ends the episode as aborted
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig, env: EnvConfig, job_sampling: SamplingParams) -> "EpisodeSettings":
+        merged = {**config.rollout.sampling.to_dict(), **job_sampling.to_dict()}
+        return cls(
+            sampling=SamplingParams(**merged),
+            max_turns=env.max_turns or config.rollout.max_turns,
+            max_response_tokens=config.rollout.max_response_tokens,
+            max_context_tokens=config.engine.max_context_tokens,
+            tool_parser=get_parser(str(env.options.get("tool_parser", "hermes"))),
+        )
+
+
+@dataclass
+class _Trace:
+    """The growing episode: tokens, mask, log-probs and what each turn did."""
+
+    tokens: list[int]
+    prompt_length: int
+    mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    step_rewards: list[float] = field(default_factory=list)
+    finished: bool = False
+    malformed_calls: int = 0
+
+    def add_model(self, ids: list[int], log_probs: list[float]) -> None:
+        self.tokens += ids
+        self.mask += [1] * len(ids)
+        self.log_probs += log_probs
+
+    def add_template(self, ids: list[int]) -> None:
+        self.tokens += ids
+        self.mask += [0] * len(ids)
+        self.log_probs += [0.0] * len(ids)
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+
+@dataclass
+class _Turn:
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    finish: str = "stop"
+    aborts: int = 0
+    versions: list[str] = field(default_factory=list)
+
+
+class EpisodeRunner:
+    """Runs episodes of one environment with one engine client and tokenizer."""
+
+    def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings):
+        self.engine = engine
+        self.chat = chat
+        self.env = env
+        self.settings = settings
+
+    async def run(self, task: Task, episode_id: str) -> Sample:
+        started = time.monotonic()
+        try:
+            session = await self.env.start(task)
+        except Exception as exc:  # noqa: BLE001 - any env failure ends this episode, not the group
+            log.warning("episode %s: env %s start failed: %s", episode_id, self.env.name, exc)
+            return _failed_sample(task, [], f"env start: {exc}")
+        try:
+            return await self._run_session(task, session, episode_id, started)
+        finally:
+            await asyncio.shield(_close_quietly(session, episode_id))
+
+    async def _run_session(self, task: Task, session: EnvSession, episode_id: str, started: float) -> Sample:
+        prompt_ids = self.chat.prompt_ids(session.messages, session.tools)
+        trace = _Trace(tokens=list(prompt_ids), prompt_length=len(prompt_ids), messages=list(session.messages))
+        try:
+            status = await self._loop(session, trace, episode_id)
+        except EngineError as exc:
+            log.warning("episode %s failed: %s", episode_id, exc)
+            return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - env step errors and bugs fail one episode
+            log.warning("episode %s failed in env step: %r", episode_id, exc, exc_info=True)
+            return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"env step: {exc!r}")
+        record = EpisodeRecord(
+            task=task,
+            messages=trace.messages,
+            response_text=" ".join(t["text"] for t in trace.turns),
+            step_rewards=trace.step_rewards,
+            finished=trace.finished,
+            status=status,
+            turns=len(trace.turns),
+        )
+        try:
+            verification = await session.verify(record)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("episode %s: verify failed: %r", episode_id, exc)
+            return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"verify: {exc!r}")
+        reward = final_reward(self.env.config, verification, finished=trace.finished)
+        return self._sample(task, trace, status, reward, verification.components, started)
+
+    async def _loop(self, session: EnvSession, trace: _Trace, episode_id: str) -> Status:
+        """Turns until a stop condition; returns completed or truncated."""
+        s = self.settings
+        while True:
+            room = min(s.max_response_tokens - trace.response_length, s.max_context_tokens - len(trace.tokens))
+            if s.sampling.max_new_tokens is not None:
+                room_this_turn = min(room, s.sampling.max_new_tokens)
+            else:
+                room_this_turn = room
+            if room_this_turn <= 0:
+                return Status.TRUNCATED
+            turn_index = len(trace.turns)
+            gen_started = time.monotonic()
+            try:
+                turn = await self._generate(trace.tokens, room_this_turn, f"{episode_id}:t{turn_index}", episode_id)
+            except ContextOverflow as exc:
+                trace.turns.append({"text": "", "finish": "context_overflow", "error": str(exc)})
+                return Status.TRUNCATED
+            trace.add_model(turn.ids, turn.log_probs)
+            trace.weight_versions += turn.versions
+            text = self.chat.decode(turn.ids)
+            parsed = s.tool_parser(text)
+            meta = _turn_meta(turn, text, parsed, time.monotonic() - gen_started)
+            trace.turns.append(meta)
+            trace.messages.append(_assistant_message(parsed))
+            if turn.finish == "abort":
+                return Status.ABORTED
+            if turn.finish == "length":
+                return Status.TRUNCATED
+            if not parsed.wants_tools:
+                return Status.COMPLETED
+            if len(trace.turns) >= s.max_turns:
+                return Status.TRUNCATED
+            env_started = time.monotonic()
+            observations, done = await self._observe(session, trace, parsed)
+            meta["env_s"] = round(time.monotonic() - env_started, 6)
+            trace.messages += observations
+            if done:
+                trace.finished = True
+                return Status.COMPLETED
+            ended_with_eos = bool(turn.ids) and turn.ids[-1] == self.chat.eos_id
+            continuation = self.chat.continuation_ids(observations, model_ended_with_eos=ended_with_eos)
+            if len(trace.tokens) + len(continuation) >= s.max_context_tokens:
+                return Status.TRUNCATED
+            trace.add_template(continuation)
+
+    async def _generate(self, tokens: list[int], max_new: int, rid: str, routing_key: str) -> _Turn:
+        """One model turn; an abort resumes from the tokens so far with the remaining budget."""
+        turn = _Turn()
+        while True:
+            sampling = msgspec.structs.replace(self.settings.sampling, max_new_tokens=max_new - len(turn.ids))
+            gen = await self.engine.generate(
+                tokens + turn.ids, sampling, rid=f"{rid}.{turn.aborts}", routing_key=routing_key
+            )
+            turn.ids += gen.output_ids
+            turn.log_probs += gen.log_probs
+            turn.versions.append(gen.weight_version)
+            turn.finish = gen.finish
+            if gen.finish != "abort":
+                return turn
+            if len(turn.ids) >= max_new:
+                turn.finish = "length"
+                return turn
+            if turn.aborts >= self.settings.max_abort_resumes:
+                return turn
+            turn.aborts += 1
+            await asyncio.sleep(min(1.0, 0.02 * turn.aborts))  # the engine is paused for a weight update
+
+    async def _observe(self, session: EnvSession, trace: _Trace, parsed: ParsedTurn) -> tuple[list[Message], bool]:
+        """Run valid calls through the env; malformed ones become error observations."""
+        observations: list[Message] = []
+        done = False
+        if parsed.calls:
+            result = await session.step(parsed.calls)
+            observations += result.messages
+            done = result.done
+            if result.reward is not None:
+                trace.step_rewards.append(float(result.reward))
+        if parsed.errors:
+            trace.malformed_calls += len(parsed.errors)
+            observations += [{"role": "tool", "content": f"error: {e}", "name": "error"} for e in parsed.errors]
+        return observations, done
+
+    def _sample(
+        self,
+        task: Task,
+        trace: _Trace,
+        status: Status,
+        reward: float,
+        components: dict[str, Any],
+        started: float,
+        error: str = "",
+    ) -> Sample:
+        response_ids = trace.tokens[trace.prompt_length :]
+        metadata: dict[str, Any] = {
+            "env": self.env.name,
+            "turns": len(trace.turns),
+            "turn_log": [{k: v for k, v in t.items() if k != "text"} for t in trace.turns],
+            "tool_calls": sum(len(t.get("tool_calls", ())) for t in trace.turns),
+            "malformed_tool_calls": trace.malformed_calls,
+            "step_rewards": trace.step_rewards,
+            "finished": trace.finished,
+            "episode_s": round(time.monotonic() - started, 6),
+        }
+        if error:
+            metadata["error"] = error[:2000]
+        return Sample.build(
+            tokens=trace.tokens,
+            response_length=trace.response_length,
+            loss_mask=trace.mask,
+            rollout_log_probs=trace.log_probs,
+            reward=reward,
+            status=status,
+            reward_components=components,
+            weight_versions=trace.weight_versions,
+            prompt=task.prompt,
+            response=self.chat.decode(response_ids),
+            label=task.label,
+            metadata=metadata,
+        )
+
+
+def _turn_meta(turn: _Turn, text: str, parsed: ParsedTurn, gen_s: float) -> dict[str, Any]:
+    return {
+        "text": text,
+        "tokens": len(turn.ids),
+        "finish": turn.finish,
+        "aborts": turn.aborts,
+        "weight_versions": turn.versions,
+        "tool_calls": [c.name for c in parsed.calls],
+        "malformed": len(parsed.errors),
+        "gen_s": round(gen_s, 6),
+    }
+
+
+def _assistant_message(parsed: ParsedTurn) -> Message:
+    message: Message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [_openai_call(c) for c in parsed.calls]
+    return message
+
+
+def _openai_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _failed_sample(task: Task, tokens: list[int], error: str) -> Sample:
+    """An episode that never got going: no response tokens, reward 0, the reason kept."""
+    return Sample.build(
+        tokens=tokens, response_length=0, loss_mask=[], rollout_log_probs=[], reward=0.0,
+        status=Status.FAILED, prompt=task.prompt, label=task.label, metadata={"error": error[:2000], "turns": 0},
+    )
+
+
+async def _close_quietly(session: EnvSession, episode_id: str) -> None:
+    try:
+        await session.close()
+    except Exception as exc:  # noqa: BLE001 - close must never mask the episode's result
+        log.warning("episode %s: session close failed: %r", episode_id, exc)

@@ -1,0 +1,172 @@
+"""Worker liveness: heartbeats in `{ns}:workers` and a reaper every worker runs.
+
+arq re-runs a SIGKILLed worker's job only when its `arq:in-progress:<id>` key
+expires (job_timeout + 10 s: an hour for rollouts). Instead each worker records the
+jobs it runs in `{ns}:worker:<id>:jobs` and heart-beats; a worker silent for
+`dead_after_s` is reaped by whichever live worker notices first: one Lua script
+deletes the in-progress keys of its jobs (they are still in arq's queue, so the next
+poll of any worker starts them again with job_try + 1), notes the cause as the jobs'
+last error, gives back the `running` count of those whose group is not stored yet
+(a worker can die between its push and forgetting the job) and forgets the worker. A job that
+is re-run pushes its group through the dedup marker, so it is stored once.
+
+Job ids here are arq's (`Keys.arq_job_id`, `{ns}:{group id}`: arq's keys are global,
+so the namespace in the id keeps one pipeline's reaper off another's jobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import redis.asyncio as aioredis
+from arq.constants import in_progress_key_prefix
+
+from pipeline.keys import Counter, Keys
+
+log = logging.getLogger(__name__)
+
+# Worker job-set keys are derived inside the script (their ids are only known there),
+# which is fine on a single Redis; a Redis Cluster would need hash tags.
+_REAP_LUA = """
+-- KEYS: workers zset, counters hash, job_errors hash
+-- ARGV: cutoff timestamp, job-set key prefix, job-set key suffix, arq in-progress prefix, running counter,
+--       dedup key prefix, length of the arq job-id prefix ("{ns}:")
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local released = 0
+for _, worker in ipairs(dead) do
+  local set_key = ARGV[2] .. worker .. ARGV[3]
+  local jobs = redis.call('SMEMBERS', set_key)
+  local unpushed = 0
+  for _, job in ipairs(jobs) do
+    redis.call('DEL', ARGV[4] .. job)
+    redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
+    -- a job whose group is stored already gave back its `running` count in the push
+    if redis.call('EXISTS', ARGV[6] .. string.sub(job, tonumber(ARGV[7]) + 1)) == 0 then
+      unpushed = unpushed + 1
+    end
+  end
+  if unpushed > 0 then
+    redis.call('HINCRBY', KEYS[2], ARGV[5], -unpushed)
+  end
+  released = released + #jobs
+  redis.call('DEL', set_key)
+  redis.call('ZREM', KEYS[1], worker)
+end
+return {#dead, released}
+"""
+
+
+# Jobs at the head of the queue whose in-progress key has no owner among the live
+# workers' job sets: a worker died between arq marking a job in progress and our
+# recording it. Released when seen twice, one heartbeat apart (that window is ms long).
+_ORPHANS_LUA = """
+-- KEYS: queue zset, workers zset
+-- ARGV: now (ms), how many queue entries to check, arq in-progress prefix, job-set key prefix, suffix
+local owned = {}
+for _, worker in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  for _, job in ipairs(redis.call('SMEMBERS', ARGV[4] .. worker .. ARGV[5])) do
+    owned[job] = true
+  end
+end
+local orphans = {}
+for _, job in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])) do
+  if not owned[job] and redis.call('EXISTS', ARGV[3] .. job) == 1 then
+    table.insert(orphans, job)
+  end
+end
+return orphans
+"""
+ORPHAN_SCAN = 1000  # queue entries checked per round; running jobs sit at the head (oldest scores)
+
+
+class Liveness:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, worker_id: str, *, heartbeat_s: float, dead_after_s: float):
+        if dead_after_s <= 2 * heartbeat_s:
+            raise ValueError(f"dead_after_s ({dead_after_s}) must exceed two heartbeats ({heartbeat_s}s each)")
+        self.redis = redis
+        self.keys = keys
+        self.worker_id = worker_id
+        self.heartbeat_s = heartbeat_s
+        self.dead_after_s = dead_after_s
+        self._reap = redis.register_script(_REAP_LUA)
+        self._orphans = redis.register_script(_ORPHANS_LUA)
+        self._suspects: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        prefix, _, suffix = keys.worker_jobs("\x00").partition("\x00")
+        self._set_prefix, self._set_suffix = prefix, suffix
+
+    async def beat(self) -> None:
+        await self.redis.zadd(self.keys.workers, {self.worker_id: time.time()})
+
+    async def reap(self) -> tuple[int, int]:
+        """(dead workers forgotten, jobs released)."""
+        cutoff = time.time() - self.dead_after_s
+        dead, released = await self._reap(
+            keys=[self.keys.workers, self.keys.counters, self.keys.job_errors],
+            args=[
+                cutoff, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING,
+                self.keys.dedup(""), len(self.keys.arq_job_id("")),
+            ],
+        )
+        if dead:
+            log.warning("reaped %d silent worker(s); released %d job(s) for re-run", dead, released)
+        return int(dead), int(released)
+
+    async def release_orphans(self) -> int:
+        """Release in-progress jobs no live worker owns, when seen twice in a row."""
+        found = await self._orphans(
+            keys=[self.keys.queue, self.keys.workers],
+            args=[int(time.time() * 1000), ORPHAN_SCAN, in_progress_key_prefix, self._set_prefix, self._set_suffix],
+        )
+        orphans = {job.decode() for job in found}
+        confirmed, self._suspects = orphans & self._suspects, orphans - self._suspects
+        if confirmed:
+            pipe = self.redis.pipeline(transaction=True)
+            for job_id in confirmed:
+                pipe.delete(in_progress_key_prefix + job_id)
+                pipe.hset(self.keys.job_errors, job_id, "its worker died before recording it")
+            await pipe.execute()
+            log.warning("released %d orphaned in-progress job(s) for re-run", len(confirmed))
+        return len(confirmed)
+
+    async def job_started(self, job_id: str) -> None:
+        """Record the job as ours and count it running, in one transaction (a crash leaves neither)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.sadd(self.keys.worker_jobs(self.worker_id), job_id)
+        pipe.hincrby(self.keys.counters, Counter.RUNNING, 1)
+        await pipe.execute()
+
+    async def job_ended(self, job_id: str, *, release_running: bool = False) -> None:
+        """Forget the job; `release_running` also gives back its `running` count (no push did)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.srem(self.keys.worker_jobs(self.worker_id), job_id)
+        if release_running:
+            pipe.hincrby(self.keys.counters, Counter.RUNNING, -1)
+        await pipe.execute()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"liveness-{self.worker_id}")
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.beat()
+                await self.reap()
+                await self.release_orphans()
+            except Exception as exc:  # noqa: BLE001 - a Redis blip must not stop heart-beating
+                log.warning("heartbeat/reaper round failed: %r", exc)
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def stop(self) -> None:
+        """Stop beating and leave cleanly: no live worker reaps us later."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zrem(self.keys.workers, self.worker_id)
+        pipe.delete(self.keys.worker_jobs(self.worker_id))
+        await pipe.execute()

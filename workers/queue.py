@@ -1,0 +1,84 @@
+"""The arq side of prompt jobs, shared by producers (enqueue) and workers (run): no pickle.
+
+arq stores a job as `{'t': try, 'f': function, 'a': args, 'k': kwargs, 'et': ms}` and a
+result as the same plus `'r'` (the return value or the exception), `'s'` (success) and
+timings. Both are msgpack here. The job's single argument is the msgpack `PromptJob`
+bytes, decoded inside the job function, so a poison payload reaches our code and
+goes to the dead-letter stream instead of failing inside arq.
+
+Exceptions in results are encoded by `enc_hook` as `{"__exception__": name, "message"}`
+and rebuilt on decode (`asyncio.CancelledError` as itself, so `Job.abort()` works;
+others as `RemoteJobError`). This module imports nothing heavy: producers use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from arq.connections import ArqRedis, RedisSettings, create_pool
+
+from pipeline.keys import Keys
+from pipeline.schema import PromptJob, encode
+
+JOB_FUNCTION = "run_group"  # the arq function workers register (same name as producers/arq_codec.py)
+_EXC = "__exception__"
+
+
+class RemoteJobError(RuntimeError):
+    """An exception a job raised in a worker, rebuilt from its name and message."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, BaseException):
+        return {_EXC: type(obj).__name__, "message": str(obj)[:2000]}
+    raise TypeError(f"cannot encode {type(obj).__name__} in an arq job or result")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_decoder = msgspec.msgpack.Decoder()
+
+
+def job_serializer(obj: dict[str, Any]) -> bytes:
+    return _encoder.encode(obj)
+
+
+def job_deserializer(data: bytes) -> dict[str, Any]:
+    obj = _decoder.decode(data)
+    result = obj.get("r") if isinstance(obj, dict) else None
+    if isinstance(result, dict) and _EXC in result:
+        obj["r"] = _rebuild_exception(result[_EXC], str(result.get("message", "")))
+    return obj
+
+
+def _rebuild_exception(name: str, message: str) -> BaseException:
+    if name == "CancelledError":
+        return asyncio.CancelledError(message)
+    return RemoteJobError(name, message)
+
+
+def redis_settings(url: str) -> RedisSettings:
+    return RedisSettings.from_dsn(url)
+
+
+async def create_arq_pool(url: str, keys: Keys) -> ArqRedis:
+    """An ArqRedis client with our serializer and `{ns}:queue` as its default queue."""
+    return await create_pool(
+        redis_settings(url),
+        job_serializer=job_serializer,
+        job_deserializer=job_deserializer,
+        default_queue_name=keys.queue,
+    )
+
+
+async def enqueue_prompt_job(arq: ArqRedis, job: PromptJob, keys: Keys) -> bool:
+    """Enqueue `job` under its deterministic arq id (`keys.arq_job_id`); False when arq already
+    has that id (live or result kept)."""
+    arq_id = keys.arq_job_id(job.job_id)
+    handle = await arq.enqueue_job(JOB_FUNCTION, encode(job), _job_id=arq_id, _queue_name=keys.queue)
+    return handle is not None

@@ -1,0 +1,159 @@
+"""arq Worker for prompt jobs, configured for rollouts (not arq's defaults).
+
+- `max_jobs` = groups per process (`--concurrency`), `poll_delay` small (a freed slot
+  must not wait half a second), explicit `job_timeout`;
+- arq's `max_tries` is ours + 1, so a job that comes back after its last try (its
+  worker crashed) reaches `run_group`, which dead-letters it with its last error
+  instead of arq failing it silently;
+- msgspec serializer both ways; abortable jobs;
+- SIGTERM/SIGINT drain: stop taking jobs, let running groups finish for
+  `drain_grace_s`, then cancel the rest, which arq hands back for re-run at once;
+- heartbeats + reaper (`workers.liveness`) started with the worker.
+
+In-process (tests, demo, bench):
+    worker = build_worker(config, handle_signals=False)
+    task = asyncio.create_task(worker.async_run()); ...; await stop_worker(worker, task)
+As a process: `run_worker(config)` (blocks; used by `rollout workers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import socket
+import uuid
+from typing import Any
+
+import aiohttp
+from arq.worker import Worker, func
+
+from pipeline.buffer import GroupBuffer
+from pipeline.config import PipelineConfig
+from pipeline.keys import Keys
+from pipeline.redis_conn import connect
+from pipeline.state import PipelineState
+from workers.chat import ChatTokens
+from workers.engine import EngineClient, EngineLocator
+from workers.jobs import CTX_KEY, WorkerContext, run_group
+from workers.liveness import Liveness
+from workers.queue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
+
+log = logging.getLogger(__name__)
+
+KEEP_RESULT_S = 3600  # arq refuses to re-enqueue a job id while its result is kept
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def build_worker(
+    config: PipelineConfig,
+    *,
+    concurrency: int | None = None,
+    worker_id: str | None = None,
+    handle_signals: bool = True,
+) -> Worker:
+    keys = Keys(config.redis.namespace)
+    wcfg = config.workers
+    worker_id = worker_id or new_worker_id()
+
+    async def on_startup(ctx: dict[str, Any]) -> None:
+        ctx[CTX_KEY] = await _build_context(config, keys, worker_id)
+        ctx[CTX_KEY].liveness.start()
+        _quiet_garbage_collector()
+        log.info("worker %s ready: queue %s, %d groups at once", worker_id, keys.queue, concurrency or wcfg.concurrency)
+
+    async def on_shutdown(ctx: dict[str, Any]) -> None:
+        w: WorkerContext | None = ctx.get(CTX_KEY)
+        if w is not None:
+            await w.liveness.stop()
+            await w.aclose()
+            await w.buffer.redis.aclose()
+
+    return Worker(
+        functions=[func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s)],
+        queue_name=keys.queue,
+        redis_settings=redis_settings(config.redis.resolved_url()),
+        max_jobs=concurrency or wcfg.concurrency,
+        poll_delay=wcfg.poll_delay_s,
+        job_timeout=wcfg.job_timeout_s,
+        max_tries=wcfg.max_tries + 1,
+        keep_result=KEEP_RESULT_S,
+        on_startup=on_startup,
+        on_shutdown=on_shutdown,
+        handle_signals=handle_signals,
+        job_completion_wait=wcfg.drain_grace_s,  # type: ignore[arg-type]  # arq accepts float seconds
+        allow_abort_jobs=True,
+        job_serializer=job_serializer,
+        job_deserializer=job_deserializer,
+        health_check_interval=max(wcfg.heartbeat_s, 1.0),
+        log_results=False,
+    )
+
+
+def _quiet_garbage_collector() -> None:
+    """Keep full GC passes off the event loop's critical path.
+
+    After startup the heap holds ~1M long-lived objects (transformers, tokenizer,
+    jinja); a generation-2 pass over them stalls the loop for 50-100 ms, which is the
+    worst event-loop lag at 1,000 concurrent episodes. Freezing moves them out of the
+    collector's view; a higher gen-0 threshold makes young passes rarer.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
+async def _build_context(config: PipelineConfig, keys: Keys, worker_id: str) -> WorkerContext:
+    redis = connect(config.redis.resolved_url())
+    state = PipelineState(redis, keys)
+    ecfg = config.engine
+    engine = EngineClient(
+        EngineLocator(ecfg.url, state), timeout_s=ecfg.request_timeout_s,
+        max_retries=ecfg.max_retries, backoff_s=ecfg.retry_backoff_s,
+    )
+    tokenizer_path = ecfg.tokenizer or await _engine_tokenizer_path(engine)
+    chat = ChatTokens(_load_tokenizer(tokenizer_path))
+    buffer = GroupBuffer(redis, keys)
+    await buffer.ensure_group()
+    liveness = Liveness(redis, keys, worker_id, heartbeat_s=config.workers.heartbeat_s,
+                        dead_after_s=config.workers.dead_after_s)
+    return WorkerContext(config=config, keys=keys, buffer=buffer, engine=engine, chat=chat,
+                         liveness=liveness, worker_id=worker_id)
+
+
+async def _engine_tokenizer_path(engine: EngineClient) -> str:
+    """`engine.tokenizer` unset: ask the engine (`/model_info` has `tokenizer_path`)."""
+    url = await engine.locator.get()
+    async with engine.session.get(f"{url}/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        resp.raise_for_status()
+        info = await resp.json()
+    path = info.get("tokenizer_path")
+    if not path:
+        raise RuntimeError(f"engine.tokenizer is not set and {url}/model_info has no tokenizer_path")
+    log.info("tokenizer from %s/model_info: %s", url, path)
+    return str(path)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+async def stop_worker(worker: Worker, task: "asyncio.Task[None]") -> None:
+    """Stop an in-process worker started with `asyncio.create_task(worker.async_run())`."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await worker.close()
+
+
+def run_worker(config: PipelineConfig, *, concurrency: int | None = None) -> None:
+    """Run one worker in this process until SIGTERM/SIGINT (drained)."""
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    build_worker(config, concurrency=concurrency).run()

@@ -1,0 +1,191 @@
+"""Atomic admission: bound check + arq enqueue + counter + cursor in one Lua script.
+
+Why one script: the bound `(eta + v + 1) * B - (enqueued - discarded) > 0` must hold
+at every instant, across restarts and several producers. If the enqueue and the
+`enqueued` increment were separate calls, a crash between them would either leave a
+job nobody counts (the bound leaks upwards) or a count with no job. The cursor (resume
+position) moves in the same script, so after a crash the producer resumes exactly
+after the last admitted task: nothing skipped, nothing admitted twice. That is
+exactly-once admission per (task, epoch) without relying on arq's job-id check, which
+forgets a job once its result expires.
+
+The script writes the job the way arq 0.28's `enqueue_job` does (`arq:job:<id>` with
+an expiry, `ZADD queue <enqueue ms> <id>`, refused when the job or result key exists),
+with the envelope encoded by workers.queue's msgpack serializer (the workers' own).
+Callers pass group ids (`PromptJob.job_id`); the arq id is `Keys.arq_job_id(group id)`,
+namespaced because arq's job keys are global.
+The bound formula mirrors `pipeline.staleness.admission_headroom` (checked in tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from arq.constants import job_key_prefix, result_key_prefix
+from arq.jobs import serialize_job
+
+from pipeline.config import ConfigError, RolloutSection
+from pipeline.keys import Counter, Keys
+from pipeline.schema import PromptJob, encode
+from pipeline.state import TrainerInfo
+from workers.queue import JOB_FUNCTION, job_serializer
+
+JOB_EXPIRES_MS = 7 * 24 * 3600 * 1000  # a queued job must outlive any wait for headroom
+
+_HEADROOM_LUA = f"""
+local function headroom(eta, batch)
+  local v = tonumber(redis.call('GET', KEYS[3]) or '0')
+  local c = redis.call('HMGET', KEYS[2], '{Counter.ENQUEUED}', '{Counter.DISCARDED}')
+  return (eta + v + 1) * batch - ((tonumber(c[1]) or 0) - (tonumber(c[2]) or 0))
+end
+local function put_job(job_key, result_key, job_id, envelope, expires, score)
+  if redis.call('EXISTS', job_key, result_key) > 0 then return false end
+  redis.call('SET', job_key, envelope, 'PX', expires)
+  redis.call('ZADD', KEYS[1], score, job_id)
+  return true
+end
+"""
+
+# KEYS: queue, counters, version, cursor, then (job key, result key) per job
+# ARGV: eta, batch, expires ms, score, cursor field, expected position, then (job id, envelope) per job
+# -> {consumed, admitted}; consumed = -1 when the cursor moved under us (another producer)
+_FRESH_LUA = _HEADROOM_LUA + f"""
+local pos = tonumber(redis.call('HGET', KEYS[4], ARGV[5]) or '0')
+if pos ~= tonumber(ARGV[6]) then return {{-1, pos}} end
+local room = headroom(tonumber(ARGV[1]), tonumber(ARGV[2]))
+local n = (#ARGV - 6) / 2
+local consumed, admitted = 0, 0
+while consumed < n and room > 0 do
+  local i = consumed
+  if put_job(KEYS[5 + 2 * i], KEYS[6 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
+    admitted = admitted + 1
+    room = room - 1
+  end
+  consumed = consumed + 1
+end
+if admitted > 0 then redis.call('HINCRBY', KEYS[2], '{Counter.ENQUEUED}', admitted) end
+if consumed > 0 then redis.call('HSET', KEYS[4], ARGV[5], pos + consumed) end
+return {{consumed, admitted}}
+"""
+
+# KEYS: queue, counters, version, requeue list, attempts hash, job key, result key
+# ARGV: eta, batch, expires ms, score, entry bytes (the list head we saw), attempts field,
+#       attempts seen, attempt to admit, arq job id, envelope
+# -> -1 head or attempts changed (retry), 0 no headroom, 1 admitted, 2 popped but the id was taken
+_REQUEUE_LUA = _HEADROOM_LUA + """
+if redis.call('LINDEX', KEYS[4], 0) ~= ARGV[5] then return -1 end
+if tonumber(redis.call('HGET', KEYS[5], ARGV[6]) or '0') ~= tonumber(ARGV[7]) then return -1 end
+if headroom(tonumber(ARGV[1]), tonumber(ARGV[2])) <= 0 then return 0 end
+redis.call('LPOP', KEYS[4])
+redis.call('HSET', KEYS[5], ARGV[6], ARGV[8])
+if not put_job(KEYS[6], KEYS[7], ARGV[9], ARGV[10], ARGV[3], ARGV[4]) then return 2 end
+redis.call('HINCRBY', KEYS[2], '""" + Counter.ENQUEUED + """', 1)
+return 1
+"""
+
+# KEYS: requeue list; ARGV: the head we saw -> 1 popped, 0 the head changed (another producer)
+_DROP_HEAD_LUA = """
+if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[1] then return 0 end
+redis.call('LPOP', KEYS[1])
+return 1
+"""
+
+
+def job_envelope(job: PromptJob, *, enqueue_time_ms: int) -> bytes:
+    """The bytes arq's `enqueue_job(JOB_FUNCTION, encode(job))` stores, with the workers' serializer."""
+    return serialize_job(JOB_FUNCTION, (encode(job),), {}, None, enqueue_time_ms, serializer=job_serializer)
+
+
+class CursorMoved(RuntimeError):
+    """Another producer advanced this epoch's cursor: two producers on one namespace."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The numbers admission runs with: the trainer's, once it has published them."""
+
+    batch_size: int
+    eta: int
+    n_samples: int
+
+
+def resolve_limits(rollout: RolloutSection, trainer: TrainerInfo | None) -> tuple[Limits, list[str]]:
+    """Producer settings checked against `{ns}:trainer`.
+
+    n_samples_per_prompt must agree (the trainer refuses groups of another size). For B
+    and eta the trainer wins: v counts its steps of B groups, and it is the trainer
+    that rejects groups staler than its eta. Disagreements come back as warnings.
+    """
+    mine = Limits(rollout.rollout_batch_size, rollout.eta, rollout.n_samples_per_prompt)
+    if trainer is None:
+        return mine, []
+    if trainer.n_samples_per_prompt != mine.n_samples:
+        raise ConfigError(
+            f"rollout.n_samples_per_prompt is {mine.n_samples} but the trainer runs "
+            f"n_samples_per_prompt={trainer.n_samples_per_prompt} ({{ns}}:trainer): fix the config"
+        )
+    warnings = [
+        f"rollout.{name} is {ours} but the trainer runs {theirs}; admitting with the trainer's {theirs}"
+        for name, ours, theirs in (
+            ("rollout_batch_size", mine.batch_size, trainer.rollout_batch_size), ("eta", mine.eta, trainer.eta),
+        )
+        if ours != theirs
+    ]
+    return Limits(trainer.rollout_batch_size, trainer.eta, mine.n_samples), warnings
+
+
+@dataclass(frozen=True)
+class Admitted:
+    consumed: int  # tasks the cursor moved past (admitted + refused as already queued)
+    admitted: int
+
+
+class Admission:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, expires_ms: int = JOB_EXPIRES_MS):
+        self.redis = redis
+        self.keys = keys
+        self.expires_ms = expires_ms
+        self._fresh = redis.register_script(_FRESH_LUA)
+        self._requeue = redis.register_script(_REQUEUE_LUA)
+        self._drop_head = redis.register_script(_DROP_HEAD_LUA)
+
+    @property
+    def attempts_key(self) -> str:
+        """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch)."""
+        return f"{self.keys.requeue}:attempts"
+
+    def _job_keys(self, group_id: str) -> list[str]:
+        arq_id = self.keys.arq_job_id(group_id)
+        return [job_key_prefix + arq_id, result_key_prefix + arq_id]
+
+    def _base_keys(self) -> list[str]:
+        return [self.keys.queue, self.keys.counters, self.keys.version]
+
+    async def admit_fresh(
+        self, limits: Limits, jobs: list[tuple[str, bytes]], *, cursor_field: str, position: int, score_ms: int
+    ) -> Admitted:
+        """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`."""
+        keys = [*self._base_keys(), self.keys.cursor]
+        args: list[str | int | bytes] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position]
+        for group_id, envelope in jobs:
+            keys += self._job_keys(group_id)
+            args += [self.keys.arq_job_id(group_id), envelope]
+        consumed, admitted = await self._fresh(keys=keys, args=args)
+        if consumed < 0:
+            raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}")
+        return Admitted(int(consumed), int(admitted))
+
+    async def admit_requeued(
+        self, limits: Limits, head: bytes, *, attempts_field: str, attempts_seen: int, job: PromptJob, score_ms: int
+    ) -> int:
+        """Move the requeue list's head `head` into the queue as `job`, if the head and the
+        (task, epoch)'s attempt count are still what the caller saw (-1 otherwise)."""
+        keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id)]
+        args = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
+                job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms)]
+        return int(await self._requeue(keys=keys, args=args))
+
+    async def drop_requeued(self, head: bytes) -> bool:
+        """Pop the requeue list's head if it is still `head` (False: it changed, look again)."""
+        return bool(await self._drop_head(keys=[self.keys.requeue], args=[head]))

@@ -1,0 +1,365 @@
+"""`rollout enqueue`: stream tasks.jsonl into arq as PromptJobs under the staleness bound.
+
+    rollout enqueue --tasks tasks.jsonl --config pipeline.yaml [--epochs 3] [--follow]
+
+- Admission: only while `(eta + v + 1) * B - (enqueued - discarded) > 0` (DESIGN.md),
+  checked and applied atomically in Redis (producers/admission.py). With no headroom
+  it sleeps on a short poll of the version and counters (never spins).
+- Order: seeded shuffle per epoch and per environment, environments interleaved by
+  their configured weights (producers/task_index.py). Every task once per epoch.
+- Resume: `{ns}:cursor` holds the position per epoch, moved in the same script as the
+  enqueue; a restarted producer continues right after the last admitted task.
+- Requeue: groups that left without training (`{ns}:requeue` entries `Requeue(task,
+  epoch, attempt, reason)`: stale-rejected by the trainer side, or failed out of tries
+  in a worker) are admitted first, in *their own* epoch as the next attempt, under the
+  fresh id `{task}:{epoch}r{attempt+1}`; after `--max-requeues` re-admissions of one
+  (task, epoch) the entry goes to the dead-letter stream instead.
+- A plain run exits once every epoch is admitted and the requeue list is empty;
+  `--follow` keeps going with further epochs and keeps draining requeues.
+
+`run_producer(...)` is the programmatic entry point (used by the demo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis.asyncio as aioredis
+
+from pipeline.buffer import GroupBuffer
+from pipeline.config import ConfigError, PipelineConfig, load_config
+from pipeline.keys import Counter, Keys
+from pipeline.redis_conn import connect, redact
+from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
+from pipeline.state import PipelineState
+from pipeline.staleness import admission_headroom
+from producers.admission import Admission, Limits, job_envelope, resolve_limits
+from producers.task_index import TaskIndex, TaskReader
+
+log = logging.getLogger("rollout.enqueue")
+
+FINGERPRINT_FIELD = "fingerprint"
+
+
+@dataclass
+class ProducerStats:
+    admitted: int = 0  # fresh tasks admitted
+    requeued: int = 0  # requeued tasks re-admitted
+    refused: int = 0  # id already queued or finished (duplicate task id, second producer, repeated hand-back)
+    dead: int = 0  # requeue entries given up on (max requeues, undecodable)
+    epochs_done: int = 0
+    waits: int = 0  # polls that found no headroom
+    wait_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ProducerOptions:
+    epochs: int = 1
+    follow: bool = False
+    seed: int = 0
+    batch: int = 64  # jobs offered per admission script call
+    poll_s: float = 0.1  # how often to look at the version/counters while waiting
+    max_requeues: int = 3  # re-admissions per (task, epoch) before it is dead-lettered
+    reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed
+
+
+class Producer:
+    def __init__(self, redis: aioredis.Redis, config: PipelineConfig, index: TaskIndex, options: ProducerOptions):
+        self.redis = redis
+        self.config = config
+        self.keys = Keys(config.redis.namespace)
+        self.index = index
+        self.options = options
+        self.weights = {name: env.weight for name, env in config.environments.items()}
+        self.state = PipelineState(redis, self.keys)
+        self.admission = Admission(redis, self.keys)
+        self.buffer = GroupBuffer(redis, self.keys)
+        self.reader = TaskReader(index.path)
+        self.stats = ProducerStats()
+        self.limits = Limits(1, 0, 1)
+        self.epoch = 0
+
+    # ------------------------------------------------------------ main loop
+    async def run(self, stop: asyncio.Event) -> ProducerStats:
+        try:
+            await self._check_cursor()
+            self.epoch = await self._first_open_epoch()
+            order = self._order_from_cursor(await self._position())
+            while not stop.is_set():
+                await self._refresh_limits()
+                if await self._drain_requeue() == "blocked":
+                    await self._wait(stop)
+                    continue
+                if not self._epoch_wanted():
+                    break
+                progress = await self._admit_batch(order)
+                if progress == "epoch-done":
+                    self.stats.epochs_done += 1
+                    self.epoch += 1
+                    order = self._order_from_cursor(0)
+                elif progress == "blocked":
+                    await self._wait(stop)
+        finally:
+            self.reader.close()
+        return self.stats
+
+    def _epoch_wanted(self) -> bool:
+        return self.options.follow or self.epoch < self.options.epochs
+
+    async def _wait(self, stop: asyncio.Event) -> None:
+        """Sleep one poll interval (woken early by stop); the next loop re-reads v and counters."""
+        self.stats.waits += 1
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=self.options.poll_s)
+        except asyncio.TimeoutError:
+            pass
+        self.stats.wait_s += time.monotonic() - started
+
+    async def _refresh_limits(self) -> None:
+        limits, warnings = resolve_limits(self.config.rollout, await self.state.get_trainer_info())
+        for warning in warnings:
+            if warning not in self.stats.warnings:
+                self.stats.warnings.append(warning)
+                log.warning(warning)
+        self.limits = limits
+
+    async def headroom(self) -> int:
+        counters = await self.state.counters()
+        return admission_headroom(
+            eta=self.limits.eta, version=await self.state.get_version(), batch_size=self.limits.batch_size,
+            admitted=counters.get(Counter.ENQUEUED, 0), discarded=counters.get(Counter.DISCARDED, 0),
+        )
+
+    # ------------------------------------------------------------ fresh tasks
+    def _cursor_field(self, epoch: int) -> str:
+        return f"e{epoch}"
+
+    async def _position(self) -> int:
+        raw = await self.redis.hget(self.keys.cursor, self._cursor_field(self.epoch))
+        return int(raw) if raw is not None else 0
+
+    def _order_from_cursor(self, position: int) -> "_EpochStream":
+        order = self.index.epoch_order(self.epoch, self.options.seed, self.weights)
+        for _ in range(position):  # deterministic order: skipping replays it exactly
+            next(order)
+        return _EpochStream(order, position)
+
+    async def _admit_batch(self, stream: "_EpochStream") -> str:
+        batch = stream.peek(self.options.batch)
+        if not batch:
+            return "epoch-done"
+        room = await self.headroom()
+        if room <= 0:
+            return "blocked"
+        batch = batch[:room]  # don't build jobs that cannot be admitted now; the script re-checks
+        version = await self.state.get_version()
+        now = time.time()
+        jobs = []
+        for _env, offset in batch:
+            job = self._job(self.reader.read(offset), self.epoch, version, now)
+            jobs.append((job.job_id, job_envelope(job, enqueue_time_ms=int(now * 1000))))
+        result = await self.admission.admit_fresh(
+            self.limits, jobs, cursor_field=self._cursor_field(self.epoch), position=stream.position,
+            score_ms=int(now * 1000),
+        )
+        stream.advance(result.consumed)
+        self.stats.admitted += result.admitted
+        self.stats.refused += result.consumed - result.admitted
+        if result.consumed > result.admitted:
+            log.warning("%d job id(s) were already queued or finished; skipped", result.consumed - result.admitted)
+        return "admitted" if result.consumed else "blocked"
+
+    def _job(self, task: Task, epoch: int, version: int, now: float, attempt: int = 0) -> PromptJob:
+        return PromptJob(
+            task=task, epoch=epoch, n_samples=self.limits.n_samples, sampling=self.config.rollout.sampling,
+            admission_version=version, enqueued_at=now, attempt=attempt,
+        )
+
+    # ------------------------------------------------------------ requeued tasks
+    async def _drain_requeue(self) -> str:
+        """Admit requeued tasks first. Returns "empty" or "blocked" (no headroom)."""
+        while True:
+            head = await self.redis.lindex(self.keys.requeue, 0)
+            if head is None:
+                return "empty"
+            outcome = await self._admit_requeued(head)
+            if outcome == 0:
+                return "blocked"
+
+    async def _admit_requeued(self, head: bytes) -> int:
+        """-1 look again (head or count moved), 0 no headroom, 1 admitted, 2 entry used up otherwise."""
+        try:
+            entry = decode_requeue(head)
+        except SchemaError as exc:
+            return await self._give_up(head, "?", f"undecodable requeue entry: {exc}")
+        # the attempt count is per (task, epoch): another epoch's hand-backs are another budget
+        attempts_field = job_id_for(entry.task.id, entry.epoch)
+        raw = await self.redis.hget(self.admission.attempts_key, attempts_field)
+        admitted = int(raw) if raw is not None else 0  # highest attempt admitted so far
+        if entry.attempt < admitted:  # a repeated hand-back (replayed discard): its successor is admitted
+            log.info("requeue entry for %s: attempt %d is already admitted; dropped", entry.group_id, admitted)
+            return await self._drop(head, refused=True)
+        attempt = entry.attempt + 1
+        if attempt > self.options.max_requeues:
+            reason = (
+                f"task {entry.task.id!r} epoch {entry.epoch} was handed back {attempt} times, last {entry.reason.value} "
+                f"(--max-requeues {self.options.max_requeues})"
+            )
+            return await self._give_up(head, entry.group_id, reason)
+        now = time.time()
+        job = self._job(entry.task, entry.epoch, await self.state.get_version(), now, attempt=attempt)
+        outcome = await self.admission.admit_requeued(
+            self.limits, head, attempts_field=attempts_field, attempts_seen=admitted, job=job, score_ms=int(now * 1000)
+        )
+        self.stats.requeued += outcome == 1
+        self.stats.refused += outcome == 2
+        return outcome
+
+    async def _give_up(self, head: bytes, ref: str, reason: str) -> int:
+        # Dead-letter first, then pop: a crash in between leaves a duplicate record, never a lost task.
+        await self.buffer.dead_letter(source="requeue", reason=reason, payload=head, ref=ref)
+        return await self._drop(head, dead=True)
+
+    async def _drop(self, head: bytes, *, dead: bool = False, refused: bool = False) -> int:
+        if not await self.admission.drop_requeued(head):
+            return -1
+        self.stats.dead += dead
+        self.stats.refused += refused
+        return 2
+
+    # ------------------------------------------------------------ cursor
+    async def _check_cursor(self) -> None:
+        mine = self.index.fingerprint(self.options.seed, self.weights)
+        if self.options.reset_cursor:
+            await self.redis.delete(self.keys.cursor)
+        stored = await self.redis.hget(self.keys.cursor, FINGERPRINT_FIELD)
+        if stored is None:
+            await self.redis.hset(self.keys.cursor, FINGERPRINT_FIELD, mine)
+        elif stored.decode() != mine:
+            raise ConfigError(
+                f"{self.keys.cursor} was written for other tasks, seed or weights ({stored.decode()[:60]}...) than "
+                f"{self.index.path} now ({mine[:60]}...): resuming would skip or repeat tasks. "
+                "Pass --reset-cursor to start the epochs over (counters and the bound are kept)."
+            )
+
+    async def _first_open_epoch(self) -> int:
+        size = self.index.epoch_size(self.weights)
+        epoch = 0
+        while True:
+            raw = await self.redis.hget(self.keys.cursor, self._cursor_field(epoch))
+            if raw is None or int(raw) < size:
+                return epoch
+            epoch += 1
+
+
+class _EpochStream:
+    """The epoch's order from `position` on, with look-ahead for one admission batch."""
+
+    def __init__(self, order: Iterator[tuple[str, int]], position: int):
+        self._order = order
+        self._ahead: list[tuple[str, int]] = []
+        self.position = position
+
+    def peek(self, n: int) -> list[tuple[str, int]]:
+        while len(self._ahead) < n:
+            item = next(self._order, None)
+            if item is None:
+                break
+            self._ahead.append(item)
+        return self._ahead[:n]
+
+    def advance(self, n: int) -> None:
+        del self._ahead[:n]
+        self.position += n
+
+
+async def run_producer(
+    config: PipelineConfig,
+    tasks_path: str | Path,
+    *,
+    epochs: int = 1,
+    follow: bool = False,
+    stop_event: asyncio.Event | None = None,
+    redis: aioredis.Redis | None = None,
+    options: ProducerOptions | None = None,
+) -> ProducerStats:
+    """Admit tasks until done (or `stop_event` is set). Uses `redis` or connects to config.redis."""
+    options = dataclasses.replace(options or ProducerOptions(), epochs=epochs, follow=follow)
+    weights = {name: env.weight for name, env in config.environments.items()}
+    index = TaskIndex.build(tasks_path, weights)
+    _warn_unmixed(index, weights)
+    client = redis or connect(config.redis.resolved_url())
+    try:
+        producer = Producer(client, config, index, options)
+        return await producer.run(stop_event or asyncio.Event())
+    finally:
+        if redis is None:
+            await client.aclose()
+
+
+def _warn_unmixed(index: TaskIndex, weights: dict[str, float]) -> None:
+    for env in index.envs:
+        if weights.get(env, 0.0) <= 0:
+            log.warning("environment %r has weight 0: its %d tasks will not be admitted", env, index.count(env))
+
+
+# ------------------------------------------------------------------ CLI
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollout enqueue", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", required=True, help="tasks.jsonl written by `rollout prepare`")
+    parser.add_argument("--config", default=None, help="pipeline YAML (default: embedded defaults)")
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--follow", action="store_true", help="keep running: more epochs, keep draining requeues")
+    parser.add_argument("--seed", type=int, default=0, help="shuffle seed (part of the cursor's fingerprint)")
+    parser.add_argument("--batch", type=int, default=64, help="jobs offered per admission call")
+    parser.add_argument("--poll", type=float, default=0.1, help="seconds between looks at the version while waiting")
+    parser.add_argument("--max-requeues", type=int, default=3)
+    parser.add_argument("--reset-cursor", action="store_true", help="start the epochs over (counters are kept)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    options = ProducerOptions(
+        seed=args.seed, batch=args.batch, poll_s=args.poll, max_requeues=args.max_requeues,
+        reset_cursor=args.reset_cursor,
+    )
+    try:
+        config = load_config(args.config)
+        log.info("enqueue %s -> %s ns=%s", args.tasks, redact(config.redis.resolved_url()), config.redis.namespace)
+        stats = asyncio.run(_run_until_signal(config, args.tasks, args.epochs, args.follow, options))
+    except ConfigError as exc:
+        print(f"rollout enqueue: {exc}", file=sys.stderr)
+        return 1
+    log.info("done: %s", stats)
+    return 0
+
+
+async def _run_until_signal(
+    config: PipelineConfig, tasks: str, epochs: int, follow: bool, options: ProducerOptions
+) -> ProducerStats:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return await run_producer(config, tasks, epochs=epochs, follow=follow, stop_event=stop, options=options)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

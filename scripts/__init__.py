@@ -1,0 +1,1 @@
+"""Benchmarks and thin launchers (`rollout bench`)."""

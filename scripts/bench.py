@@ -1,0 +1,130 @@
+"""`rollout bench`: every benchmark section side by side with its baseline, in one run.
+
+    rollout bench [--quick] [--sections codec,buffer,...] [--json bench.json]
+    rollout bench plan --lengths profile.json --engines 4 --slots 64 --step-time 30
+
+Each section prints its figure, the baseline measured in the same run, the ratio
+and the goal (the anchor); all figures go to one JSON file. Sections run on a
+private redis-server (never a shared one). Speed goals are shown here, not asserted
+in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import msgspec
+
+from pipeline.local_redis import LocalRedis
+from scripts.report import Figure
+
+SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
+
+
+def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list[Figure]]:
+    if name == "codec":
+        from scripts.bench_micro import bench_codec
+        return lambda: bench_codec(quick=quick)
+    if name == "buffer":
+        from scripts.bench_micro import bench_buffer
+        return lambda: bench_buffer(redis_url, quick=quick)
+    if name == "handoff":
+        from scripts.bench_micro import bench_handoff
+        return lambda: bench_handoff(redis_url, quick=quick)
+    if name == "queue":
+        from scripts.bench_queue import bench_queue
+        return lambda: bench_queue(redis_url, quick=quick)
+    if name == "worker":
+        return lambda: _worker_section(quick)
+    if name == "async":
+        from scripts.bench_async import bench_async
+        return lambda: bench_async(redis_url, quick=quick)
+    raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS)})")
+
+
+def _worker_section(quick: bool) -> list[Figure]:
+    """One worker process, zero-latency simulated engine (scripts/bench_worker.py, owned by workers/)."""
+    try:
+        module = importlib.import_module("scripts.bench_worker")
+    except ImportError as exc:
+        print(f"[worker] skipped: scripts.bench_worker is not available ({exc})")
+        return []
+    episodes = 2000 if quick else 8000
+    base = module.run_worker_bench(64, episodes // 4)
+    high = module.run_worker_bench(1000, episodes)
+    lag_ms = float(high["lag_p99_ms"])
+    return [
+        Figure(section="worker", name="event-loop lag p99 at 1,000 concurrent episodes (one process, zero-latency engine)",
+               value=lag_ms, unit="ms", baseline="goal", baseline_value=50.0, ratio=50.0 / max(lag_ms, 1e-3),
+               goal="< 50 ms", met=lag_ms < 50.0, details={"at_1000": high, "at_64": base}),
+        Figure(section="worker", name="episodes/s at 1,000 concurrent episodes", value=float(high["episodes_per_s"]),
+               unit="episodes/s", baseline="same worker at 64 concurrent", baseline_value=float(base["episodes_per_s"]),
+               ratio=float(high["episodes_per_s"]) / max(float(base["episodes_per_s"]), 1e-9)),
+    ]
+
+
+def run(sections: list[str], *, quick: bool) -> list[Figure]:
+    figures: list[Figure] = []
+    with LocalRedis() as server:
+        for name in sections:
+            started = time.monotonic()
+            try:
+                produced = _section_runner(name, server.url, quick)()
+            except Exception as exc:  # one broken section must not hide the others' figures
+                print(f"[{name}] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+                produced = [Figure(section=name, name="section failed", value=float("nan"), unit="",
+                                   details={"error": f"{type(exc).__name__}: {exc}"})]
+            for figure in produced:
+                print(figure.line(), flush=True)
+            print(f"[{name}] {time.monotonic() - started:.1f} s", flush=True)
+            figures += produced
+    return figures
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rollout bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller runs: a few minutes on 2 cores")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--json", default="bench-results.json", help="where to write all figures")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "plan":
+        from scripts.plan import main as plan_main
+        return plan_main(argv[1:])
+    args = _parse(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        print(f"rollout bench: unknown sections {unknown} (known: {', '.join(SECTIONS)})", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    figures = run(sections, quick=args.quick)
+    report = {
+        "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
+        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": _cpus()},
+        "figures": msgspec.to_builtins(figures),
+    }
+    Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    missed = [f for f in figures if f.met is False]
+    print(f"\n{len(figures)} figures in {report['seconds']} s -> {args.json}; goals not met: {len(missed)}")
+    return 0
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

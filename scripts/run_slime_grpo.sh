@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Off-policy GRPO with slime (Megatron backend) trained on groups from this pipeline.
+#
+# slime's train_async.py keeps its own SGLang engines (weights are pushed to them after every
+# step) but does not generate: our worker pools call those engines through slime's router and
+# push scored groups to Redis; slime pulls whole groups through
+#     --data-source-path pipeline.slime.RedisDataSource
+#     --rollout-function-path pipeline.slime.generate_rollout
+# and corrects the remaining off-policy gap with truncated importance sampling (--use-tis)
+# on the log-probs the engines returned with every token.
+#
+# Usage:
+#   scripts/run_slime_grpo.sh --check            # check prerequisites, write the config, print the command
+#   scripts/run_slime_grpo.sh [extra slime flags] # launch (extra flags are appended, so they win)
+#
+# Then, on every rollout node:  scripts/start_workers.sh   (engine "auto" follows slime's router)
+# and one producer:             rollout enqueue --config <pipeline.yaml> --tasks <tasks.jsonl>
+#
+# Settings (environment variables; defaults in brackets):
+#   SLIME_DIR            slime checkout holding train_async.py            [/root/slime]
+#   MEGATRON_DIR         Megatron-LM checkout                             [/root/Megatron-LM]
+#   MODEL_ARGS_SCRIPT    slime's model shape file, defines MODEL_ARGS     [$SLIME_DIR/scripts/models/qwen2.5-0.5B.sh]
+#   HF_CHECKPOINT        HF checkpoint (tokenizer + SGLang weights)       [/root/models/Qwen2.5-0.5B-Instruct]
+#   REF_LOAD             Megatron torch_dist checkpoint (initial actor)   [${HF_CHECKPOINT}_torch_dist]
+#   SAVE_DIR             checkpoints; the pipeline YAML is written here   [/root/ckpt/rollout-grpo]
+#   SAVE_INTERVAL        steps between checkpoints; also when consumed groups are acked in Redis [20]
+#   NUM_ROLLOUT          training steps (slime requires it here)          [1000]
+#   ROLLOUT_BATCH_SIZE   groups per step (B)                              [32]
+#   N_SAMPLES            samples per group (n); must match the workers    [8]
+#   MAX_RESPONSE_LEN     response token budget; match rollout.max_response_tokens [4096]
+#   ACTOR_GPUS           training GPUs per node                           [4]
+#   ACTOR_NODES          training nodes                                   [1]
+#   ROLLOUT_GPUS         GPUs for slime's SGLang engines                  [4]
+#   GPUS_PER_ENGINE      tensor parallel size of one engine               [1]
+#   ROLLOUT_REDIS_URL    the pipeline's Redis                             [redis://127.0.0.1:6379/0]
+#   ROLLOUT_NAMESPACE    the pipeline's key prefix                        [rollout]
+#   ROLLOUT_ETA          staleness bound eta (steps); producers admit under the same bound [2]
+#   ROLLOUT_STALE_POLICY requeue | drop | keep: what to do with a group staler than eta [requeue]
+#   ROLLOUT_FILTER_ZERO_VARIANCE  drop groups whose rewards are all equal (no GRPO signal) [false]
+#   RAY_ADDRESS          a running Ray cluster's dashboard; unset = start a local head [unset]
+#   USE_WANDB=1          log to wandb (slime's own run; pipeline metrics land in it too)
+set -euo pipefail
+
+REPO_DIR="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." &>/dev/null && pwd)"
+SLIME_DIR=${SLIME_DIR:-/root/slime}
+MEGATRON_DIR=${MEGATRON_DIR:-/root/Megatron-LM}
+MODEL_ARGS_SCRIPT=${MODEL_ARGS_SCRIPT:-${SLIME_DIR}/scripts/models/qwen2.5-0.5B.sh}
+HF_CHECKPOINT=${HF_CHECKPOINT:-/root/models/Qwen2.5-0.5B-Instruct}
+REF_LOAD=${REF_LOAD:-${HF_CHECKPOINT}_torch_dist}
+SAVE_DIR=${SAVE_DIR:-/root/ckpt/rollout-grpo}
+SAVE_INTERVAL=${SAVE_INTERVAL:-20}
+NUM_ROLLOUT=${NUM_ROLLOUT:-1000}
+ROLLOUT_BATCH_SIZE=${ROLLOUT_BATCH_SIZE:-32}
+N_SAMPLES=${N_SAMPLES:-8}
+MAX_RESPONSE_LEN=${MAX_RESPONSE_LEN:-4096}
+ACTOR_GPUS=${ACTOR_GPUS:-4}
+ACTOR_NODES=${ACTOR_NODES:-1}
+ROLLOUT_GPUS=${ROLLOUT_GPUS:-4}
+GPUS_PER_ENGINE=${GPUS_PER_ENGINE:-1}
+export ROLLOUT_REDIS_URL=${ROLLOUT_REDIS_URL:-redis://127.0.0.1:6379/0}
+ROLLOUT_NAMESPACE=${ROLLOUT_NAMESPACE:-rollout}
+ROLLOUT_ETA=${ROLLOUT_ETA:-2}
+ROLLOUT_STALE_POLICY=${ROLLOUT_STALE_POLICY:-requeue}
+ROLLOUT_FILTER_ZERO_VARIANCE=${ROLLOUT_FILTER_ZERO_VARIANCE:-false}
+PYTHON=${PYTHON:-python3}
+
+CHECK_ONLY=0
+if [[ "${1:-}" == "--check" ]]; then CHECK_ONLY=1; shift; fi
+
+missing=()
+need() { missing+=("$1"); }
+
+check_prerequisites() {
+  if ! command -v "${PYTHON}" >/dev/null 2>&1; then
+    need "python: '${PYTHON}' is not on PATH (set PYTHON=...)"
+    return
+  fi
+  "${PYTHON}" -c "import pipeline.slime" 2>/dev/null \
+    || need "this pipeline: 'import pipeline.slime' fails; run: pip install -e ${REPO_DIR}"
+  [[ -f "${SLIME_DIR}/train_async.py" ]] \
+    || need "slime: ${SLIME_DIR}/train_async.py not found (git clone https://github.com/THUDM/slime; set SLIME_DIR)"
+  PYTHONPATH="${SLIME_DIR}:${MEGATRON_DIR}:${PYTHONPATH:-}" "${PYTHON}" -c "import slime.utils.arguments" 2>/dev/null \
+    || need "slime: 'import slime.utils.arguments' fails with SLIME_DIR=${SLIME_DIR} (install slime's requirements)"
+  PYTHONPATH="${MEGATRON_DIR}:${PYTHONPATH:-}" "${PYTHON}" -c "import megatron.core" 2>/dev/null \
+    || need "Megatron: 'import megatron.core' fails with MEGATRON_DIR=${MEGATRON_DIR}"
+  command -v ray >/dev/null 2>&1 || need "ray: the 'ray' command is missing (pip install 'ray[default]')"
+  [[ -f "${MODEL_ARGS_SCRIPT}" ]] || need "model args: MODEL_ARGS_SCRIPT=${MODEL_ARGS_SCRIPT} not found"
+  [[ -f "${HF_CHECKPOINT}/config.json" ]] || need "model: HF_CHECKPOINT=${HF_CHECKPOINT} has no config.json"
+  [[ -d "${REF_LOAD}" ]] \
+    || need "model: REF_LOAD=${REF_LOAD} missing (convert with slime's tools/convert_hf_to_torch_dist.py)"
+  local redis_problem
+  if ! redis_problem=$("${PYTHON}" - <<'EOF' 2>&1
+import os, sys
+try:
+    import redis
+    from pipeline.redis_conn import redact
+except ImportError as exc:
+    sys.exit(f"cannot import {exc.name}")
+url = os.environ["ROLLOUT_REDIS_URL"]
+try:
+    redis.Redis.from_url(url, socket_connect_timeout=3).ping()
+except Exception as exc:
+    sys.exit(f"{redact(url)}: {type(exc).__name__}: {exc}")
+EOF
+  ); then
+    need "redis: not reachable: ${redis_problem}"
+  fi
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    local gpus
+    gpus=$(nvidia-smi -L | wc -l)
+    (( gpus >= ACTOR_GPUS + ROLLOUT_GPUS )) || [[ -n "${RAY_ADDRESS:-}" ]] \
+      || need "GPUs: this node has ${gpus}, ACTOR_GPUS + ROLLOUT_GPUS = $((ACTOR_GPUS + ROLLOUT_GPUS)) (or join a Ray cluster: RAY_ADDRESS)"
+  else
+    [[ -n "${RAY_ADDRESS:-}" ]] || need "GPUs: nvidia-smi not found on this node and no RAY_ADDRESS given"
+  fi
+}
+
+# Our settings reach pipeline.slime through slime's --custom-config-path: slime sets every key
+# of this YAML as an attribute of `args` (pipeline/config.py TrainerSettings reads pipeline_*).
+# rollout_batch_size / n_samples_per_prompt are slime's own flags below, not repeated here.
+write_pipeline_config() {
+  mkdir -p "${SAVE_DIR}"
+  PIPELINE_YAML="${SAVE_DIR}/pipeline_slime.yaml"
+  {
+    echo "# written by scripts/run_slime_grpo.sh; read by pipeline.slime (TrainerSettings)"
+    # A URL with a password stays out of files: Ray actors read ROLLOUT_REDIS_URL from the env.
+    if [[ "${ROLLOUT_REDIS_URL}" != *@* ]]; then echo "pipeline_redis_url: ${ROLLOUT_REDIS_URL}"; fi
+    echo "pipeline_namespace: ${ROLLOUT_NAMESPACE}"
+    echo "pipeline_consumer: trainer      # stable: a restarted trainer finds its pending groups"
+    echo "pipeline_eta: ${ROLLOUT_ETA}"
+    echo "pipeline_stale_policy: ${ROLLOUT_STALE_POLICY}"
+    echo "pipeline_filter_zero_variance: ${ROLLOUT_FILTER_ZERO_VARIANCE}"
+    echo "pipeline_wait_log_s: 30.0"
+    echo "pipeline_wait_timeout_s: 0.0   # 0 = wait for workers forever"
+    echo "pipeline_publish_engine: true  # workers with engine 'auto' follow slime's router"
+  } >"${PIPELINE_YAML}"
+}
+
+build_command() {
+  MODEL_ARGS=()
+  if [[ -f "${MODEL_ARGS_SCRIPT}" ]]; then
+    set +u  # slime's model files are not written for `set -u`
+    # shellcheck disable=SC1090
+    source "${MODEL_ARGS_SCRIPT}"  # defines MODEL_ARGS (layers, hidden size, rotary base, ...)
+    set -u
+  fi
+  CMD=(
+    "${PYTHON}" "${SLIME_DIR}/train_async.py"
+    --train-backend megatron
+    --actor-num-nodes "${ACTOR_NODES}" --actor-num-gpus-per-node "${ACTOR_GPUS}"
+    --rollout-num-gpus "${ROLLOUT_GPUS}" --rollout-num-gpus-per-engine "${GPUS_PER_ENGINE}"
+    "${MODEL_ARGS[@]}"
+    # checkpoints: data_source.save(rid) runs with each checkpoint (rollout_global_dataset stays on,
+    # the default) and is when Redis drops the groups trained up to rid.
+    --hf-checkpoint "${HF_CHECKPOINT}" --ref-load "${REF_LOAD}" --load "${SAVE_DIR}"
+    --save "${SAVE_DIR}" --save-interval "${SAVE_INTERVAL}"
+    # the pipeline: whole groups from Redis, no generation inside slime
+    --data-source-path pipeline.slime.RedisDataSource
+    --rollout-function-path pipeline.slime.generate_rollout
+    --custom-config-path "${PIPELINE_YAML}"
+    --num-rollout "${NUM_ROLLOUT}"                    # required: our source has no epoch length
+    --rollout-batch-size "${ROLLOUT_BATCH_SIZE}"      # groups per step = producers' B
+    --n-samples-per-prompt "${N_SAMPLES}"             # = rollout.n_samples_per_prompt of the workers
+    --global-batch-size "$((ROLLOUT_BATCH_SIZE * N_SAMPLES))"  # one optimizer step per rollout
+    --rollout-max-response-len "${MAX_RESPONSE_LEN}"
+    --update-weights-interval 1                       # push weights every step: version v+1 live soon
+    # GRPO with off-policy correction from the engines' per-token log-probs
+    --advantage-estimator grpo
+    --use-tis --tis-clip 2.0
+    --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl
+    --entropy-coef 0.0 --eps-clip 0.2 --eps-clip-high 0.28
+    # optimizer (Megatron flags)
+    --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1
+    --adam-beta1 0.9 --adam-beta2 0.98
+    # parallelism and memory (Megatron flags)
+    --tensor-model-parallel-size 1 --sequence-parallel --pipeline-model-parallel-size 1
+    --context-parallel-size 1 --use-dynamic-batch-size --max-tokens-per-gpu 8192
+    --attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32
+    --attention-softmax-in-fp32 --attention-backend flash
+    # slime's SGLang engines (our workers call them through slime's router)
+    --sglang-mem-fraction-static 0.7
+  )
+  if [[ "${USE_WANDB:-0}" == "1" ]]; then
+    CMD+=(--use-wandb --wandb-project "${WANDB_PROJECT:-rollout-grpo}" --wandb-group "${ROLLOUT_NAMESPACE}")
+  fi
+  CMD+=("$@")
+}
+
+check_prerequisites
+write_pipeline_config
+build_command "$@"
+
+if (( ${#missing[@]} )); then
+  echo "run_slime_grpo.sh: missing prerequisites:" >&2
+  printf '  - %s\n' "${missing[@]}" >&2
+  (( CHECK_ONLY )) && echo "pipeline settings written to ${PIPELINE_YAML}" >&2
+  exit 2
+fi
+echo "prerequisites ok; pipeline settings in ${PIPELINE_YAML}"
+if (( CHECK_ONLY )); then
+  printf '%q ' "${CMD[@]}"; echo
+  exit 0
+fi
+
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export PYTHONPATH="${REPO_DIR}:${SLIME_DIR}:${MEGATRON_DIR}:${PYTHONPATH:-}"
+if [[ -z "${RAY_ADDRESS:-}" ]]; then
+  # Actors inherit this environment (ROLLOUT_REDIS_URL included) from the local head.
+  ray start --head --node-ip-address "${MASTER_ADDR:-127.0.0.1}" --num-gpus "$((ACTOR_GPUS + ROLLOUT_GPUS))" \
+    --disable-usage-stats
+  RAY_ADDRESS="http://127.0.0.1:8265"
+fi
+RUNTIME_ENV="{\"env_vars\": {\"PYTHONPATH\": \"${PYTHONPATH}\", \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\"}}"
+exec ray job submit --address="${RAY_ADDRESS}" --runtime-env-json="${RUNTIME_ENV}" -- "${CMD[@]}"

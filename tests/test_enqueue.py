@@ -1,0 +1,376 @@
+"""rollout enqueue: staleness-bounded admission, resume, requeue, mixing (real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter as Tally
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+from arq.constants import job_key_prefix
+from arq.jobs import deserialize_job
+from arq.worker import Worker, func
+
+from pipeline.buffer import GroupBuffer
+from pipeline.config import ConfigError, parse_config
+from pipeline.keys import Counter
+from pipeline.schema import Requeue, RequeueReason, Task, decode_job, encode, encode_task_json
+from pipeline.slime import RedisDataSource, generate_rollout
+from pipeline.state import PipelineState, TrainerInfo
+from pipeline.staleness import admission_headroom
+from pipeline.synthetic import make_group
+from producers.admission import Admission, Limits
+from producers.enqueue import Producer, ProducerOptions, main, run_producer
+from producers.task_index import TaskIndex
+from workers.queue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
+
+
+def write_tasks(path: Path, prefix: str, sizes: dict[str, int]) -> list[Task]:
+    """Task ids carry the test's namespace (unique ids; arq's ids carry the namespace anyway)."""
+    tasks = [Task(id=f"{prefix}-{env}-{i}", env=env, prompt=f"{env} question {i}", label=str(i))
+             for env, n in sizes.items() for i in range(n)]
+    path.write_bytes(b"".join(encode_task_json(t) + b"\n" for t in tasks))
+    return tasks
+
+
+def make_config(redis_url: str, ns: str, weights: dict[str, float], *, batch: int, eta: int, n: int = 2):
+    return parse_config({
+        "redis": {"url": redis_url, "namespace": ns},
+        "rollout": {"rollout_batch_size": batch, "eta": eta, "n_samples_per_prompt": n,
+                    "sampling": {"temperature": 0.7, "max_new_tokens": 64}},
+        "environments": {env: {"kind": "math", "weight": w} for env, w in weights.items()},
+    })
+
+
+async def queued_jobs(redis, keys):
+    """Group ids of the queued jobs (arq's ids are `keys.arq_job_id(group id)`)."""
+    return [keys.group_id_of(i.decode()) for i in await redis.zrange(keys.queue, 0, -1)]
+
+
+async def wait_for(predicate, timeout: float = 60.0):  # generous: CI machines are shared and 2-core
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_plain_run_admits_every_task_once_per_epoch(tmp_path, redis_url, redis, keys, namespace):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 20, "b": 10})
+    config = make_config(redis_url, namespace, {"a": 1, "b": 1}, batch=1000, eta=0)
+    stats = await run_producer(config, tmp_path / "tasks.jsonl", epochs=2, redis=redis)
+    ids = await queued_jobs(redis, keys)
+    assert sorted(ids) == sorted(f"{t.id}:{e}" for t in tasks for e in (0, 1))
+    assert stats.admitted == 60 and stats.epochs_done == 2
+    assert (await PipelineState(redis, keys).counters())[Counter.ENQUEUED] == 60
+    # the stored job is what an arq worker with our deserializer reads: run_group(<msgpack PromptJob>)
+    raw = await redis.get(job_key_prefix + keys.arq_job_id(ids[0]))
+    job_def = deserialize_job(raw, deserializer=job_deserializer)
+    assert job_def.function == JOB_FUNCTION
+    job = decode_job(job_def.args[0])
+    assert job.job_id == ids[0] and job.n_samples == 2 and job.sampling.max_new_tokens == 64
+
+
+def test_epoch_order_is_seeded_complete_and_shuffled(tmp_path):
+    write_tasks(tmp_path / "t.jsonl", "x", {"a": 50, "b": 30})
+    index = TaskIndex.build(tmp_path / "t.jsonl", {"a": 1.0, "b": 1.0})
+    weights = {"a": 1.0, "b": 1.0}
+    e0 = list(index.epoch_order(0, 7, weights))
+    assert e0 == list(index.epoch_order(0, 7, weights))  # deterministic: resume replays it
+    assert len(set(e0)) == 80 and e0 != sorted(e0)
+    assert e0 != list(index.epoch_order(1, 7, weights)) != list(index.epoch_order(0, 8, weights))
+
+
+async def test_waits_at_the_bound_and_admits_as_it_moves(tmp_path, redis_url, redis, keys, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
+    state = PipelineState(redis, keys)
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(poll_s=0.02)))
+    enqueued = lambda: state.counters()  # noqa: E731
+
+    async def count():
+        return (await enqueued()).get(Counter.ENQUEUED, 0)
+
+    await wait_for(lambda: _eq(count, 8))  # (eta + 0 + 1) * 4
+    await asyncio.sleep(0.2)
+    assert await count() == 8  # blocked, not over the bound
+    await state.set_version(1)
+    await wait_for(lambda: _eq(count, 12))
+    await state.incr(**{Counter.DISCARDED: 3})  # three groups left without training: slots come back
+    await wait_for(lambda: _eq(count, 15))
+    stop.set()
+    stats = await asyncio.wait_for(run, 30)
+    assert stats.admitted == 15 and stats.waits > 0
+
+
+async def _eq(fn, value) -> bool:
+    return await fn() == value
+
+
+@pytest.mark.parametrize("eta,version,batch,enqueued,discarded,offered", [
+    (0, 0, 4, 0, 0, 10), (2, 3, 5, 17, 2, 10), (1, 0, 3, 6, 0, 5), (0, 5, 2, 20, 9, 1), (1, 2, 8, 0, 0, 64),
+])
+async def test_script_bound_equals_admission_headroom(redis, keys, namespace, eta, version, batch, enqueued,
+                                                      discarded, offered):
+    state = PipelineState(redis, keys)
+    await state.set_version(version)
+    await state.incr(**{Counter.ENQUEUED: enqueued, Counter.DISCARDED: discarded})
+    jobs = [(f"{namespace}-j{i}:0", b"x") for i in range(offered)]
+    result = await Admission(redis, keys).admit_fresh(
+        Limits(batch, eta, 1), jobs, cursor_field="e0", position=0, score_ms=1)
+    room = admission_headroom(eta=eta, version=version, batch_size=batch, admitted=enqueued, discarded=discarded)
+    assert result.admitted == min(room, offered)
+    assert int(await redis.hget(keys.cursor, "e0") or 0) == result.consumed
+
+
+async def test_restart_mid_epoch_admits_each_task_exactly_once(tmp_path, redis_url, redis, keys, namespace):
+    """Producers are killed (cancelled) at random points while a consumer pops and forgets
+    jobs (no arq result left behind), so only the cursor can prevent repeats."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 150, "b": 90})
+    config = make_config(redis_url, namespace, {"a": 2, "b": 1}, batch=7, eta=0)
+    state = PipelineState(redis, keys)
+    popped: list[str] = []
+
+    async def consume_and_step():  # a stand-in trainer: take jobs, forget them, advance v
+        while True:
+            ids = [raw_id.decode() for raw_id, _score in await redis.zpopmin(keys.queue, 7)]
+            popped.extend(keys.group_id_of(i) for i in ids)
+            for arq_id in ids:
+                await redis.delete(job_key_prefix + arq_id)
+            await state.set_version(len(popped) // 7)
+            await asyncio.sleep(0.005)
+
+    consumer = asyncio.create_task(consume_and_step())
+    rng = random.Random(3)
+    options = ProducerOptions(poll_s=0.005, batch=5)
+    for _restart in range(60):
+        run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options))
+        await asyncio.sleep(rng.uniform(0.0, 0.03))
+        if run.done():
+            break
+        run.cancel()  # a crash at an arbitrary await point
+        await asyncio.gather(run, return_exceptions=True)
+    else:
+        await asyncio.wait_for(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options), 20)
+    async def drained() -> bool:  # the consumer holds every admitted job
+        enqueued = (await state.counters()).get(Counter.ENQUEUED, 0)
+        return await redis.zcard(keys.queue) == 0 and len(popped) == enqueued
+
+    await wait_for(drained)
+    consumer.cancel()
+    await asyncio.gather(consumer, return_exceptions=True)
+    assert Tally(popped) == Tally(f"{t.id}:0" for t in tasks)
+    assert (await state.counters())[Counter.ENQUEUED] == len(tasks)
+
+
+async def test_mixing_follows_weights(tmp_path, redis_url, redis, keys, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 2000, "b": 1000, "c": 1000})
+    config = make_config(redis_url, namespace, {"a": 3, "b": 2, "c": 1}, batch=3000, eta=0)
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(poll_s=0.02, batch=256)))
+    await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 3000))
+    stop.set()
+    await asyncio.wait_for(run, 30)
+    per_env = Tally(i.split("-")[1] for i in await queued_jobs(redis, keys))
+    for env, share in {"a": 0.5, "b": 1 / 3, "c": 1 / 6}.items():
+        assert abs(per_env[env] / 3000 - share) < 0.01, per_env
+
+
+def handed_back(task: Task, epoch: int = 0, attempt: int = 0, reason: RequeueReason = RequeueReason.STALE) -> bytes:
+    return encode(Requeue(task=task, epoch=epoch, attempt=attempt, reason=reason))
+
+
+async def test_requeued_tasks_go_first_with_fresh_ids_then_dead_letter(tmp_path, redis_url, redis, keys, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 5})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)
+    back = Task(id=f"{namespace}-a-3", env="a", prompt="a question 3")
+    await redis.rpush(keys.requeue, handed_back(back), b"\x01not msgpack")
+    options = ProducerOptions(max_requeues=2)
+    stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options)
+    assert stats.requeued == 1 and stats.dead == 1 and stats.admitted == 5
+    assert f"{back.id}:0r1" in await queued_jobs(redis, keys)
+    for attempt in (1, 2):  # r1's group fails too -> r2; r2's -> past --max-requeues
+        await redis.rpush(keys.requeue, handed_back(back, attempt=attempt, reason=RequeueReason.FAILED))
+        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options)
+    ids = await queued_jobs(redis, keys)
+    assert f"{back.id}:0r2" in ids and f"{back.id}:0r3" not in ids
+    assert await redis.llen(keys.requeue) == 0
+    dead = await redis.xrange(keys.dead)
+    reasons = [fields[b"reason"].decode() for _id, fields in dead]
+    assert any("undecodable requeue entry" in r for r in reasons)
+    assert any("epoch 0 was handed back 3 times, last failed (--max-requeues 2)" in r for r in reasons)
+
+
+def _epoch_of(group_id: str) -> int:
+    return int(group_id.rsplit(":", 1)[1].split("r")[0])
+
+
+async def test_requeue_returns_to_its_own_epoch_with_its_own_budget(tmp_path, redis_url, redis, keys, namespace):
+    """--follow: an epoch-0 group rejected while the producer admits epoch 2 is re-admitted as
+    epoch 0's next attempt (`t:0r1`), never as another epoch's group; the attempt limit counts
+    per (task, epoch); a group handed back twice (a replayed discard) is re-admitted once."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 4})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=0)
+    state = PipelineState(redis, keys)
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, redis=redis, stop_event=stop,
+                                           options=ProducerOptions(poll_s=0.01, max_requeues=2)))
+
+    async def enqueued() -> int:
+        return (await state.counters()).get(Counter.ENQUEUED, 0)
+
+    await wait_for(lambda: _eq(enqueued, 4))  # epoch 0, then the bound
+    await state.set_version(1)
+    await wait_for(lambda: _eq(enqueued, 8))  # epoch 1; the producer now waits in epoch 2
+    task = tasks[0]
+
+    async def hand_back(epoch: int, attempt: int, reason: RequeueReason = RequeueReason.STALE) -> None:
+        pipe = redis.pipeline(transaction=True)  # as the slime side's discard does
+        pipe.rpush(keys.requeue, handed_back(task, epoch, attempt, reason))
+        pipe.hincrby(keys.counters, Counter.DISCARDED, 1)
+        await pipe.execute()
+
+    async def drained() -> bool:
+        return await redis.llen(keys.requeue) == 0
+
+    for epoch, attempt in ((0, 0), (0, 0), (1, 0), (0, 1), (0, 2)):
+        await hand_back(epoch, attempt)
+        await wait_for(drained)
+    stop.set()
+    stats = await asyncio.wait_for(run, 30)
+    mine = sorted(i for i in await queued_jobs(redis, keys) if i.rsplit(":", 1)[0] == task.id and _epoch_of(i) < 2)
+    assert mine == sorted(f"{task.id}:{suffix}" for suffix in ("0", "0r1", "0r2", "1", "1r1"))
+    assert stats.requeued == 3 and stats.refused == 1 and stats.dead == 1
+    reasons = [fields[b"reason"].decode() for _id, fields in await redis.xrange(keys.dead)]
+    assert reasons == [f"task {task.id!r} epoch 0 was handed back 3 times, last stale (--max-requeues 2)"]
+
+
+async def test_trainer_settings_are_checked(tmp_path, redis_url, redis, keys, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 30})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=0, n=2)
+    state = PipelineState(redis, keys)
+    await state.set_trainer_info(TrainerInfo(rollout_batch_size=4, n_samples_per_prompt=8, eta=0))
+    with pytest.raises(ConfigError, match="n_samples_per_prompt is 2 but the trainer runs n_samples_per_prompt=8"):
+        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+    await state.set_trainer_info(TrainerInfo(rollout_batch_size=5, n_samples_per_prompt=2, eta=1))
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(poll_s=0.02)))
+    await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 10))  # trainer's B=5, eta=1
+    stop.set()
+    stats = await run
+    assert any("rollout_batch_size is 4 but the trainer runs 5" in w for w in stats.warnings)
+
+
+async def test_changed_tasks_file_refuses_to_resume(tmp_path, redis_url, redis, keys, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 10})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)
+    await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 11})
+    with pytest.raises(ConfigError, match="--reset-cursor"):
+        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+    options = ProducerOptions(reset_cursor=True)
+    stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options)
+    assert stats.admitted == 1  # the ten old ids are still queued: arq's id check refuses them
+    assert stats.refused == 10
+
+
+def test_bad_task_lines_are_reported_with_file_and_line(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    good = encode_task_json(Task(id="t1", env="a", prompt="p"))
+    path.write_bytes(good + b"\n{not json\n" + encode_task_json(Task(id="t2", env="zz", prompt="p")) + b"\n")
+    with pytest.raises(ConfigError) as err:
+        TaskIndex.build(path, {"a": 1.0})
+    assert f"{path}:2:" in str(err.value) and f"{path}:3: task 't2' is for environment 'zz'" in str(err.value)
+
+
+def test_cli_plain_run_exits_when_all_admitted(tmp_path, redis_url, namespace):
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 12})
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_bytes(msgspec.json.encode({
+        "redis": {"url": redis_url, "namespace": namespace},
+        "rollout": {"rollout_batch_size": 100, "eta": 0, "n_samples_per_prompt": 2},
+        "environments": {"a": {"kind": "math"}},
+    }))  # JSON is YAML
+    assert main(["--tasks", str(tmp_path / "tasks.jsonl"), "--config", str(cfg), "--epochs", "2"]) == 0
+
+
+# ---------------------------------------------------------------- the bound, end to end
+
+async def _flaky_run_group(ctx, payload: bytes) -> None:
+    """A worker job: a synthetic group after a short random delay; every 5th task's first
+    try fails out of tries (counted failed + discarded, task handed back for requeue)."""
+    job = decode_job(payload)
+    keys, buffer = ctx["keys"], ctx["buffer"]
+    await asyncio.sleep(random.uniform(0, 0.01))
+    if job.attempt == 0 and int(job.task.id.rsplit("-", 1)[1]) % 5 == 0:
+        pipe = ctx["redis"].pipeline(transaction=True)
+        pipe.hincrby(keys.counters, Counter.FAILED, 1)
+        pipe.hincrby(keys.counters, Counter.DISCARDED, 1)
+        pipe.rpush(keys.requeue, handed_back(job.task, job.epoch, job.attempt, RequeueReason.FAILED))
+        await pipe.execute()
+        return
+    group = make_group(job.job_id, n=job.n_samples, prompt_len=4, response_len=4,
+                       admission_version=job.admission_version, env=job.task.env, seed=hash(job.job_id) % 1000)
+    await buffer.push(msgspec.structs.replace(group, task=job.task, epoch=job.epoch, attempt=job.attempt))
+
+
+async def test_bound_holds_at_every_instant_with_real_worker_and_trainer(tmp_path, redis_url, redis, keys, namespace):
+    """Producer restarts in a loop, a real arq worker runs jobs, the real slime-side data
+    source trains B groups per step and advances v; a sampler reads (v, enqueued,
+    discarded) atomically every millisecond: admitted beyond the bound must stay 0."""
+    batch, eta, n_tasks = 6, 1, 72
+    tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 48, "b": 24})
+    config = make_config(redis_url, namespace, {"a": 2, "b": 1}, batch=batch, eta=eta)
+    arq_pool = await create_arq_pool(redis_url, keys)
+    worker = Worker(
+        functions=[func(_flaky_run_group, name=JOB_FUNCTION)], redis_pool=arq_pool, queue_name=keys.queue,
+        job_serializer=job_serializer, job_deserializer=job_deserializer, poll_delay=0.005, max_jobs=16,
+        handle_signals=False, ctx={"keys": keys, "buffer": GroupBuffer(redis, keys), "redis": redis},
+    )
+    worker_task = asyncio.create_task(worker.async_run())
+    args = SimpleNamespace(pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=batch,
+                           n_samples_per_prompt=2, pipeline_eta=eta, pipeline_wait_timeout_s=60.0)
+    trained: list[str] = []
+
+    def train() -> None:
+        source = RedisDataSource(args)
+        try:
+            for rid in range(n_tasks // batch):
+                out = generate_rollout(args, rid, source)
+                trained.extend(g[0].metadata["pipeline"]["group_id"] for g in out.samples)
+                source.save(rid)
+        finally:
+            source.close()
+
+    trainer = asyncio.create_task(asyncio.to_thread(train))
+
+    async def produce() -> None:  # a producer that keeps exiting and being restarted
+        while not trainer.done():
+            await run_producer(config, tmp_path / "tasks.jsonl", redis=redis,
+                               options=ProducerOptions(poll_s=0.005, batch=4))
+            await asyncio.sleep(0.01)
+
+    producer = asyncio.create_task(produce())
+    excess = []
+    while not trainer.done():
+        pipe = redis.pipeline(transaction=True)  # one atomic snapshot
+        pipe.get(keys.version)
+        pipe.hmget(keys.counters, Counter.ENQUEUED, Counter.DISCARDED)
+        raw_v, (enq, disc) = await pipe.execute()
+        excess.append(int(enq or 0) - int(disc or 0) - (eta + int(raw_v or 0) + 1) * batch)
+        await asyncio.sleep(0)
+    await trainer
+    await producer
+    await worker.close()
+    await asyncio.gather(worker_task, return_exceptions=True)
+    counters = await PipelineState(redis, keys).counters()
+    assert len(excess) > 100 and max(excess) == 0  # never beyond the bound, and it did run at it
+    assert sorted(gid.rsplit(":", 1)[0] for gid in trained) == sorted(t.id for t in tasks)  # each task trained once
+    assert counters[Counter.FAILED] == sum(1 for t in tasks if int(t.id.rsplit("-", 1)[1]) % 5 == 0)
+    assert counters[Counter.ACCEPTED] == n_tasks

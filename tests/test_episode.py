@@ -1,0 +1,145 @@
+"""Episode runner, token in / token out, against the simulated engine over HTTP."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from pipeline.config import EnvConfig, PipelineConfig, parse_config
+from pipeline.schema import SamplingParams, Status, Task
+from workers.chat import ChatTokens
+from workers.engine import EngineClient, Generation
+from workers.envs.local import CALCULATOR_TOOL
+from workers.envs.registry import build_environment
+from workers.episode import EpisodeRunner, EpisodeSettings
+from workers.sim.engine import SimConfig, serve_sim_engine
+from workers.sim.tokenizer import load_test_tokenizer
+
+TASK = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
+
+
+class RecordingClient(EngineClient):
+    """The real HTTP client, keeping every answer so the test can compare token by token."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[int], Generation]] = []
+
+    async def generate(self, input_ids, sampling, *, rid, routing_key):
+        gen = await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
+        self.calls.append((list(input_ids), gen))
+        return gen
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return ChatTokens(load_test_tokenizer())
+
+
+def runner_for(client, chat, kind="calculator", env_overrides=None, **rollout) -> EpisodeRunner:
+    config: PipelineConfig = parse_config({"rollout": rollout} if rollout else {})
+    env_config = EnvConfig(kind=kind, **(env_overrides or {}))
+    env = build_environment("calc", env_config)
+    return EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
+
+
+async def test_multi_turn_tool_episode_lines_up_with_the_engine(chat):
+    async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, weight_version="3")) as sim:
+        async with RecordingClient(sim.url) as client:
+            sample = await runner_for(client, chat).run(TASK, "calc-1:0/0/1")
+    assert sample.status is Status.COMPLETED and sample.reward == 1.0
+    assert len(client.calls) == 2 and sample.metadata["turns"] == 2 and sample.metadata["tool_calls"] == 1
+
+    # prompt = the chat template rendered once, tools included
+    messages = [{"role": "user", "content": TASK.prompt}]
+    prompt = chat.prompt_ids(messages, [CALCULATOR_TOOL])
+    tokens, mask, log_probs = sample.token_array(), sample.loss_mask_array(), sample.log_prob_array()
+    assert tokens[: len(prompt)].tolist() == prompt
+    assert sample.num_tokens - sample.response_length == len(prompt)
+
+    (input1, gen1), (input2, gen2) = client.calls
+    assert input1 == prompt
+    # turn 1: engine ids verbatim, mask 1, engine log-probs
+    n1 = len(gen1.output_ids)
+    assert tokens[len(prompt) : len(prompt) + n1].tolist() == gen1.output_ids
+    assert mask[:n1].tolist() == [1] * n1
+    np.testing.assert_array_equal(log_probs[:n1], np.asarray(gen1.log_probs, dtype=np.float32))
+    # observation: the template's continuation tokens, mask 0, log-prob 0.0
+    continuation = input2[len(input1) + n1 :]
+    assert chat.tokenizer.decode(continuation) == (
+        "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    c_end = n1 + len(continuation)
+    assert mask[n1:c_end].tolist() == [0] * len(continuation)
+    assert log_probs[n1:c_end].tolist() == [0.0] * len(continuation)
+    # turn 2 sent the full sequence and was appended verbatim
+    assert input2 == tokens[: len(input2)].tolist()
+    assert tokens[len(input2) :].tolist() == gen2.output_ids
+    assert mask[c_end:].tolist() == [1] * len(gen2.output_ids)
+    np.testing.assert_array_equal(log_probs[c_end:], np.asarray(gen2.log_probs, dtype=np.float32))
+    assert sample.weight_versions == ["3", "3"]
+    assert "Answer: 84" in sample.response
+
+
+async def test_abort_mid_episode_resumes_with_both_weight_versions(chat):
+    slow = SimConfig(accuracy=1.0, tool_use=0.0, token_latency_s=0.004, latency_sigma=0.01,
+                     length_mu=5.0, length_sigma=0.01, weight_version="0")  # ~150 tokens, ~0.6 s
+    async with serve_sim_engine(slow) as sim, RecordingClient(sim.url) as client:
+        episode = asyncio.create_task(runner_for(client, chat, kind="arithmetic").run(TASK, "calc-1:0/0/1"))
+        while not sim.engine._running:  # wait until the turn is being generated
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        async with client.session.post(f"{sim.url}/pause_generation", json={}) as r:
+            assert r.status == 200
+        async with client.session.post(f"{sim.url}/update_weight_version", json={"new_version": "1"}) as r:
+            assert r.status == 200
+        async with client.session.post(f"{sim.url}/continue_generation", json={}) as r:
+            assert r.status == 200
+        sample = await asyncio.wait_for(episode, 20)
+    assert sample.status is Status.COMPLETED and sample.reward == 1.0
+    assert sample.weight_versions == ["0", "1"]
+    (first_input, aborted), (second_input, resumed) = client.calls
+    assert aborted.finish == "abort" and 0 < len(aborted.output_ids)
+    assert second_input == first_input + aborted.output_ids  # resumed from the tokens so far
+    response = sample.token_array()[len(first_input) :].tolist()
+    assert response == aborted.output_ids + resumed.output_ids
+    assert sample.loss_mask_array().tolist() == [1] * len(response)
+    np.testing.assert_array_equal(
+        sample.log_prob_array(), np.asarray(aborted.log_probs + resumed.log_probs, dtype=np.float32)
+    )
+    assert sample.metadata["turn_log"][0]["aborts"] == 1
+    # the resumed turn continues the same plan: one stop, under the remaining budget
+    assert resumed.finish == "stop"
+
+
+async def test_context_overflow_truncates_and_bad_request_fails(chat):
+    async with serve_sim_engine(SimConfig(context_length=40)) as sim, EngineClient(sim.url, backoff_s=0.01) as client:
+        runner = runner_for(client, chat)
+        sample = await runner.run(TASK, "e1")
+        assert sample.status is Status.TRUNCATED and sample.response_length == 0
+        assert sample.metadata["turn_log"][0]["finish"] == "context_overflow"
+    async with serve_sim_engine() as sim, EngineClient(sim.url, backoff_s=0.01) as client:
+        async with client.session.post(f"{sim.url}/sim/fail_next", json={"status": 400, "message": "bad top_k"}):
+            pass
+        sample = await runner_for(client, chat).run(TASK, "e2")
+        assert sample.status is Status.FAILED and "bad top_k" in sample.metadata["error"]
+        assert sample.reward == 0.0
+
+
+async def test_malformed_tool_call_is_fed_back_and_counted(chat):
+    config = SimConfig(accuracy=1.0, tool_use=1.0, malformed_rate=1.0)
+    async with serve_sim_engine(config) as sim, RecordingClient(sim.url) as client:
+        sample = await runner_for(client, chat).run(TASK, "e3")
+    assert sample.status is Status.COMPLETED and sample.metadata["malformed_tool_calls"] == 1
+    second_input = client.calls[1][0]
+    assert "error: tool call 0: invalid JSON" in chat.tokenizer.decode(second_input)
+
+
+async def test_budgets_truncate(chat):
+    async with serve_sim_engine(SimConfig(tool_use=1.0, length_mu=4.0)) as sim, EngineClient(sim.url) as client:
+        sample = await runner_for(client, chat, max_response_tokens=10).run(TASK, "e4")
+        assert sample.status is Status.TRUNCATED and sample.response_length == 10
+        assert sample.metadata["turn_log"][0]["finish"] == "length"
+        sample = await runner_for(client, chat, env_overrides={"max_turns": 1}).run(TASK, "e5")
+        assert sample.status is Status.TRUNCATED and sample.metadata["turns"] == 1
+        assert sample.loss_mask_array().all()  # the unanswered tool call got no observation tokens

@@ -1,0 +1,333 @@
+"""arq workers on a real redis-server with the simulated engine: delivery, dead letters,
+crash recovery (SIGKILL) and drain (SIGTERM)."""
+
+import asyncio
+import signal
+import time
+
+import msgspec
+import pytest
+from arq.constants import in_progress_key_prefix
+
+from pipeline.buffer import GroupBuffer
+from pipeline.config import parse_config
+from pipeline.keys import Counter, Keys
+from pipeline.schema import (
+    PromptJob, Requeue, RequeueReason, Status, Task, decode_job, decode_requeue, encode, encode_task_json,
+)
+from pipeline.state import PipelineState
+from producers.enqueue import ProducerOptions, run_producer
+from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, StepResult, ToolCall, Verification
+from workers.envs.local import initial_messages
+from workers.jobs import CTX_KEY, run_group
+from workers.queue import JOB_FUNCTION, create_arq_pool, enqueue_prompt_job
+from workers.settings import _build_context, build_worker, stop_worker
+from workers.sim.engine import SimConfig, serve_sim_engine
+from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
+
+# ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
+SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]
+
+
+def config_dict(redis_url, namespace, engine_url, **workers):
+    return {
+        "redis": {"url": redis_url, "namespace": namespace},
+        "engine": {"url": engine_url, "max_retries": 1, "retry_backoff_s": 0.01},
+        "rollout": {"max_response_tokens": 512, "n_samples_per_prompt": 4},  # as `job()` builds them
+        "environments": {
+            "calc": {"kind": "calculator"},
+            "strict": {"kind": "arithmetic", "on_failure": "drop_group"},
+        },
+        "workers": {"heartbeat_s": 0.5, "dead_after_s": 2.0, "poll_delay_s": 0.02, "max_tries": 2, **workers},
+    }
+
+
+def job(namespace, i, env="calc", n=4):
+    task = Task(id=f"{namespace}-t{i}", env=env, prompt=f"What is {i} * 7?", label=str(7 * i))
+    return PromptJob(task=task, epoch=0, n_samples=n, admission_version=1, enqueued_at=time.time())
+
+
+async def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def run_worker_until(config, predicate, what, timeout=20):
+    """An in-process worker, stopped once `predicate()` holds."""
+    worker = build_worker(config, handle_signals=False)
+    task = asyncio.create_task(worker.async_run())
+    try:
+        await wait_for(predicate, timeout, what)
+    finally:
+        await stop_worker(worker, task)
+
+
+async def stream_groups(redis, keys):
+    ids = [entry_id.decode() for entry_id, _fields in await redis.xrange(keys.groups)]
+    return [entry.group for entry in await GroupBuffer(redis, keys).fetch(ids)]
+
+
+async def test_group_of_n_lands_once(redis, redis_url, keys, namespace):
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        arq = await create_arq_pool(redis_url, keys)
+        jobs = [job(namespace, i) for i in range(3)]
+        assert all([await enqueue_prompt_job(arq, j, keys) for j in jobs])
+        assert not await enqueue_prompt_job(arq, jobs[0], keys)  # arq refuses a live id
+        await run_worker_until(config, lambda: _xlen_is(redis, keys, 3), "3 groups")
+        groups = await stream_groups(redis, keys)
+        assert sorted(g.group_id for g in groups) == sorted(j.job_id for j in jobs)
+        for g in groups:
+            assert g.n_samples == 4 and len(g.samples) == 4 and g.admission_version == 1
+            assert all(s.weight_versions and s.response_length > 0 for s in g.samples)
+        counters = await PipelineState(redis, keys).counters()
+        assert counters[Counter.RUNNING] == 0 and counters[Counter.EPISODES] == 12
+        assert counters[Counter.TOKENS] == sum(int(s.loss_mask_array().sum()) for g in groups for s in g.samples)
+
+        # a re-run of a finished job (e.g. after a crash right after the push) runs nothing, stores nothing;
+        # past its last try it is not dead-lettered or handed back either: its group is stored
+        context = await _build_context(config, keys, "rerun")
+        try:
+            results = [await run_group({CTX_KEY: context, "job_id": keys.arq_job_id(jobs[0].job_id), "job_try": t},
+                                       encode(jobs[0])) for t in (2, 3)]
+        finally:
+            await context.aclose()
+        assert [r["status"] for r in results] == ["duplicate", "duplicate"]
+        assert await redis.xlen(keys.groups) == 3
+        assert await redis.xlen(keys.dead) == 0 and await redis.llen(keys.requeue) == 0
+        counters = await PipelineState(redis, keys).counters()
+        # the re-run saw the dedup marker first: no episode generated, no push attempted
+        assert counters[Counter.EPISODES] == 12 and counters.get(Counter.DUPLICATES, 0) == 0
+        assert counters[Counter.RUNNING] == 0
+        await arq.aclose()
+
+
+async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(redis, redis_url, namespace, tmp_path):
+    """arq's job keys are global (`arq:job:<id>`, `arq:in-progress:<id>`, ...): the arq id carries
+    the namespace, so two pipelines on one Redis admit, run and deliver the same task ids."""
+    tasks = [Task(id=f"shared-{namespace}-{i}", env="calc", prompt=f"What is {i} * 7?", label=str(7 * i))
+             for i in range(4)]
+    (tmp_path / "tasks.jsonl").write_bytes(b"".join(encode_task_json(t) + b"\n" for t in tasks))
+    pipelines = [Keys(f"{namespace}a"), Keys(f"{namespace}b")]
+    async with serve_sim_engine() as sim:
+        configs = [parse_config(config_dict(redis_url, k.ns, sim.url)) for k in pipelines]
+        for config in configs:
+            stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+            assert (stats.admitted, stats.refused) == (len(tasks), 0)
+        workers = [build_worker(config, handle_signals=False) for config in configs]
+        runs = [asyncio.create_task(w.async_run()) for w in workers]  # the same ids in progress in both
+
+        async def both_done() -> bool:  # all groups pushed, and arq done with every job
+            return all([await _xlen_is(redis, k, len(tasks)) and not await redis.zcard(k.queue) for k in pipelines])
+
+        try:
+            await wait_for(both_done, 30, "both pipelines' groups")
+        finally:
+            for worker, run in zip(workers, runs):
+                await stop_worker(worker, run)
+    for k in pipelines:
+        groups = await stream_groups(redis, k)
+        assert sorted(g.group_id for g in groups) == sorted(f"{t.id}:0" for t in tasks)
+        assert all(len(g.samples) == 4 for g in groups)
+        counters = await PipelineState(redis, k).counters()
+        assert counters[Counter.BUFFERED] == len(tasks) and counters[Counter.RUNNING] == 0
+        assert await redis.xlen(k.dead) == 0 and await redis.zcard(k.queue) == 0
+
+
+async def _xlen_is(redis, keys, n):
+    return await redis.xlen(keys.groups) >= n
+
+
+async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(redis, redis_url, keys, namespace, tmp_path):
+    """Poison and unknown environments are dead-lettered for good; a job out of tries for a
+    transient reason is also handed back, re-admitted by the producer as the next attempt, and
+    dead-lettered for good past --max-requeues."""
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        arq = await create_arq_pool(redis_url, keys)
+        await arq.enqueue_job(JOB_FUNCTION, b"\xc1not msgpack", _job_id=f"{namespace}-poison:0", _queue_name=keys.queue)
+        await enqueue_prompt_job(arq, job(namespace, 1, env="nowhere"), keys)
+        strict_job = job(namespace, 2, env="strict")
+        await enqueue_prompt_job(arq, strict_job, keys)
+        await _fail_engine(sim.url, count=100)  # every episode of `strict` fails -> the group is dropped
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 3), "3 dead letters")
+        dead = {f[b"ref"].decode(): f for _id, f in await redis.xrange(keys.dead)}
+        assert b"undecodable PromptJob" in dead[f"{namespace}-poison:0"][b"reason"]
+        assert b"environment 'nowhere' is not configured" in dead[keys.arq_job_id(f"{namespace}-t1:0")][b"reason"]
+        strict = dead[keys.arq_job_id(f"{namespace}-t2:0")]
+        assert b"try 2" in strict[b"reason"] and b"episodes failed" in strict[b"reason"]
+        assert decode_job(strict[b"payload"]).task.id == f"{namespace}-t2"  # the job is kept for replay
+        counters = await PipelineState(redis, keys).counters()
+        assert counters[Counter.FAILED] == 3 and counters[Counter.DISCARDED] == 3 and counters[Counter.RUNNING] == 0
+        assert counters[Counter.REQUEUED] == 1
+        assert await redis.xlen(keys.groups) == 0
+        # only the transient failure is handed back, as the attempt it was
+        assert [decode_requeue(x) for x in await redis.lrange(keys.requeue, 0, -1)] == [
+            Requeue(task=strict_job.task, epoch=0, attempt=0, reason=RequeueReason.FAILED)
+        ]
+        await arq.aclose()
+
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_bytes(b"")  # nothing fresh: only the requeue list
+        options = ProducerOptions(max_requeues=1)
+        assert (await run_producer(config, tasks, redis=redis, options=options)).requeued == 1
+        retry_id = keys.arq_job_id(f"{namespace}-t2:0r1")
+        assert [i.decode() for i in await redis.zrange(keys.queue, 0, -1)] == [retry_id]
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 4), "the re-admitted job to fail")
+        assert (await run_producer(config, tasks, redis=redis, options=options)).dead == 1
+        assert await redis.llen(keys.requeue) == 0 and await redis.zcard(keys.queue) == 0
+        (_id, last), = await redis.xrevrange(keys.dead, count=1)
+        assert last[b"source"] == b"requeue"
+        assert b"epoch 0 was handed back 2 times, last failed (--max-requeues 1)" in last[b"reason"]
+
+
+async def _xlen_is_dead(redis, keys, n):
+    return await redis.xlen(keys.dead) >= n
+
+
+async def _dead_and_finished(redis, keys, n):
+    """n dead letters and arq done with every job (stopping a worker before arq's own
+    bookkeeping would leave the last job queued)."""
+    return await _xlen_is_dead(redis, keys, n) and await redis.zcard(keys.queue) == 0
+
+
+class OutageEnvironment(Environment):
+    """A plugin environment whose server is down for tasks marked `down`, and refuses only
+    the very first session of a task marked `flaky` (one episode of its group fails)."""
+
+    starts: dict[str, int] = {}
+
+    async def start(self, task: Task) -> EnvSession:
+        seen = self.starts[task.id] = self.starts.get(task.id, 0) + 1
+        if task.metadata.get("down") or (task.metadata.get("flaky") and seen == 1):
+            raise EnvError("POST /seed_session: connection refused (injected outage)")
+        return _OneTurnSession(task)
+
+
+class _OneTurnSession(EnvSession):
+    def __init__(self, task: Task):
+        self.messages = initial_messages(task)
+        self.tools: list[dict] = []
+
+    async def step(self, calls: list[ToolCall]) -> StepResult:
+        return StepResult(messages=[], done=True)
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        return Verification(reward=1.0)
+
+
+async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_failed_one(redis, redis_url, keys, namespace):
+    """`on_failure: retry_all_failed`: a group whose every episode failed is a group failure
+    (retried with backoff, then dead-lettered and handed back), not a signal-free group in a
+    trainer batch; a group with one failed episode is pushed, that episode marked failed."""
+    async with serve_sim_engine() as sim:
+        config = config_dict(redis_url, namespace, sim.url)
+        config["environments"]["outage"] = {"kind": f"{__name__}.OutageEnvironment", "on_failure": "retry_all_failed"}
+        config = parse_config(config)
+        arq = await create_arq_pool(redis_url, keys)
+        down, flaky = (
+            msgspec.structs.replace(job(namespace, i, env="outage"),
+                                    task=Task(id=f"{namespace}-t{i}", env="outage", prompt="What is 6 * 7?",
+                                              label="42", metadata={mark: True}))
+            for i, mark in ((1, "down"), (2, "flaky"))
+        )
+        for j in (down, flaky):
+            await enqueue_prompt_job(arq, j, keys)
+        await run_worker_until(
+            config, lambda: _all(_dead_and_finished(redis, keys, 1), _xlen_is(redis, keys, 1)), "1 dead, 1 pushed", 60
+        )
+        await arq.aclose()
+    [group] = await stream_groups(redis, keys)
+    assert group.group_id == flaky.job_id
+    assert [s.status for s in group.samples].count(Status.FAILED) == 1 and len(group.samples) == 4
+    [(_id, dead)] = await redis.xrange(keys.dead)
+    assert dead[b"ref"].decode() == keys.arq_job_id(down.job_id)
+    assert b"try 2" in dead[b"reason"] and b"4/4 episodes failed" in dead[b"reason"], dead[b"reason"]
+    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [down.task.id]
+    assert OutageEnvironment.starts[down.task.id] == 8  # two tries of four episodes
+
+
+async def _all(*checks) -> bool:
+    return all([await check for check in checks])
+
+
+async def _fail_engine(url, count):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/sim/fail_next", json={"status": 503, "count": count}) as resp:
+            assert resp.status == 200
+
+
+async def enqueue_pairs(redis_url, keys, namespace, count):
+    """`count` jobs of two episodes each, enqueued; returns the arq client and the jobs."""
+    arq = await create_arq_pool(redis_url, keys)
+    jobs = [job(namespace, i, n=2) for i in range(count)]
+    for j in jobs:
+        assert await enqueue_prompt_job(arq, j, keys)
+    return arq, jobs
+
+
+async def test_sigkilled_worker_jobs_rerun_by_another_worker_once(redis, redis_url, keys, namespace, tmp_path):
+    with SimEngineProcess(SLOW_ENGINE, log_path=str(tmp_path / "engine.log")) as engine:
+        path = write_config(config_dict(redis_url, namespace, engine.url, concurrency=4), tmp_path / "cfg.yaml")
+        arq, jobs = await enqueue_pairs(redis_url, keys, namespace, 6)
+        victim = WorkerProcess(path, log_path=str(tmp_path / "victim.log")).start()
+        try:
+            await wait_for(lambda: _has_running_jobs(redis, keys), 60, "the first worker to start jobs")
+            victim.signal(signal.SIGKILL)
+            victim.wait(10)
+            killed_at = time.monotonic()
+            in_flight = await redis.xlen(keys.groups)
+            assert in_flight < len(jobs)  # it died holding jobs
+            with WorkerProcess(path, log_path=str(tmp_path / "rescuer.log")):
+                await wait_for(lambda: _xlen_is(redis, keys, len(jobs)), 45, "all groups")
+                assert time.monotonic() - killed_at < 45
+                await asyncio.sleep(1.0)  # anything pushed twice would show up now
+        finally:
+            victim.stop()
+        groups = await stream_groups(redis, keys)
+        assert sorted(g.group_id for g in groups) == sorted(j.job_id for j in jobs)  # each exactly once
+        assert any(g.timings["job_try"] >= 2 for g in groups)  # the victim's jobs were re-run
+        counters = await PipelineState(redis, keys).counters()
+        assert counters[Counter.RUNNING] == 0
+        await arq.aclose()
+
+
+async def _has_running_jobs(redis, keys):
+    workers = await redis.zrange(keys.workers, 0, -1)
+    for w in workers:
+        if await redis.scard(keys.worker_jobs(w.decode())):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("grace_s, finished", [(20.0, True), (0.2, False)], ids=["finish", "hand-back"])
+async def test_sigterm_drains(redis, redis_url, keys, namespace, tmp_path, grace_s, finished):
+    with SimEngineProcess(SLOW_ENGINE, log_path=str(tmp_path / "engine.log")) as engine:
+        cfg = config_dict(redis_url, namespace, engine.url, concurrency=2, drain_grace_s=grace_s)
+        path = write_config(cfg, tmp_path / "cfg.yaml")
+        arq, jobs = await enqueue_pairs(redis_url, keys, namespace, 4)
+        worker = WorkerProcess(path, log_path=str(tmp_path / "worker.log")).start()
+        try:
+            await wait_for(lambda: _has_running_jobs(redis, keys), 60, "the worker to start jobs")
+            worker.signal(signal.SIGTERM)
+            assert worker.wait(grace_s + 15) == 0
+        finally:
+            worker.stop()
+        pushed = await redis.xlen(keys.groups)
+        queued = await redis.zcard(keys.queue)
+        assert pushed + queued == len(jobs)  # nothing lost
+        if finished:
+            assert pushed == 2  # the two running groups finished; no new job was taken
+        else:
+            assert pushed == 0  # handed back: still queued and runnable at once
+            in_progress = [await redis.exists(in_progress_key_prefix + keys.arq_job_id(j.job_id)) for j in jobs]
+            assert in_progress == [0] * len(jobs)
+        assert await redis.zcard(keys.workers) == 0  # left cleanly: nobody reaps it
+        assert (await PipelineState(redis, keys).counters()).get(Counter.RUNNING, 0) == 0
+        await arq.aclose()

@@ -47,18 +47,22 @@ local function put_job(job_key, result_key, job_id, envelope, expires, score)
 end
 """
 
-# KEYS: queue, counters, version, cursor, then (job key, result key) per job
+# KEYS: queue, counters, version, cursor, requeue list, then (job key, result key) per job
 # ARGV: eta, batch, expires ms, score, cursor field, expected position, then (job id, envelope) per job
-# -> {consumed, admitted}; consumed = -1 when the cursor moved under us (another producer)
+# -> {consumed, admitted}; consumed = -1 when the cursor moved under us (another producer),
+#    -2 when requeued tasks wait: they go first, else a hand-back that lands between the
+#    producer's look at the requeue list and this script would lose its slot to a fresh task
+#    (and wait for the next policy version, or forever at the end of a run).
 _FRESH_LUA = _HEADROOM_LUA + f"""
 local pos = tonumber(redis.call('HGET', KEYS[4], ARGV[5]) or '0')
 if pos ~= tonumber(ARGV[6]) then return {{-1, pos}} end
+if redis.call('LLEN', KEYS[5]) > 0 then return {{-2, 0}} end
 local room = headroom(tonumber(ARGV[1]), tonumber(ARGV[2]))
 local n = (#ARGV - 6) / 2
 local consumed, admitted = 0, 0
 while consumed < n and room > 0 do
   local i = consumed
-  if put_job(KEYS[5 + 2 * i], KEYS[6 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
+  if put_job(KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
     admitted = admitted + 1
     room = room - 1
   end
@@ -99,6 +103,9 @@ def job_envelope(job: PromptJob, *, enqueue_time_ms: int) -> bytes:
 
 class CursorMoved(RuntimeError):
     """Another producer advanced this epoch's cursor: two producers on one namespace."""
+
+
+REQUEUE_FIRST = -1  # Admitted.consumed when requeued tasks are waiting: drain them, then retry
 
 
 @dataclass(frozen=True)
@@ -166,12 +173,14 @@ class Admission:
         self, limits: Limits, jobs: list[tuple[str, bytes]], *, cursor_field: str, position: int, score_ms: int
     ) -> Admitted:
         """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`."""
-        keys = [*self._base_keys(), self.keys.cursor]
+        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue]
         args: list[str | int | bytes] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position]
         for group_id, envelope in jobs:
             keys += self._job_keys(group_id)
             args += [self.keys.arq_job_id(group_id), envelope]
         consumed, admitted = await self._fresh(keys=keys, args=args)
+        if consumed == -2:
+            return Admitted(REQUEUE_FIRST, 0)
         if consumed < 0:
             raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}")
         return Admitted(int(consumed), int(admitted))

@@ -3,6 +3,7 @@
 
     --data-source-path pipeline.slime.RedisDataSource
     --rollout-function-path pipeline.slime.generate_rollout
+    --custom-reward-post-process-path pipeline.slime.post_process_rewards  (recommended)
 
 slime is imported lazily: without it, samples are `LocalSample` (same field names as
 `slime.utils.types.Sample`) and the rollout function returns `LocalRolloutOutput`
@@ -27,6 +28,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from pipeline.advantages import post_process_rewards  # noqa: F401  (slime loads it by this path)
 from pipeline.aio import LoopThread
 from pipeline.buffer import Entry, GroupBuffer
 from pipeline.config import ConfigError, TrainerSettings
@@ -138,8 +140,8 @@ def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
         )
         # A failed episode (environment or engine down past its budget) says nothing about the
         # policy: slime zeroes the loss mask of a removed sample, so its tokens are not trained
-        # on with the reward 0 they got. (Its reward still enters the group's mean/std in
-        # slime's advantage normalisation; `on_failure: drop_group` avoids even that.)
+        # on with the reward 0 they got. (slime's own normalisation still counts its reward in
+        # the group's mean/std; `post_process_rewards` leaves it out.)
         sample.remove_sample = s.status is Status.FAILED
         out.append(sample)
     return out

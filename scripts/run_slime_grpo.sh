@@ -6,6 +6,8 @@
 # push scored groups to Redis; slime pulls whole groups through
 #     --data-source-path pipeline.slime.RedisDataSource
 #     --rollout-function-path pipeline.slime.generate_rollout
+# normalises rewards per group without the failed episodes
+#     --custom-reward-post-process-path pipeline.slime.post_process_rewards
 # and corrects the remaining off-policy gap with truncated importance sampling (--use-tis)
 # on the log-probs the engines returned with every token.
 #
@@ -166,6 +168,8 @@ build_command() {
     --update-weights-interval 1                       # push weights every step: version v+1 live soon
     # GRPO with off-policy correction from the engines' per-token log-probs
     --advantage-estimator grpo
+    # group mean/std over the kept samples: a failed episode (remove_sample) shifts no baseline
+    --custom-reward-post-process-path pipeline.slime.post_process_rewards
     --use-tis --tis-clip 2.0
     --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl
     --entropy-coef 0.0 --eps-clip 0.2 --eps-clip-high 0.28

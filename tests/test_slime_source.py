@@ -13,7 +13,7 @@ from pipeline.config import ConfigError
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect
 from pipeline.schema import Requeue, RequeueReason, Status, decode_requeue
-from pipeline.slime import LocalRolloutOutput, LocalSample, RedisDataSource, generate_rollout
+from pipeline.slime import LocalRolloutOutput, LocalSample, RedisDataSource, generate_rollout, post_process_rewards
 from pipeline.synthetic import make_group
 
 
@@ -84,6 +84,13 @@ def test_a_failed_episode_is_handed_over_removed_from_the_loss(redis_url, namesp
     statuses = {x.status for g in out.samples for x in g if x.remove_sample}
     assert statuses == {LocalSample.Status.FAILED}
     assert out.metrics["pipeline/samples_failed"] == 1
+    # slime's --custom-reward-post-process-path: the failed sample shifts no sibling's baseline
+    args = SimpleNamespace(**vars(ds.args), advantage_estimator="grpo", rewards_normalization=True,
+                           grpo_std_normalization=True, reward_key=None)
+    raw, advantages = post_process_rewards(args, [x for g in out.samples for x in g])
+    by_group = {g[0].metadata["pipeline"]["group_id"]: advantages[4 * i:4 * i + 4] for i, g in enumerate(out.samples)}
+    assert by_group["tfail:0"] == pytest.approx([1 / 3 ** 0.5, 0.0, 1 / 3 ** 0.5, -2 / 3 ** 0.5], abs=1e-5)
+    assert len(raw) == 8
     ds.close()
 
 

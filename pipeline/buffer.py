@@ -144,28 +144,34 @@ class GroupBuffer:
                     present = await pipe.mget(*markers)
                     pipe.multi()
                     xadd_at: list[int | None] = []  # position of each stored item's XADD reply
-                    claimed: set[str] = set()
+                    stored: dict[str, _Push] = {}
                     for item, seen in zip(batch, present):
-                        if seen is None and item.marker not in claimed:
-                            claimed.add(item.marker)
+                        if seen is None and item.marker not in stored:
+                            stored[item.marker] = item
                             xadd_at.append(len(pipe))
-                            self._queue_store(pipe, item)
+                            pipe.xadd(self.keys.groups, item.fields)
+                            pipe.set(item.marker, "1", ex=self.dedup_ttl_s)
                         else:
                             xadd_at.append(None)
-                            pipe.hincrby(self.keys.counters, Counter.DUPLICATES, 1)
+                    self._queue_totals(pipe, list(stored.values()), duplicates=len(batch) - len(stored))
                     replies = await pipe.execute()
                     return [None if at is None else replies[at].decode() for at in xadd_at]
                 except WatchError:
                     continue
 
-    def _queue_store(self, pipe: Any, item: "_Push") -> None:
-        pipe.xadd(self.keys.groups, item.fields)
-        pipe.set(item.marker, "1", ex=self.dedup_ttl_s)
-        pipe.hincrby(self.keys.counters, Counter.BUFFERED, 1)
-        for name, delta in item.deltas.items():
-            pipe.hincrby(self.keys.counters, name, int(delta))
-        pipe.lpush(self.keys.recent, item.summary)
-        pipe.ltrim(self.keys.recent, 0, RECENT_KEEP - 1)
+    def _queue_totals(self, pipe: Any, stored: list["_Push"], *, duplicates: int) -> None:
+        """Counters and monitor summaries of a whole batch in a few commands, not a few per
+        group: per-command client cost is what a push batch spends most of its time on."""
+        totals: dict[str, int] = {Counter.BUFFERED: len(stored), Counter.DUPLICATES: duplicates}
+        for item in stored:
+            for name, delta in item.deltas.items():
+                totals[name] = totals.get(name, 0) + int(delta)
+        for name, total in totals.items():
+            if total:
+                pipe.hincrby(self.keys.counters, name, total)
+        if stored:
+            pipe.lpush(self.keys.recent, *(item.summary for item in stored))
+            pipe.ltrim(self.keys.recent, 0, RECENT_KEEP - 1)
 
     async def requeue(self, group: SampleGroup) -> str:
         """Put back a group the trainer handed back (slime's add_samples): no dedup check."""

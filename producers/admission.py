@@ -105,9 +105,6 @@ class CursorMoved(RuntimeError):
     """Another producer advanced this epoch's cursor: two producers on one namespace."""
 
 
-REQUEUE_FIRST = -1  # Admitted.consumed when requeued tasks are waiting: drain them, then retry
-
-
 @dataclass(frozen=True)
 class Limits:
     """The numbers admission runs with: the trainer's, once it has published them."""
@@ -146,6 +143,7 @@ def resolve_limits(rollout: RolloutSection, trainer: TrainerInfo | None) -> tupl
 class Admitted:
     consumed: int  # tasks the cursor moved past (admitted + refused as already queued)
     admitted: int
+    requeue_first: bool = False  # nothing done: requeued tasks wait, drain them, then retry
 
 
 class Admission:
@@ -180,7 +178,7 @@ class Admission:
             args += [self.keys.arq_job_id(group_id), envelope]
         consumed, admitted = await self._fresh(keys=keys, args=args)
         if consumed == -2:
-            return Admitted(REQUEUE_FIRST, 0)
+            return Admitted(0, 0, requeue_first=True)
         if consumed < 0:
             raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}")
         return Admitted(int(consumed), int(admitted))

@@ -45,7 +45,7 @@ from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.state import PipelineState
 from pipeline.staleness import admission_headroom
-from producers.admission import REQUEUE_FIRST, Admission, Limits, job_envelope, resolve_limits
+from producers.admission import Admission, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
 
 log = logging.getLogger("rollout.enqueue")
@@ -176,7 +176,7 @@ class Producer:
             self.limits, jobs, cursor_field=self._cursor_field(self.epoch), position=stream.position,
             score_ms=int(now * 1000),
         )
-        if result.consumed == REQUEUE_FIRST:
+        if result.requeue_first:
             return "requeue-first"  # the loop drains the requeue list next, without waiting
         stream.advance(result.consumed)
         self.stats.admitted += result.admitted

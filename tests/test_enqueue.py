@@ -22,7 +22,7 @@ from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.state import PipelineState, TrainerInfo
 from pipeline.staleness import admission_headroom
 from pipeline.synthetic import make_group
-from producers.admission import REQUEUE_FIRST, Admission, Limits
+from producers.admission import Admission, Limits
 from producers.enqueue import Producer, ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
 from workers.queue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
@@ -135,11 +135,11 @@ async def test_fresh_tasks_yield_to_waiting_requeued_tasks(redis, keys, namespac
     admission = Admission(redis, keys)
     jobs = [(f"{namespace}-j0:0", b"x")]
     result = await admission.admit_fresh(Limits(4, 0, 1), jobs, cursor_field="e0", position=0, score_ms=1)
-    assert result.consumed == REQUEUE_FIRST and result.admitted == 0
+    assert result.requeue_first and result.consumed == result.admitted == 0
     assert await redis.zcard(keys.queue) == 0 and await redis.hget(keys.cursor, "e0") is None
     await redis.delete(keys.requeue)
     result = await admission.admit_fresh(Limits(4, 0, 1), jobs, cursor_field="e0", position=0, score_ms=1)
-    assert result.consumed == 1 and result.admitted == 1
+    assert not result.requeue_first and result.consumed == result.admitted == 1
 
 
 async def test_restart_mid_epoch_admits_each_task_exactly_once(tmp_path, redis_url, redis, keys, namespace):

@@ -30,9 +30,10 @@ STD_EPS = 1e-6  # slime's
 def post_process_rewards(args: Any, samples: Sequence[Any]) -> tuple[list[float], list[float]]:
     """(raw rewards, rewards to train on), both in `samples`' order, as slime expects."""
     raw = [_reward_value(args, s) for s in samples]
-    if getattr(args, "advantage_estimator", "grpo") not in CENTRED or not getattr(args, "rewards_normalization", True):
+    estimator = getattr(args, "advantage_estimator", "grpo")
+    if estimator not in CENTRED or not getattr(args, "rewards_normalization", True):
         return raw, list(raw)
-    scale = getattr(args, "advantage_estimator", "grpo") in STD_SCALED and getattr(args, "grpo_std_normalization", True)
+    scale = estimator in STD_SCALED and getattr(args, "grpo_std_normalization", True)
     out: list[float] = []
     for start, stop in _group_bounds(samples, int(getattr(args, "n_samples_per_prompt", 1) or 1)):
         kept = [not getattr(s, "remove_sample", False) for s in samples[start:stop]]

@@ -244,7 +244,7 @@ def parse_hermes(text: str, tools: Tools = None) -> ParsedTurn:
             out.error(f"{out.where()}: missing </tool_call>")
             continue
         try:
-            data = json.loads(match.group(1))
+            data = json.loads(text[match.start(1) : match.end(1)])
         except json.JSONDecodeError as exc:
             out.error(f"{out.where()}: invalid JSON ({exc.msg} at char {exc.pos})")
             continue

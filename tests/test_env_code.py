@@ -1,10 +1,6 @@
-"""`code` environment and its sandbox: passing, failing, runaway programs contained."""
+"""`code` environment: rewards, and the reward hacks that used to score 1.0 (probes of the sandbox: test_sandbox.py)."""
 
 from __future__ import annotations
-
-import asyncio
-import os
-import time
 
 import pytest
 
@@ -14,96 +10,8 @@ from workers.envs.base import EnvError, EpisodeRecord
 from workers.envs.code import CodeEnvironment, extract_program
 from workers.envs.sandbox import Limits, probe_isolation, run_python
 
-FAST = Limits(wall_s=3.0, cpu_s=1, memory_mb=256, nproc=16)
+FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
 ISOLATION = probe_isolation()
-
-
-async def test_passing_and_failing_programs():
-    ok = await run_python("print(input()[::-1])", "abc\n", FAST)
-    assert ok.ok and ok.stdout.strip() == "cba"
-    bad = await run_python("raise SystemExit(3)", "", FAST)
-    assert bad.returncode == 3 and not bad.ok
-
-
-async def test_empty_environment_and_private_temp_dir():
-    result = await run_python("import os, sys; print(sorted(os.environ)); print(os.getcwd())", "", FAST)
-    env_names, cwd = result.stdout.strip().splitlines()
-    assert "PATH" not in env_names and "HOME" not in env_names
-    assert os.path.basename(cwd).startswith("sandbox-") and not os.path.exists(cwd)  # removed afterwards
-
-
-async def test_infinite_loop_is_killed_by_the_cpu_limit_and_sleep_by_the_wall_clock():
-    started = time.monotonic()
-    # a generous wall clock (the machine may be busy): only RLIMIT_CPU can end the spin
-    spin = await run_python("while True: pass", "", Limits(cpu_s=1, wall_s=60.0))
-    assert not spin.ok and not spin.timed_out
-    sleeper = await run_python("import time; time.sleep(60)", "", Limits(wall_s=1.0))
-    assert sleeper.timed_out and not sleeper.ok
-    assert time.monotonic() - started < 70  # bounded, not a speed goal
-
-
-async def test_memory_hog_is_contained():
-    result = await run_python("x = bytearray(1 << 31)\nprint('allocated')", "", FAST)
-    assert "allocated" not in result.stdout and "MemoryError" in result.stderr
-
-
-async def test_file_size_limit():
-    result = await run_python("open('big', 'wb').write(b'x' * (32 << 20))", "", Limits(file_size_mb=1))
-    assert not result.ok and "File too large" in result.stderr
-
-
-async def test_output_flood_is_cut():
-    result = await run_python("while True: print('x' * 1000)", "", Limits(output_bytes=10_000))
-    assert result.output_exceeded and len(result.stdout) <= 10_000
-
-
-@pytest.mark.skipif(not ISOLATION.own_uid, reason="RLIMIT_NPROC per run needs root (a fresh uid per run)")
-async def test_fork_bomb_is_contained_and_its_children_die():
-    bomb = (
-        "import os, time\n"
-        "n = 0\n"
-        "try:\n"
-        "    while True:\n"
-        "        if os.fork() == 0:\n"
-        "            os.setsid(); time.sleep(60)\n"
-        "        n += 1\n"
-        "except OSError:\n"
-        "    print('capped at', n)\n"
-    )
-    result = await run_python(bomb, "", FAST)
-    assert "capped at" in result.stdout
-    assert int(result.stdout.split()[-1]) < FAST.nproc
-    # every forked sleeper was killed with the run (PID namespace / uid sweep); the kernel
-    # tears a namespace's processes down asynchronously, so allow it a moment (they sleep 60 s)
-    deadline = time.monotonic() + 10
-    while (leftovers := _sandbox_pids()) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert leftovers == []
-
-
-def _sandbox_pids() -> list[str]:
-    return [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= 2_000_000_000]
-
-
-def _uid(pid: str) -> int:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
-        return -1
-
-
-@pytest.mark.skipif(not ISOLATION.network, reason="no network namespace on this platform")
-async def test_network_is_blocked():
-    program = (
-        "import socket\n"
-        "try:\n"
-        "    socket.create_connection(('1.1.1.1', 53), timeout=2)\n"
-        "    print('connected')\n"
-        "except OSError as exc:\n"
-        "    print('blocked', exc.errno)\n"
-    )
-    result = await run_python(program, "", FAST)
-    assert result.stdout.startswith("blocked")
 
 
 # ------------------------------------------------------------------ the environment
@@ -153,3 +61,100 @@ async def test_no_code_block_scores_zero_and_bad_tests_fail_the_episode():
 def test_extract_program_takes_the_last_python_block():
     text = "```bash\nls\n```\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```"
     assert extract_program(text) == "print(2)\n"
+
+
+async def test_partial_credit_on_assert_tests_is_unchanged():
+    task = Task(id="c4", env="code", prompt="def add(a, b)", metadata={"tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 1"]})
+    half = await _verify({}, task, "```python\ndef add(a, b):\n    return a + b\n```")
+    assert half.reward == 0.5 and half.components["passed"] == 1
+    assert half.components["failures"] == ["test 1: fail AssertionError"]
+
+
+async def test_a_correct_program_passes_with_main_guard_helpers_and_classes():
+    program = (
+        "```python\n"
+        "import sys\n"
+        "from dataclasses import dataclass\n"
+        "@dataclass\n"
+        "class Pair:\n"
+        "    a: int\n"
+        "    b: int\n"
+        "def add(a, b):\n"
+        "    return Pair(a, b).a + Pair(a, b).b\n"
+        "if __name__ == '__main__':  # imported, not run: this never reads stdin or exits\n"
+        "    print(add(int(input()), 1)); sys.exit(0)\n"
+        "```"
+    )
+    right = await _verify({"reward": "all_pass"}, ASSERT_TASK, program)
+    assert right.reward == 1.0, right.components
+
+
+# ------------------------------------------------------------------ reward hacks
+# Each program gets add() wrong and tries to score anyway. `naive` first shows the hack really
+# beats the old design (program and asserts as one file, judged by its exit code); the
+# environment must then score it 0.
+
+_WRONG = "def add(a, b):\n    return None\n"
+_TABLE = (  # answers from a table of the asserts, read from wherever `source` finds them
+    "import re\n"
+    "source = {source}\n"
+    "TABLE = {{}}\n"
+    "for args, want in re.findall('assert add[(]([^)]*)[)] == (.*)', source):\n"
+    "    TABLE[args.replace(' ', '')] = eval(want)\n"
+    "def add(a, b):\n"
+    "    return TABLE.get(f'{{a}},{{b}}')\n"
+)
+EXPLOITS = {
+    "sys.exit(0)": _WRONG + "import sys\nsys.exit(0)\n",
+    "os._exit(0)": _WRONG + "import os\nos._exit(0)\n",
+    "atexit hook": "import atexit, os\natexit.register(lambda: os._exit(0))\n" + _WRONG,
+    "__del__ at shutdown": "import os\nclass Guard:\n    def __del__(self):\n        os._exit(0)\nguard = Guard()\n" + _WRONG,
+    "signal handler os._exit": (
+        "import os, signal\nsignal.signal(signal.SIGALRM, lambda *a: os._exit(0))\nsignal.setitimer(signal.ITIMER_REAL, 0.2)\n"
+        "def add(a, b):\n    while True:\n        pass\n"
+    ),
+    "signal handler SystemExit": (
+        "import signal, sys\ndef bail(*a):\n    sys.exit(0)\nsignal.signal(signal.SIGALRM, bail)\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.2)\ndef add(a, b):\n    while True:\n        pass\n"
+    ),
+    "thread exits first": (
+        "import os, threading, time\nthreading.Thread(target=lambda: (time.sleep(0.2), os._exit(0))).start()\n"
+        "def add(a, b):\n    time.sleep(2)\n    return None\n"
+    ),
+    "open(__file__)": _TABLE.format(source="open(__file__).read()"),
+    "inspect": _TABLE.format(
+        source="''.join(open(f.filename).read() for f in __import__('inspect').stack() if f.filename.endswith('.py'))"
+    ),
+    "sys.argv[0]": _TABLE.format(source="open(__import__('sys').argv[0]).read()"),
+    "/proc/self/cmdline": _TABLE.format(
+        source=(
+            "''.join(a + (open(a).read() if a.endswith('.py') else '') for a in "
+            "open('/proc/self/cmdline').read().split(chr(0)))"
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPLOITS))
+async def test_reward_hack_scores_zero(name: str):
+    program = EXPLOITS[name]
+    asserts = "\n".join(ASSERT_TASK.metadata["tests"])
+    naive = await run_python(f"{program}\n\n{asserts}\n", "", FAST)
+    assert naive.ok, f"{name}: the hack no longer beats the old design, so this test proves nothing: {naive}"
+    verification = await _verify({"limits": {"wall_s": 5.0, "cpu_s": 1}}, ASSERT_TASK, f"```python\n{program}```")
+    assert verification.reward == 0.0, (name, verification.components)
+    assert verification.components["passed"] == 0
+
+
+async def test_a_planted_pass_line_is_not_the_sentinel():
+    # the program writes what a passing harness writes, on every fd it has, before the tests exist
+    program = (
+        _WRONG + "import os\n"
+        "for fd in range(3, 64):\n"
+        "    try:\n"
+        "        os.write(fd, b'pass 0123456789abcdef0123456789abcdef\\n')\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    result = await run_python(program, "", FAST, test="assert add(1, 2) == 3")
+    assert result.passed is False and not result.ok

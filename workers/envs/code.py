@@ -6,8 +6,12 @@ model's last assistant message. Tests come from `task.metadata["tests"]`, a list
 
 - `{"input": "...", "output": "..."}`: run the program with that stdin; its stdout
   must equal `output` up to trailing whitespace on each line, or
-- a string (or `{"assert": "..."}`): Python appended to the program (HumanEval/MBPP
-  style asserts); the run must exit 0.
+- a string (or `{"assert": "..."}`): Python run in the program's namespace after it
+  was imported (HumanEval/MBPP style asserts). It runs under the sandbox's harness
+  (`workers.envs.sandbox._HARNESS`, threat model there): the test passes only when the
+  harness reports this run's secret sentinel after the test code completed. The exit
+  code never passes a test, and the test code is not in the sandbox while the
+  program's top level runs.
 
 APPS-style `{"inputs": [...], "outputs": [...]}` is accepted too. Each test is one
 sandbox run (`workers.envs.sandbox`). Reward: the fraction of tests passed, or with
@@ -91,12 +95,20 @@ def judge(test: Test, result: RunResult) -> tuple[bool, str]:
         return False, "wall timeout"
     if result.output_exceeded:
         return False, "output limit"
+    if isinstance(test, AssertTest):
+        if result.passed:
+            return True, ""
+        return False, (result.harness or result.reason or _tail(result) or "the harness reported no pass")[:300]
     if result.returncode != 0:
-        tail = result.stderr.strip().splitlines()[-1:] or [f"exit {result.returncode}"]
-        return False, tail[0][:300]
+        return False, (result.reason or _tail(result) or f"exit {result.returncode}")[:300]
     if isinstance(test, IOTest) and _normalise(result.stdout) != _normalise(test.output):
         return False, "wrong output"
     return True, ""
+
+
+def _tail(result: RunResult) -> str:
+    lines = result.stderr.strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 class CodeEnvironment(Environment):
@@ -127,7 +139,7 @@ class CodeEnvironment(Environment):
                 if stop_early and failed.is_set():
                     return False, "not run (an earlier test failed)"
                 if isinstance(test, AssertTest):
-                    result = await run_python(f"{program}\n\n{test.code}\n", "", self.options.limits)
+                    result = await run_python(program, "", self.options.limits, test=test.code)
                 else:
                     result = await run_python(program, test.input, self.options.limits)
                 verdict = judge(test, result)

@@ -5,13 +5,23 @@ rlimits (CPU seconds, address space, file size, process count), a wall-clock
 timeout, an empty environment, a fresh temporary working directory, bounded
 captured output, and as much namespace isolation as the platform allows:
 
-| platform | isolation |
-|---|---|
-| Linux, root (or CAP_SYS_ADMIN) | new network namespace (loopback only, down) + new PID namespace (the whole tree dies with its first process) + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone, and it cannot signal or read other runs) |
-| Linux, unprivileged user namespaces allowed | network + PID namespaces via a user namespace; same uid as the worker, so RLIMIT_NPROC is not set (it would count the worker's own processes) |
-| elsewhere (macOS, locked-down containers) | rlimits, session kill, empty env, temp dir only: the program HAS network access. Set `require_isolation: true` to refuse to run instead |
+| level (`Isolation.summary`) | when | what the program gets |
+|---|---|---|
+| `netns+pidns+mntns+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with private, size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` (= `/var/run`, `/var/lock`): nothing persists between runs, no run reads another's files, the host's unix sockets there are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs, nor connect to root's sockets) |
+| `netns+pidns+mntns` | Linux, not root, unprivileged user namespaces allowed | the same namespaces via a user namespace (`--map-root-user`); the program runs as the worker's own uid mapped to root in the namespace, so it can write files the worker can write outside the masked paths. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
+| `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's /tmp and /proc. Set `require_isolation: true` to refuse to run instead |
 
-`probe_isolation()` tells which one this host gets (cached; one `unshare` call).
+`probe_isolation()` tells which one this host gets (cached; one trial run) and logs it once.
+
+The sandbox's first process is `_BOOTSTRAP` (a tiny init): it makes the mounts, forks the
+program's process (rlimits, uid drop, exec) and waits for it, then writes how the program
+ended (exit code or signal, CPU seconds used) to a private status pipe. That is how a kill by
+RLIMIT_CPU is reported as a CPU time limit rather than as `unshare`'s own error.
+
+`run_python(source, stdin, limits)` runs `source` as `main.py` (stdin/stdout tests).
+`run_python(source, limits=..., test=code)` runs it under `_HARNESS` (assert tests): see the
+threat model there. A harness run passes only when the harness reports the per-run sentinel
+over its private channel; the exit code alone never passes it.
 """
 
 from __future__ import annotations
@@ -22,35 +32,191 @@ import itertools
 import json
 import logging
 import os
+import platform
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Union
 
 import msgspec
 
 log = logging.getLogger(__name__)
 
-_UNSHARE = ["unshare", "--net", "--pid", "--fork", "--kill-child"]
+_UNSHARE = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
 _USERNS = ["--user", "--map-root-user"]
+# Masked with a fresh tmpfs in every run (symlinks such as /var/run -> /run follow their target).
+_TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 # Per-run uids, far above any real account; distinct per worker process and run.
 _UID_BASE = 2_000_000_000 + (os.getpid() % 100_000) * 1000
 _uid_counter = itertools.count()
 
-# Runs as the sandbox's first process: limits, drop the uid, then exec the program.
-_BOOTSTRAP = """
+# The sandbox's first process (pid 1 of its PID namespace when there is one). As root of the
+# namespaces it mounts the private tmpfs, then forks the program's process, which sets the
+# rlimits, drops to the run's uid and execs. The init stays behind only to reap, and writes
+# the program's fate to the status pipe, which the program's process closes before exec.
+# An init ignores signals it has no handler for when they come from inside its namespace,
+# so the program cannot kill it to hide how it ended.
+_BOOTSTRAP = r"""
 import json, os, resource, sys
 cfg = json.loads(sys.argv[1])
-for name, value in cfg["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value + cfg["grace"].get(name, 0)))
-if cfg["uid"] is not None:
-    os.setgroups([])
-    os.setgid(cfg["uid"])
-    os.setuid(cfg["uid"])
-os.execve(cfg["python"], [cfg["python"], "-I", "-B", "main.py"], {})
+status = cfg["status_fd"]
+if cfg["mounts"]:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def mount(source, target, fstype, flags, data):
+        args = [None if x is None else x.encode() for x in (source, target, fstype, data)]
+        if libc.mount(args[0], args[1], args[2], flags, args[3]) != 0:
+            raise OSError(ctypes.get_errno(), "mount " + target)
+    work = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+    for target in cfg["tmpfs"]:
+        if os.path.isdir(target):
+            mount("tmpfs", os.path.realpath(target), "tmpfs", 2 | 4, "size=%dk,mode=1777" % cfg["tmpfs_kb"])
+    os.makedirs(cfg["workdir"], exist_ok=True)  # the work dir lived under a path now masked: bind it back
+    mount("/proc/self/fd/%d" % work, cfg["workdir"], None, 4096, None)
+    os.close(work)
+    os.chdir(cfg["workdir"])
+pid = os.fork()
+if pid == 0:
+    os.close(status)
+    for name, value in cfg["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value + cfg["grace"].get(name, 0)))
+    if cfg["uid"] is not None:
+        os.setgroups([])
+        os.setgid(cfg["uid"])
+        os.setuid(cfg["uid"])
+    os.execve(cfg["python"], [cfg["python"], "-I", "-B", *cfg["argv"]], {})
+while True:
+    try:
+        reaped, code, usage = os.wait4(-1, 0)
+    except ChildProcessError:
+        break
+    if reaped == pid:
+        break
+fate = {"cpu_s": usage.ru_utime + usage.ru_stime}
+if os.WIFSIGNALED(code):
+    fate["signal"] = os.WTERMSIG(code)
+else:
+    fate["exit"] = os.WEXITSTATUS(code)
+os.write(status, json.dumps(fate).encode())
+os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
+"""
+
+# Runs assert tests against the program (argv: channel fd, program path).
+#
+# Threat model. The program is adversarial and runs in this same interpreter, so the harness
+# trusts nothing it can reach after the program's code first runs. The worker grants a pass only
+# when the harness writes "pass <sentinel>" on the channel (a socket inherited as an fd), where
+# the sentinel is a per-run secrets.token_hex that the worker sends, together with the test
+# code, only after the harness said "ready", i.e. after the program was imported. Hence:
+# - exit status means nothing: sys.exit(0), os._exit(0), atexit hooks, SystemExit raised from a
+#   __del__, a signal handler or a timer all end the run without the sentinel (the harness ends
+#   with os._exit right after "pass", so no atexit or finaliser runs after it either);
+# - the tests are not in any file, argv, environment or memory of the sandbox while the
+#   program's top level runs: open(__file__), inspect, sys.argv, /proc/self/cmdline and the
+#   stack show the program and this harness, never the asserts, so a table of answers cannot
+#   be built in advance;
+# - before the tests run the harness takes back what the program may have planted: every other
+#   process of the sandbox is killed (PID namespace), any extra thread fails the run, signal
+#   handlers and interval timers are reset, trace/profile hooks cleared, builtins restored from
+#   a copy taken before the import, gc callbacks dropped, the sys hooks reset; a new audit hook
+#   cannot be added (the harness's own hook refuses it);
+# - the channel fd is not inherited across exec, and the program's processes are gone before
+#   the sentinel exists.
+# What it does NOT stop (documented in docs/environments.md): code of the program that the
+# tests themselves call runs in this interpreter after the sentinel arrived. A program written
+# against this harness can walk the stack from such a call (or use ctypes) to find the channel
+# and the sentinel, and objects with a rigged __eq__ can satisfy `assert f(x) == y`. Stopping
+# that needs the asserts evaluated outside the program's interpreter, which HumanEval/MBPP
+# style tests (calls into the program's functions) do not allow in general; prefer
+# stdin/stdout tests (compared by the worker, never shown to the program) where that matters.
+_HARNESS = r"""
+def _harness():
+    import builtins, gc, os, signal, sys, threading, types
+    fd, path = int(sys.argv[1]), sys.argv[2]
+    write, read, exit_, listdir, kill = os.write, os.read, os._exit, os.listdir, os.kill
+    compile_, exec_, bytes_, len_, type_, str_ = compile, exec, bytes, len, type, str
+    os.set_inheritable(fd, False)
+
+    def send(data):
+        while data:
+            data = data[write(fd, data):]
+
+    def fail(why):
+        send(b"fail " + why.encode("utf-8", "replace")[:300] + b"\n")
+        exit_(1)
+
+    def refuse_new_hooks(event, args):
+        if event == "sys.addaudithook":
+            raise RuntimeError("no audit hooks in the sandbox")
+
+    sys.addaudithook(refuse_new_hooks)
+    saved_builtins = dict(builtins.__dict__)
+    sys_hooks = {name: getattr(sys, "__" + name + "__") for name in ("excepthook", "displayhook", "stdin", "stdout", "stderr")}
+    in_pidns = os.getpid() <= 2
+    with open(path, "rb") as handle:
+        source = handle.read()
+    module = types.ModuleType("solution")  # imported, not run: `if __name__ == "__main__":` blocks stay out
+    module.__file__ = os.path.abspath(path)
+    module.__builtins__ = builtins
+    sys.modules["solution"] = module
+    sys.argv = [path]
+    try:
+        exec_(compile_(source, path, "exec", dont_inherit=True), module.__dict__)
+    except BaseException as exc:
+        fail("import: " + str_(type_(exc).__name__))
+    # Take back what the program's top level may have planted.
+    sys.settrace(None)
+    sys.setprofile(None)
+    threading.settrace(None)
+    threading.setprofile(None)
+    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
+        signal.setitimer(timer, 0)
+    for signum in signal.valid_signals():
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    gc.callbacks.clear()
+    builtins.__dict__.clear()
+    builtins.__dict__.update(saved_builtins)
+    for name, value in sys_hooks.items():
+        setattr(sys, name, value)
+    if in_pidns:
+        try:
+            kill(-1, signal.SIGKILL)  # every other process of the sandbox (never the init)
+        except OSError:
+            pass
+    if len_(listdir("/proc/self/task")) != 1:
+        fail("the program left threads running")
+    send(b"ready\n")
+    header = b""
+    while not header.endswith(b"\n"):
+        chunk = read(fd, 1)
+        if not chunk:
+            exit_(1)
+        header += chunk
+    size, payload = int(header), b""
+    while len_(payload) < size:
+        chunk = read(fd, size - len_(payload))
+        if not chunk:
+            exit_(1)
+        payload += chunk
+    sentinel, _, test = payload.partition(b"\n")
+    try:
+        exec_(compile_(test, "<test>", "exec", dont_inherit=True), module.__dict__)
+    except BaseException as exc:
+        fail(str_(type_(exc).__name__))
+    send(b"pass " + bytes_(sentinel) + b"\n")
+    exit_(0)
+
+_harness()
 """
 
 
@@ -59,8 +225,9 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     wall_s: float = 10.0
     memory_mb: int = 512  # address space (RLIMIT_AS)
     file_size_mb: int = 16
-    nproc: int = 32  # processes + threads of the run's uid (root only; see the table above)
+    nproc: int = 32  # processes + threads of the run (see the table above for when it is set)
     output_bytes: int = 1 << 20  # per stream; more ends the run
+    tmpfs_mb: int = 16  # size of each private tmpfs (/tmp, /var/tmp, /dev/shm, /run)
     # Interpreter for the program. Under a fresh uid it must be reachable by an unprivileged
     # user: the system python3, not a venv under /root. Empty = the system python3 if any.
     python: str = ""
@@ -71,46 +238,105 @@ class Isolation:
     network: bool
     pid_namespace: bool
     own_uid: bool
+    mount_namespace: bool = False  # private /tmp, /var/tmp, /dev/shm, /run and /proc
+    nproc: bool = False  # RLIMIT_NPROC bounds the run's own processes
 
     @property
     def summary(self) -> str:
-        parts = [name for name, on in (("netns", self.network), ("pidns", self.pid_namespace), ("uid", self.own_uid)) if on]
+        parts = [
+            name
+            for name, on in (
+                ("netns", self.network),
+                ("pidns", self.pid_namespace),
+                ("mntns", self.mount_namespace),
+                ("uid", self.own_uid),
+            )
+            if on
+        ]
         return "+".join(parts) or "rlimits-only"
 
 
 @dataclass(frozen=True)
 class RunResult:
-    returncode: int  # negative: killed by that signal
+    returncode: int  # the program's: negative = killed by that signal
     stdout: str
     stderr: str
     timed_out: bool = False
     output_exceeded: bool = False
+    reason: str = ""  # why the program ended, when it did not exit by itself ("cpu time limit (SIGXCPU)")
+    passed: Union[bool, None] = None  # harness runs: the harness reported the run's sentinel
+    harness: str = ""  # harness runs: what the harness said ("fail AssertionError", ...)
 
     @property
     def ok(self) -> bool:
+        if self.passed is not None:
+            return self.passed and not self.timed_out and not self.output_exceeded
         return self.returncode == 0 and not self.timed_out and not self.output_exceeded
+
+
+def _kernel_counts_nproc_per_userns() -> bool:
+    try:
+        major, minor = (int(part) for part in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (5, 14)
+
+
+def _prefix(isolation: Isolation) -> list[str]:
+    if not isolation.network:
+        return []
+    return _UNSHARE if isolation.own_uid else [*_UNSHARE[:1], *_USERNS, *_UNSHARE[1:]]
 
 
 @functools.lru_cache(maxsize=1)
 def probe_isolation() -> Isolation:
-    """What this host gives a sandboxed run (tries the namespaces once)."""
-    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
-        return Isolation(network=False, pid_namespace=False, own_uid=False)
-    root = os.geteuid() == 0
-    prefix = _UNSHARE if root else [*_UNSHARE[:1], *_USERNS, *_UNSHARE[1:]]
+    """What this host gives a sandboxed run (one trial run of the real bootstrap, cached)."""
+    none = Isolation(network=False, pid_namespace=False, own_uid=False)
+    isolation = none
+    if shutil.which("unshare") is not None and sys.platform.startswith("linux"):
+        root = os.geteuid() == 0
+        candidate = Isolation(
+            network=True,
+            pid_namespace=True,
+            own_uid=root,
+            mount_namespace=True,
+            nproc=root or _kernel_counts_nproc_per_userns(),
+        )
+        if _trial(candidate):
+            isolation = candidate
+    if isolation == none:
+        log.warning(
+            "code sandbox: isolation level rlimits-only (no usable `unshare` namespaces here): programs have "
+            "network access and see the host's /tmp and /proc; set require_isolation: true to refuse"
+        )
+    else:
+        log.info("code sandbox: isolation level %s", isolation.summary)
+    return isolation
+
+
+def _trial(isolation: Isolation) -> bool:
+    workdir = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
+    read_end, write_end = os.pipe()
     try:
-        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    return Isolation(network=ok, pid_namespace=ok, own_uid=root)
-
-
-def _command(isolation: Isolation, config: dict) -> list[str]:
-    launcher = [sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
-    if not isolation.network:
-        return launcher
-    prefix = _UNSHARE if isolation.own_uid else [*_UNSHARE[:1], *_USERNS, *_UNSHARE[1:]]
-    return [*prefix, "--", *launcher]
+        (workdir / "main.py").write_text("import os\nprint(sorted(os.listdir('/tmp')))\n")
+        uid = _UID_BASE + 999 if isolation.own_uid else None
+        if uid is not None:
+            for path in (workdir, workdir / "main.py"):
+                os.chown(path, uid, uid)
+        config = _bootstrap_config(Limits(), uid, isolation, workdir, write_end, ["main.py"])
+        command = [*_prefix(isolation), "--", sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
+        done = subprocess.run(command, cwd=workdir, capture_output=True, timeout=20, env={}, pass_fds=(write_end,))
+        ok = done.returncode == 0 and done.stdout.decode().strip() == f"[{workdir.name!r}]"
+        if not ok:
+            log.info("code sandbox: %s unavailable: %s", isolation.summary, done.stderr.decode(errors="replace")[-300:])
+        return ok
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.info("code sandbox: %s unavailable: %s", isolation.summary, exc)
+        return False
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -120,36 +346,83 @@ def sandbox_python(configured: str) -> str:
     return shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or sys.executable
 
 
-def _bootstrap_config(limits: Limits, uid: int | None) -> dict:
+def _bootstrap_config(
+    limits: Limits, uid: Union[int, None], isolation: Isolation, workdir: Path, status_fd: int, argv: list[str]
+) -> dict:
     rlimits = {
         "RLIMIT_CPU": limits.cpu_s,
         "RLIMIT_AS": limits.memory_mb << 20,
         "RLIMIT_FSIZE": limits.file_size_mb << 20,
         "RLIMIT_CORE": 0,
     }
-    if uid is not None:  # only a fresh uid makes the process count this run's alone
+    if isolation.nproc:  # a fresh uid, or a user namespace the kernel counts apart
         rlimits["RLIMIT_NPROC"] = limits.nproc
     # CPU: SIGXCPU at the soft limit, SIGKILL one second later.
-    return {"limits": rlimits, "grace": {"RLIMIT_CPU": 1}, "uid": uid, "python": sandbox_python(limits.python)}
+    return {
+        "limits": rlimits,
+        "grace": {"RLIMIT_CPU": 1},
+        "uid": uid,
+        "python": sandbox_python(limits.python),
+        "argv": argv,
+        "status_fd": status_fd,
+        "mounts": isolation.mount_namespace,
+        "tmpfs": list(_TMPFS),
+        "tmpfs_kb": limits.tmpfs_mb << 10,
+        "workdir": str(workdir),
+    }
 
 
-async def run_python(source: str, stdin: str = "", limits: Limits = Limits()) -> RunResult:
-    """Run `source` as `main.py` in a fresh sandbox; never raises for what the program does."""
+async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), test: Union[str, None] = None) -> RunResult:
+    """Run `source` in a fresh sandbox; never raises for what the program does.
+
+    Without `test`: as `main.py`, with `stdin`. With `test` (Python, e.g. asserts): the program
+    is imported by the harness, then `test` runs in its namespace; `RunResult.passed` says
+    whether the harness reported this run's sentinel (stdin is empty).
+    """
     isolation = probe_isolation()
     uid = _UID_BASE + next(_uid_counter) % 1000 if isolation.own_uid else None
     workdir = Path(tempfile.mkdtemp(prefix="sandbox-"))
+    status_read, status_write = os.pipe()
+    channel, child_end = socket.socketpair() if test is not None else (None, None)
+    pending = [status_write, *([child_end.detach()] if child_end is not None else [])]  # the child's ends
+
+    def release() -> None:  # once the child holds them (or never will): close our copies exactly once
+        while pending:
+            os.close(pending.pop())
+
     try:
         (workdir / "main.py").write_text(source)
         if uid is not None:
             for path in (workdir, workdir / "main.py"):
                 os.chown(path, uid, uid)
         workdir.chmod(0o700)
-        return await _run(_command(isolation, _bootstrap_config(limits, uid)), workdir, stdin, limits, uid)
+        argv = ["main.py"] if test is None else ["-c", _HARNESS, str(pending[-1]), "main.py"]
+        config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv)
+        command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-c", _BOOTSTRAP]
+        command.append(json.dumps(config))
+        return await _run(
+            command, workdir, stdin if test is None else "", limits, uid, list(pending), release, status_read, channel, test
+        )
     finally:
+        release()
+        os.close(status_read)
+        if channel is not None:
+            channel.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _run(command: list[str], workdir: Path, stdin: str, limits: Limits, uid: int | None) -> RunResult:
+async def _run(
+    command: list[str],
+    workdir: Path,
+    stdin: str,
+    limits: Limits,
+    uid: Union[int, None],
+    pass_fds: list[int],
+    release: Callable[[], None],
+    status_read: int,
+    channel: Union[socket.socket, None],
+    test: Union[str, None],
+) -> RunResult:
     proc = await asyncio.create_subprocess_exec(
         *command,
         cwd=workdir,
@@ -158,24 +431,95 @@ async def _run(command: list[str], workdir: Path, stdin: str, limits: Limits, ui
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # its own process group: one killpg ends the tree
+        pass_fds=pass_fds,
     )
+    release()  # the child holds them now; EOF on our ends follows its exit
     stdout = _Capped(limits.output_bytes)
     stderr = _Capped(limits.output_bytes)
+    sentinel = secrets.token_hex(16)
+    said = bytearray()
+    jobs = [_communicate(proc, stdin, stdout, stderr)]
+    if channel is not None and test is not None:
+        jobs.append(_converse(channel, sentinel, test, said))
     timed_out = False
     try:
-        await asyncio.wait_for(_communicate(proc, stdin, stdout, stderr), limits.wall_s)
+        await asyncio.wait_for(asyncio.gather(*jobs), limits.wall_s)
     except asyncio.TimeoutError:
         timed_out = True
     finally:
         _kill_tree(proc.pid, uid)
-        returncode = await proc.wait()
+        outer = await proc.wait()
+    fate = _read_fate(status_read)
+    returncode, reason = _explain(fate, outer, limits)
+    if timed_out:
+        reason = f"wall time limit ({limits.wall_s:g}s)"
+    elif stdout.exceeded or stderr.exceeded:
+        reason = f"output limit ({limits.output_bytes} bytes)"
+    passed = harness = None
+    if channel is not None:
+        lines = bytes(said).decode("utf-8", errors="replace").splitlines()
+        passed = lines == ["ready", f"pass {sentinel}"] and returncode == 0
+        harness = lines[-1] if lines and not passed else ""
+        if not passed and lines[-1:] == [f"pass {sentinel}"]:
+            harness = "harness protocol violated"
     return RunResult(
         returncode=returncode,
         stdout=stdout.text(),
         stderr=stderr.text(),
         timed_out=timed_out,
         output_exceeded=stdout.exceeded or stderr.exceeded,
+        reason=reason,
+        passed=passed,
+        harness=harness or "",
     )
+
+
+async def _converse(channel: socket.socket, sentinel: str, test: str, said: bytearray) -> None:
+    """Send the test and the sentinel once the harness says it imported the program; record its replies."""
+    loop = asyncio.get_running_loop()
+    channel.setblocking(False)
+    sent = False
+    while len(said) < 4096:
+        chunk = await loop.sock_recv(channel, 4096)
+        if not chunk:
+            return
+        said += chunk
+        if not sent and bytes(said).startswith(b"ready\n"):
+            sent = True
+            payload = sentinel.encode() + b"\n" + test.encode()
+            try:
+                await loop.sock_sendall(channel, b"%d\n" % len(payload) + payload)
+            except OSError:
+                return
+
+
+def _read_fate(status_read: int) -> dict:
+    """The init's account of how the program ended ({} when there is none: it never started, or no init)."""
+    os.set_blocking(status_read, False)
+    try:
+        data = os.read(status_read, 4096)
+        return json.loads(data) if data else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _explain(fate: dict, outer: int, limits: Limits) -> tuple[int, str]:
+    """(the program's return code, why it was stopped)."""
+    if "exit" in fate:
+        return int(fate["exit"]), ""
+    if "signal" not in fate:
+        return outer, "" if outer == 0 else "sandbox did not report the program's end"
+    signum = int(fate["signal"])
+    cpu = float(fate.get("cpu_s", 0.0))
+    if signum == signal.SIGXCPU:
+        return -signum, f"cpu time limit ({limits.cpu_s}s, SIGXCPU)"
+    if signum == signal.SIGKILL and cpu >= limits.cpu_s:
+        return -signum, f"cpu time limit ({limits.cpu_s}s; SIGKILL at the hard limit after {cpu:.1f}s)"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    return -signum, f"killed by {name}"
 
 
 class _Capped:
@@ -204,7 +548,7 @@ async def _communicate(proc: asyncio.subprocess.Process, stdin: str, *sinks: _Ca
         except (BrokenPipeError, ConnectionResetError):  # the program did not read its input
             pass
 
-    async def drain(stream: asyncio.StreamReader | None, sink: _Capped) -> None:
+    async def drain(stream: Union[asyncio.StreamReader, None], sink: _Capped) -> None:
         assert stream is not None
         while chunk := await stream.read(65536):
             sink.add(chunk)
@@ -216,10 +560,10 @@ async def _communicate(proc: asyncio.subprocess.Process, stdin: str, *sinks: _Ca
     await proc.wait()
 
 
-def _kill_tree(pgid: int, uid: int | None) -> None:
+def _kill_tree(pgid: int, uid: Union[int, None]) -> None:
     """SIGKILL the run's process group, and (fresh uid) every process of that uid.
 
-    In a PID namespace the kernel kills the rest when its first process dies; the uid
+    In a PID namespace the kernel kills the rest when its init dies; the uid
     sweep catches children that left the group with setsid() when there is none.
     """
     try:

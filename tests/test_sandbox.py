@@ -1,0 +1,296 @@
+"""The sandbox (`workers/envs/sandbox.py`), probed by programs that try to get out.
+
+Every probe prints "blocked ..." when the sandbox held and "ESCAPED ..." when it did not.
+Probes that need a namespace are skipped where `probe_isolation()` says this host has none
+(the skip reason names the level in effect).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from pipeline.config import EnvConfig
+from pipeline.schema import Task
+from workers.envs.base import EpisodeRecord
+from workers.envs.math import MathEnvironment, MathOptions
+from workers.envs.sandbox import Limits, probe_isolation, run_python
+
+FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
+ISOLATION = probe_isolation()
+needs_mounts = pytest.mark.skipif(
+    not ISOLATION.mount_namespace, reason=f"no private mount namespace here (isolation: {ISOLATION.summary})"
+)
+needs_netns = pytest.mark.skipif(not ISOLATION.network, reason=f"no network namespace here (isolation: {ISOLATION.summary})")
+needs_pidns = pytest.mark.skipif(not ISOLATION.pid_namespace, reason=f"no PID namespace here (isolation: {ISOLATION.summary})")
+
+
+async def test_passing_and_failing_programs():
+    ok = await run_python("print(input()[::-1])", "abc\n", FAST)
+    assert ok.ok and ok.stdout.strip() == "cba"
+    bad = await run_python("raise SystemExit(3)", "", FAST)
+    assert bad.returncode == 3 and not bad.ok
+
+
+async def test_empty_environment_and_private_temp_dir():
+    result = await run_python("import os, sys; print(sorted(os.environ)); print(os.getcwd())", "", FAST)
+    env_names, cwd = result.stdout.strip().splitlines()
+    assert "PATH" not in env_names and "HOME" not in env_names
+    assert os.path.basename(cwd).startswith("sandbox-") and not os.path.exists(cwd)  # removed afterwards
+
+
+# ------------------------------------------------------------------ filesystem: nothing shared, nothing kept
+
+
+@needs_mounts
+async def test_tmp_var_tmp_and_dev_shm_are_private_to_each_run():
+    name = f"probe-{uuid.uuid4().hex}"
+    writer = (
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '/run'):\n"
+        f"    open(d + '/{name}', 'w').write('secret')\n"
+        "print('written')\n"
+    )
+    reader = (
+        "import os\n"
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '/run'):\n"
+        f"    print('ESCAPED' if os.path.exists(d + '/{name}') else 'blocked', d)\n"
+    )
+    first = await run_python(writer, "", FAST)
+    assert first.stdout.strip() == "written", first
+    second = await run_python(reader, "", FAST)
+    assert second.stdout.split() == ["blocked", "/tmp", "blocked", "/var/tmp", "blocked", "/dev/shm", "blocked", "/run"]
+    for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run"):  # nor did it land on the host
+        assert not os.path.exists(f"{folder}/{name}")
+
+
+@needs_mounts
+async def test_the_hosts_tmp_files_are_not_visible():
+    with tempfile.NamedTemporaryFile(dir="/tmp", prefix="host-secret-") as handle:
+        os.chmod(handle.name, 0o644)  # permissions would let any uid read it: only the mount hides it
+        program = f"import os\nprint('ESCAPED' if os.path.exists({handle.name!r}) else 'blocked', sorted(os.listdir('/tmp')))"
+        result = await run_python(program, "", FAST)
+    assert result.stdout.startswith("blocked"), result
+
+
+@needs_mounts
+async def test_private_tmpfs_is_size_capped():
+    program = (
+        "try:\n"
+        "    with open('/dev/shm/fill', 'wb') as f:\n"
+        "        for _ in range(64):\n"
+        "            f.write(b'x' * (1 << 20))\n"
+        "    print('ESCAPED')\n"
+        "except OSError as exc:\n"
+        "    print('blocked', exc.errno)\n"
+    )
+    result = await run_python(program, "", Limits(tmpfs_mb=4, file_size_mb=128))
+    assert result.stdout.startswith("blocked"), result
+
+
+# ------------------------------------------------------------------ processes: its own /proc, nothing of the host
+
+
+@needs_pidns
+async def test_proc_lists_only_the_sandboxs_own_processes():
+    program = (
+        "import os\n"
+        "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+        "print(pids)\n"
+        f"print('ESCAPED' if os.path.exists('/proc/{os.getpid()}/environ') else 'blocked')\n"
+    )
+    result = await run_python(program, "", FAST)
+    pids, verdict = result.stdout.strip().splitlines()
+    assert pids == "[1, 2]"  # the sandbox's init and the program
+    assert verdict == "blocked"
+
+
+@needs_pidns
+async def test_the_init_is_the_sandboxs_not_the_hosts():
+    program = "print(open('/proc/1/cmdline', 'rb').read().split(b'\\0')[:3])"
+    result = await run_python(program, "", FAST)
+    assert "-I" in result.stdout and "worker" not in result.stdout  # our bootstrap, not the host's pid 1
+
+
+# ------------------------------------------------------------------ network: no TCP, no host unix sockets
+
+_CONNECT = (
+    "import socket\n"
+    "family, address = {family}, {address!r}\n"
+    "try:\n"
+    "    s = socket.socket(family, socket.SOCK_STREAM)\n"
+    "    s.settimeout(2)\n"
+    "    s.connect(address)\n"
+    "    print('ESCAPED', s.recv(16))\n"
+    "except OSError as exc:\n"
+    "    print('blocked', exc.errno, exc)\n"
+)
+
+
+async def _serve(sock: socket.socket):
+    async def greet(reader, writer):
+        writer.write(b"hello")
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(greet, sock=sock)
+
+
+@needs_netns
+async def test_tcp_to_a_loopback_server_of_the_host_is_refused():
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = await _serve(listener)
+    try:
+        port = listener.getsockname()[1]
+        assert socket.create_connection(("127.0.0.1", port), timeout=2)  # reachable from the host
+        result = await run_python(_CONNECT.format(family="socket.AF_INET", address=("127.0.0.1", port)), "", FAST)
+        outside = await run_python(_CONNECT.format(family="socket.AF_INET", address=("1.1.1.1", 53)), "", FAST)
+    finally:
+        server.close()
+    assert result.stdout.startswith("blocked"), result
+    assert outside.stdout.startswith("blocked"), outside
+
+
+@needs_mounts
+async def test_a_host_unix_socket_in_tmp_is_unreachable():
+    folder = tempfile.mkdtemp(dir="/tmp", prefix="host-sock-")
+    path = os.path.join(folder, "s")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+    os.chmod(folder, 0o777)
+    os.chmod(path, 0o777)  # any uid may connect: only the mount namespace stands in the way
+    server = await _serve(listener)
+    try:
+        result = await run_python(_CONNECT.format(family="socket.AF_UNIX", address=path), "", FAST)
+    finally:
+        server.close()
+        os.unlink(path)
+        os.rmdir(folder)
+    assert result.stdout.startswith("blocked"), result
+
+
+@needs_netns
+async def test_a_host_abstract_unix_socket_is_unreachable():
+    name = f"\0sandbox-probe-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen()
+    server = await _serve(listener)
+    try:
+        result = await run_python(_CONNECT.format(family="socket.AF_UNIX", address=name), "", FAST)
+    finally:
+        server.close()
+    assert result.stdout.startswith("blocked"), result
+
+
+# ------------------------------------------------------------------ runaway programs are stopped
+
+
+async def test_cpu_loop_is_stopped_by_the_cpu_limit_and_reported_as_such():
+    started = time.monotonic()
+    # a generous wall clock (the machine may be busy): only RLIMIT_CPU can end the spin
+    spin = await run_python("while True: pass", "", Limits(cpu_s=1, wall_s=60.0))
+    assert not spin.ok and not spin.timed_out
+    assert spin.reason.startswith("cpu time limit"), spin
+    assert "unshare" not in spin.stderr
+    sleeper = await run_python("import time; time.sleep(60)", "", Limits(wall_s=1.0))
+    assert sleeper.timed_out and not sleeper.ok and sleeper.reason.startswith("wall time limit")
+    assert time.monotonic() - started < 70  # bounded, not a speed goal
+
+
+async def test_cpu_limit_ignoring_sigxcpu_is_killed_at_the_hard_limit():
+    program = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    result = await run_python(program, "", Limits(cpu_s=1, wall_s=60.0))
+    assert not result.ok and not result.timed_out
+    assert result.reason.startswith("cpu time limit") and "SIGKILL" in result.reason, result
+
+
+async def test_memory_bomb_is_stopped():
+    result = await run_python("x = bytearray(1 << 31)\nprint('ESCAPED')", "", FAST)
+    assert "ESCAPED" not in result.stdout and "MemoryError" in result.stderr
+
+
+async def test_file_size_limit():
+    result = await run_python("open('big', 'wb').write(b'x' * (32 << 20))", "", Limits(file_size_mb=1))
+    assert not result.ok and "File too large" in result.stderr
+
+
+async def test_output_flood_is_stopped():
+    result = await run_python("while True: print('x' * 1000)", "", Limits(output_bytes=10_000))
+    assert result.output_exceeded and len(result.stdout) <= 10_000 and result.reason.startswith("output limit")
+
+
+@pytest.mark.skipif(not ISOLATION.nproc, reason=f"RLIMIT_NPROC per run not available (isolation: {ISOLATION.summary})")
+async def test_fork_bomb_is_stopped_and_its_children_die():
+    bomb = (
+        "import os, time\n"
+        "n = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid(); time.sleep(60)\n"
+        "        n += 1\n"
+        "except OSError:\n"
+        "    print('blocked at', n)\n"
+    )
+    result = await run_python(bomb, "", FAST)
+    assert "blocked at" in result.stdout, result
+    assert int(result.stdout.split()[-1]) < FAST.nproc
+    # every forked sleeper was killed with the run (PID namespace / uid sweep); the kernel
+    # tears a namespace's processes down asynchronously, so allow it a moment (they sleep 60 s)
+    deadline = time.monotonic() + 10
+    while (leftovers := _sandbox_pids()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert leftovers == []
+
+
+def _sandbox_pids() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit() and _uid(p) >= 2_000_000_000]
+
+
+def _uid(pid: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return -1
+
+
+# ------------------------------------------------------------------ untrusted answers never stall the event loop
+# (math: issue 12 item 10; here with the other "adversarial input vs. the worker" checks)
+
+
+async def test_math_checks_default_to_the_process_pool_and_an_adversarial_answer_does_not_stall_the_loop():
+    assert MathOptions().check_in == "process"
+    env = MathEnvironment("m", EnvConfig(kind="math", options={"processes": 1, "parse_timeout_s": 2}))
+    assert env.options.check_in == "process"
+    task = Task(id="slow", env="m", prompt="?", label="3")
+    answer = "\\boxed{(x+1)^{2000}}"  # sympy expands it for seconds: inline, the loop would stall that long
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": answer}]
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.02)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        started = time.monotonic()
+        session = await env.start(task)
+        verification = await session.verify(EpisodeRecord(task=task, messages=messages, response_text=answer, turns=1))
+        took = time.monotonic() - started
+    finally:
+        ticking.cancel()
+        await env.aclose()
+    assert verification.reward == 0.0
+    assert took > 1.0  # the check really was slow ...
+    assert max(gaps) < 0.5, max(gaps)  # ... and the loop went on meanwhile

@@ -3,8 +3,14 @@
 Delivery rules (DESIGN.md):
 - push is one optimistic transaction: WATCH the dedup marker, MULTI{SET marker, XADD,
   counters}EXEC, so a job re-run after a crash never stores a second copy (concurrent
-  pushes of one process share one transaction);
-- readers get their own pending entries first, then new ones (XREADGROUP);
+  pushes of one process share one transaction). The marker's value is the push's
+  operation id, written with an operation key in the same EXEC: a retry after a lost
+  EXEC reply sees the key and knows which groups *it* stored (not duplicates);
+- every other write (requeue, dead letters, acks with counters) runs through
+  `redis_conn.run_once`, so a lost reply never applies it twice;
+- readers get their own pending entries first, then new ones (XREADGROUP); a consumer
+  with more pending entries than the caller accounts for (an XREADGROUP reply lost on
+  the wire) scans its pending list again;
 - ack = XACK + XDEL: the stream holds only entries not yet acknowledged, so nothing
   unconsumed is ever trimmed and memory is bounded by admission control instead;
 - an entry that does not decode is moved to the dead-letter stream with the reason
@@ -25,12 +31,15 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError, WatchError
 
 from pipeline.keys import TRAINER_GROUP, Counter, Keys
+from pipeline.redis_conn import ALREADY, OP_TTL_S, new_op_id, run_once
 from pipeline.schema import SampleGroup, SchemaError, decode_group, encode
 
 log = logging.getLogger(__name__)
 
 DEDUP_TTL_S = 7 * 24 * 3600  # longer than any run: a re-run job must never push twice
 RECENT_KEEP = 2000  # group summaries kept for the monitor
+ID_UNKNOWN = "0-0"  # push/requeue stored the group, but the reply with its stream id was lost
+HANDED_BACK = b"handed-back"  # dedup marker value of a group whose task was handed back (a tombstone)
 
 class GroupSummary(msgspec.Struct, kw_only=True, array_like=True):
     """A few numbers per pushed group, kept in `{ns}:recent` for the monitor."""
@@ -135,13 +144,23 @@ class GroupBuffer:
     async def _store(self, batch: list["_Push"]) -> list[str | None]:
         """WATCH the dedup markers, then MULTI{SET marker, XADD, counters}EXEC for the
         absent ones. A concurrent push of the same group elsewhere changes a watched
-        marker, aborts the EXEC, and the retry sees the marker: stored exactly once."""
+        marker, aborts the EXEC, and the retry sees the marker: stored exactly once.
+
+        The markers this EXEC writes hold its operation id, and the EXEC also sets the
+        operation key: when the reply is lost (WatchError on the retry), the next look
+        finds the key and reports the groups whose marker holds our id as stored
+        (`ID_UNKNOWN`) and nothing is counted again."""
         markers = [item.marker for item in batch]
+        op_id = new_op_id()
+        op_key = self.keys.op(op_id)
         async with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(*markers)
-                    present = await pipe.mget(*markers)
+                    await pipe.watch(op_key, *markers)
+                    applied, *present = await pipe.mget(op_key, *markers)
+                    if applied is not None:  # our EXEC went through; its reply was lost
+                        await pipe.unwatch()
+                        return self._recovered(batch, present, op_id.encode())
                     pipe.multi()
                     xadd_at: list[int | None] = []  # position of each stored item's XADD reply
                     stored: dict[str, _Push] = {}
@@ -150,14 +169,26 @@ class GroupBuffer:
                             stored[item.marker] = item
                             xadd_at.append(len(pipe))
                             pipe.xadd(self.keys.groups, item.fields)
-                            pipe.set(item.marker, "1", ex=self.dedup_ttl_s)
+                            pipe.set(item.marker, op_id, ex=self.dedup_ttl_s)
                         else:
                             xadd_at.append(None)
                     self._queue_totals(pipe, list(stored.values()), duplicates=len(batch) - len(stored))
+                    pipe.set(op_key, b"1", ex=OP_TTL_S)
                     replies = await pipe.execute()
                     return [None if at is None else replies[at].decode() for at in xadd_at]
                 except WatchError:
+                    await pipe.reset()
                     continue
+
+    @staticmethod
+    def _recovered(batch: list["_Push"], present: list[bytes | None], mine: bytes) -> list[str | None]:
+        seen: set[str] = set()
+        out: list[str | None] = []
+        for item, value in zip(batch, present):
+            out.append(ID_UNKNOWN if value == mine and item.marker not in seen else None)
+            seen.add(item.marker)
+        log.info("push: a lost reply; %d of %d group(s) were stored by it", sum(o is not None for o in out), len(out))
+        return out
 
     def _queue_totals(self, pipe: Any, stored: list["_Push"], *, duplicates: int) -> None:
         """Counters and monitor summaries of a whole batch in a few commands, not a few per
@@ -173,15 +204,26 @@ class GroupBuffer:
             pipe.lpush(self.keys.recent, *(item.summary for item in stored))
             pipe.ltrim(self.keys.recent, 0, RECENT_KEEP - 1)
 
-    async def requeue(self, group: SampleGroup) -> str:
-        """Put back a group the trainer handed back (slime's add_samples): no dedup check."""
-        entry_id = await self.redis.xadd(self.keys.groups, {"g": encode(group), "id": group.group_id})
-        return entry_id.decode()
+    async def requeue(self, group: SampleGroup, *, op_id: str | None = None) -> str:
+        """Put back a group the trainer handed back (slime's add_samples): no dedup check, but
+        once per call (`op_id`), whatever replies are lost."""
+        fields = {"g": encode(group), "id": group.group_id}
+        replies = await run_once(self.redis, self.keys.op(op_id or new_op_id()),
+                                 lambda pipe: pipe.xadd(self.keys.groups, fields))
+        return ID_UNKNOWN if replies is ALREADY else replies[0].decode()
 
-    async def dead_letter(self, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
-        pipe = self.redis.pipeline(transaction=True)
-        self.stage_dead_letter(pipe, source=source, reason=reason, payload=payload, ref=ref)
-        await pipe.execute()
+    async def dead_letter(
+        self, *, source: str, reason: str, payload: bytes = b"", ref: str = "", op_id: str | None = None
+    ) -> None:
+        """One dead letter, written once per call (`op_id`: once per logical operation)."""
+        await run_once(
+            self.redis, self.keys.op(op_id or new_op_id()),
+            lambda pipe: self.stage_dead_letter(pipe, source=source, reason=reason, payload=payload, ref=ref),
+        )
+
+    def stage_tombstone(self, pipe: Pipeline, group_id: str) -> None:
+        """Mark `group_id` as handed back: a late push of it (a zombie worker's) is refused."""
+        pipe.set(self.keys.dedup(group_id), HANDED_BACK, ex=self.dedup_ttl_s)
 
     def stage_dead_letter(self, pipe: Pipeline, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
         """Add the dead letter to the caller's transaction (it applies with the caller's other writes)."""
@@ -201,10 +243,28 @@ class GroupBuffer:
         `exclude` skips pending ids the caller accounts for itself (the slime side's
         recorded rollout steps). Blocks up to `block_ms` for new entries (None = no wait).
         """
+        if self._pending_cursor.get(consumer) == "+" and await self._pending_count(consumer) > len(exclude):
+            # more pending entries than the caller accounts for: an XREADGROUP delivered entries
+            # whose reply was lost (the retry read further). Scan this consumer's list again.
+            log.warning("consumer %s has pending entries nobody recorded; scanning its pending list again", consumer)
+            self._pending_cursor[consumer] = "-"
         entries = await self._read_pending(consumer, count, exclude)
         if len(entries) < count:
             entries += await self._read_new(consumer, count - len(entries), block_ms)
         return entries
+
+    async def _pending_count(self, consumer: str) -> int:
+        try:
+            info = await self.redis.xpending(self.keys.groups, TRAINER_GROUP)
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return 0
+        for row in (info or {}).get("consumers") or []:
+            name = row["name"].decode() if isinstance(row["name"], bytes) else str(row["name"])
+            if name == consumer:
+                return int(row["pending"])
+        return 0
 
     async def _read_pending(self, consumer: str, count: int, exclude: frozenset[str]) -> list[Entry]:
         entries: list[Entry] = []
@@ -261,11 +321,12 @@ class GroupBuffer:
             try:
                 entries.append(Entry(entry_id, decode_group(payload)))
             except SchemaError as exc:
-                # one transaction: a crash in between must not dead-letter the entry twice
-                pipe = self.redis.pipeline(transaction=True)
-                self.stage_dead_letter(pipe, source="groups", reason=str(exc), payload=payload, ref=entry_id)
-                self.stage_ack(pipe, [entry_id])
-                await pipe.execute()
+                # one transaction, once per entry: neither a crash nor a lost reply dead-letters it twice
+                def stage(pipe: Pipeline, reason: str = str(exc), entry_id: str = entry_id, payload: bytes = payload) -> None:
+                    self.stage_dead_letter(pipe, source="groups", reason=reason, payload=payload, ref=entry_id)
+                    self.stage_ack(pipe, [entry_id])
+
+                await run_once(self.redis, self.keys.op(f"dead:{self.keys.groups}:{entry_id}"), stage)
         return entries
 
     async def ack(self, ids: Iterable[str]) -> None:

@@ -15,7 +15,8 @@ TRAINER_GROUP = "trainer"  # the stream's consumer group
 
 
 class Counter:
-    """Field names of the `{ns}:counters` hash. All updates are atomic HINCRBY."""
+    """Field names of the `{ns}:counters` hash. All updates are atomic HINCRBY, each inside a
+    transaction or script keyed by an operation id, so a retried write never counts twice."""
 
     ENQUEUED = "enqueued"  # jobs admitted by producers (monotonic; requeues count again)
     RUNNING = "running"  # gauge: groups being generated now
@@ -63,6 +64,16 @@ class Keys:
     @property
     def engine(self) -> str:
         return self._k("engine")
+
+    @property
+    def policy(self) -> str:
+        """Hash {run, version}: the policy version the engines hold, stamped on every generate call."""
+        return self._k("policy")
+
+    @property
+    def runs(self) -> str:
+        """Hash run -> first rollout id of that trainer process (the branch points after resumes)."""
+        return self._k("runs")
 
     @property
     def trainer(self) -> str:
@@ -117,6 +128,11 @@ class Keys:
 
     def dedup(self, group_id: str) -> str:
         return self._k(f"dedup:{group_id}")
+
+    def op(self, op_id: str) -> str:
+        """String, short TTL: the writes of operation `op_id` were applied (`redis_conn.run_once`,
+        idempotent scripts): a retry after a lost reply finds it and applies nothing twice."""
+        return self._k(f"op:{op_id}")
 
     def consumed(self, rollout_id: int) -> str:
         return self._k(f"consumed:{rollout_id}")

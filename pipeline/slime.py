@@ -33,7 +33,7 @@ from pipeline.aio import LoopThread
 from pipeline.buffer import Entry, GroupBuffer
 from pipeline.config import ConfigError, TrainerSettings
 from pipeline.keys import Counter, Keys
-from pipeline.redis_conn import connect, redact
+from pipeline.redis_conn import connect, new_op_id, redact, run_once
 from pipeline.schema import Requeue, RequeueReason, Sample, SampleGroup, Status, Task, encode
 from pipeline.staleness import StalePolicy, staleness
 from pipeline.state import PipelineState, TrainerInfo
@@ -339,10 +339,13 @@ class RedisDataSource(_DataSourceBase):
             accepted = [e for e in batch if await self._admit(e, version, stats)]
             if accepted:
                 ids = [e.stream_id for e in accepted]
-                pipe = self._redis.pipeline(transaction=True)
-                pipe.rpush(self.keys.consumed(rid), *ids)
-                pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
-                await pipe.execute()
+
+                def record(pipe: Any, ids: list[str] = ids) -> None:
+                    pipe.rpush(self.keys.consumed(rid), *ids)
+                    pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
+
+                # once, whatever replies are lost: a replayed RPUSH would record every id twice
+                await run_once(self._redis, self.keys.op(new_op_id()), record)
                 recorded.extend(ids)
                 entries.extend(accepted)
             now = time.monotonic()
@@ -392,20 +395,25 @@ class RedisDataSource(_DataSourceBase):
 
     async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats) -> bool:
         """Counters, the optional requeue entry and the ack in one transaction: a crash
-        cannot leave the entry pending after it was counted (it would be counted twice)."""
-        pipe = self._redis.pipeline(transaction=True)
+        cannot leave the entry pending after it was counted (it would be counted twice).
+        Keyed by the stream id (`run_once`): a retry after a lost reply applies nothing twice."""
+        back = None
         if requeue:
             group = entry.group  # back into its own epoch, as the next attempt (producers/enqueue.py)
-            back = Requeue(task=group.task, epoch=group.epoch, attempt=group.attempt, reason=RequeueReason.STALE)
-            pipe.rpush(self.keys.requeue, encode(back))
-            pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
+            back = encode(Requeue(task=group.task, epoch=group.epoch, attempt=group.attempt, reason=RequeueReason.STALE))
             stats.requeued += 1
         elif reason == Counter.STALE:
             stats.dropped += 1
-        pipe.hincrby(self.keys.counters, reason, 1)
-        pipe.hincrby(self.keys.counters, Counter.DISCARDED, 1)
-        self.buffer.stage_ack(pipe, [entry.stream_id])
-        await pipe.execute()
+
+        def stage(pipe: Any) -> None:
+            if back is not None:
+                pipe.rpush(self.keys.requeue, back)
+                pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
+            pipe.hincrby(self.keys.counters, reason, 1)
+            pipe.hincrby(self.keys.counters, Counter.DISCARDED, 1)
+            self.buffer.stage_ack(pipe, [entry.stream_id])
+
+        await run_once(self._redis, self.keys.op(f"discard:{self.keys.groups}:{entry.stream_id}"), stage)
         return False
 
     # called by generate_rollout ---------------------------------------------------

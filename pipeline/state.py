@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import msgspec
 import redis.asyncio as aioredis
 
 from pipeline.keys import Keys
+from pipeline.redis_conn import new_op_id, run_once
 
 
 class TrainerInfo(msgspec.Struct, kw_only=True):
@@ -24,13 +25,16 @@ class PipelineState:
         self.keys = keys
 
     # counters -----------------------------------------------------------
-    async def incr(self, **deltas: int) -> None:
+    async def incr(self, *, op_id: str | None = None, **deltas: int) -> None:
+        """Apply the counter deltas once (`op_id`, default one per call), whatever replies are lost."""
         if not deltas:
             return
-        pipe = self.redis.pipeline(transaction=True)
-        for name, delta in deltas.items():
-            pipe.hincrby(self.keys.counters, name, delta)
-        await pipe.execute()
+
+        def stage(pipe: Any) -> None:
+            for name, delta in deltas.items():
+                pipe.hincrby(self.keys.counters, name, delta)
+
+        await run_once(self.redis, self.keys.op(op_id or new_op_id()), stage)
 
     async def counters(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.keys.counters)

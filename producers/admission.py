@@ -15,6 +15,11 @@ with the envelope encoded by workers.queue's msgpack serializer (the workers' ow
 Callers pass group ids (`PromptJob.job_id`); the arq id is `Keys.arq_job_id(group id)`,
 namespaced because arq's job keys are global.
 The bound formula mirrors `pipeline.staleness.admission_headroom` (checked in tests).
+
+Every script that writes is keyed by an operation id (`{ns}:op:<id>`, one per call): it
+records its result there in the same script, and a replay (redis-py retries a command whose
+reply was lost) returns that result instead of running again. Without it a replayed fresh
+admission saw its own cursor move and raised CursorMoved.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from arq.constants import job_key_prefix, result_key_prefix
 from arq.jobs import serialize_job
 
 from pipeline.config import ConfigError, RolloutSection
+from pipeline.redis_conn import OP_TTL_S, new_op_id
 from pipeline.keys import Counter, Keys
 from pipeline.schema import PromptJob, encode
 from pipeline.state import TrainerInfo
@@ -39,6 +45,15 @@ local function headroom(eta, batch)
   local c = redis.call('HMGET', KEYS[2], '{Counter.ENQUEUED}', '{Counter.DISCARDED}')
   return (eta + v + 1) * batch - ((tonumber(c[1]) or 0) - (tonumber(c[2]) or 0))
 end
+local function replayed(op_key)
+  local done = redis.call('GET', op_key)
+  if done then return cjson.decode(done) end
+  return nil
+end
+local function record(op_key, result)
+  redis.call('SET', op_key, cjson.encode(result), 'EX', {OP_TTL_S})
+  return result
+end
 local function put_job(job_key, result_key, job_id, envelope, expires, score)
   if redis.call('EXISTS', job_key, result_key) > 0 then return false end
   redis.call('SET', job_key, envelope, 'PX', expires)
@@ -47,13 +62,15 @@ local function put_job(job_key, result_key, job_id, envelope, expires, score)
 end
 """
 
-# KEYS: queue, counters, version, cursor, requeue list, then (job key, result key) per job
+# KEYS: queue, counters, version, cursor, requeue list, op key, then (job key, result key) per job
 # ARGV: eta, batch, expires ms, score, cursor field, expected position, then (job id, envelope) per job
 # -> {consumed, admitted}; consumed = -1 when the cursor moved under us (another producer),
 #    -2 when requeued tasks wait: they go first, else a hand-back that lands between the
 #    producer's look at the requeue list and this script would lose its slot to a fresh task
 #    (and wait for the next policy version, or forever at the end of a run).
 _FRESH_LUA = _HEADROOM_LUA + f"""
+local done = replayed(KEYS[6])
+if done then return done end
 local pos = tonumber(redis.call('HGET', KEYS[4], ARGV[5]) or '0')
 if pos ~= tonumber(ARGV[6]) then return {{-1, pos}} end
 if redis.call('LLEN', KEYS[5]) > 0 then return {{-2, 0}} end
@@ -62,7 +79,7 @@ local n = (#ARGV - 6) / 2
 local consumed, admitted = 0, 0
 while consumed < n and room > 0 do
   local i = consumed
-  if put_job(KEYS[6 + 2 * i], KEYS[7 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
+  if put_job(KEYS[7 + 2 * i], KEYS[8 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
     admitted = admitted + 1
     room = room - 1
   end
@@ -70,29 +87,33 @@ while consumed < n and room > 0 do
 end
 if admitted > 0 then redis.call('HINCRBY', KEYS[2], '{Counter.ENQUEUED}', admitted) end
 if consumed > 0 then redis.call('HSET', KEYS[4], ARGV[5], pos + consumed) end
-return {{consumed, admitted}}
+return record(KEYS[6], {{consumed, admitted}})
 """
 
-# KEYS: queue, counters, version, requeue list, attempts hash, job key, result key
+# KEYS: queue, counters, version, requeue list, attempts hash, job key, result key, op key
 # ARGV: eta, batch, expires ms, score, entry bytes (the list head we saw), attempts field,
 #       attempts seen, attempt to admit, arq job id, envelope
 # -> -1 head or attempts changed (retry), 0 no headroom, 1 admitted, 2 popped but the id was taken
 _REQUEUE_LUA = _HEADROOM_LUA + """
+local done = replayed(KEYS[8])
+if done then return done[1] end
 if redis.call('LINDEX', KEYS[4], 0) ~= ARGV[5] then return -1 end
 if tonumber(redis.call('HGET', KEYS[5], ARGV[6]) or '0') ~= tonumber(ARGV[7]) then return -1 end
 if headroom(tonumber(ARGV[1]), tonumber(ARGV[2])) <= 0 then return 0 end
 redis.call('LPOP', KEYS[4])
 redis.call('HSET', KEYS[5], ARGV[6], ARGV[8])
-if not put_job(KEYS[6], KEYS[7], ARGV[9], ARGV[10], ARGV[3], ARGV[4]) then return 2 end
+if not put_job(KEYS[6], KEYS[7], ARGV[9], ARGV[10], ARGV[3], ARGV[4]) then return record(KEYS[8], {2})[1] end
 redis.call('HINCRBY', KEYS[2], '""" + Counter.ENQUEUED + """', 1)
-return 1
+return record(KEYS[8], {1})[1]
 """
 
-# KEYS: requeue list; ARGV: the head we saw -> 1 popped, 0 the head changed (another producer)
-_DROP_HEAD_LUA = """
+# KEYS: requeue list, op key; ARGV: the head we saw -> 1 popped, 0 the head changed (another producer)
+_DROP_HEAD_LUA = _HEADROOM_LUA + """
+local done = replayed(KEYS[2])
+if done then return done[1] end
 if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[1] then return 0 end
 redis.call('LPOP', KEYS[1])
-return 1
+return record(KEYS[2], {1})[1]
 """
 
 
@@ -171,7 +192,7 @@ class Admission:
         self, limits: Limits, jobs: list[tuple[str, bytes]], *, cursor_field: str, position: int, score_ms: int
     ) -> Admitted:
         """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`."""
-        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue]
+        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, self.keys.op(new_op_id())]
         args: list[str | int | bytes] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position]
         for group_id, envelope in jobs:
             keys += self._job_keys(group_id)
@@ -188,11 +209,12 @@ class Admission:
     ) -> int:
         """Move the requeue list's head `head` into the queue as `job`, if the head and the
         (task, epoch)'s attempt count are still what the caller saw (-1 otherwise)."""
-        keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id)]
+        keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id),
+                self.keys.op(new_op_id())]
         args = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
                 job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms)]
         return int(await self._requeue(keys=keys, args=args))
 
     async def drop_requeued(self, head: bytes) -> bool:
         """Pop the requeue list's head if it is still `head` (False: it changed, look again)."""
-        return bool(await self._drop_head(keys=[self.keys.requeue], args=[head]))
+        return bool(await self._drop_head(keys=[self.keys.requeue, self.keys.op(new_op_id())], args=[head]))

@@ -16,6 +16,11 @@
   (task, epoch) the entry goes to the dead-letter stream instead.
 - A plain run exits once every epoch is admitted and the requeue list is empty;
   `--follow` keeps going with further epochs and keeps draining requeues.
+- Nothing is admitted before the trainer has published its settings (`{ns}:trainer`: B,
+  eta, n): admitting `(eta + 1) * B` on this config's own numbers could overshoot the
+  trainer's bound. It logs that it waits every few seconds; `--without-trainer`
+  (`ProducerOptions(wait_for_trainer=False)`) admits on the config's numbers instead.
+- Redis unreachable past `$ROLLOUT_REDIS_OUTAGE_S` (30 s): exits with one line.
 
 `run_producer(...)` is the programmatic entry point (used by the demo).
 """
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import signal
 import sys
@@ -37,6 +43,7 @@ if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo im
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig, load_config
@@ -74,6 +81,8 @@ class ProducerOptions:
     poll_s: float = 0.1  # how often to look at the version/counters while waiting
     max_requeues: int = 3  # re-admissions per (task, epoch) before it is dead-lettered
     reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed
+    wait_for_trainer: bool = True  # admit nothing until the trainer has published {ns}:trainer
+    wait_log_s: float = 5.0  # how often to say that it waits for the trainer
 
 
 class Producer:
@@ -96,6 +105,8 @@ class Producer:
     async def run(self, stop: asyncio.Event) -> ProducerStats:
         try:
             await self._check_cursor()
+            if not await self._await_trainer(stop):
+                return self.stats
             self.epoch = await self._first_open_epoch()
             order = self._order_from_cursor(await self._position())
             while not stop.is_set():
@@ -115,6 +126,23 @@ class Producer:
         finally:
             self.reader.close()
         return self.stats
+
+    async def _await_trainer(self, stop: asyncio.Event) -> bool:
+        """Wait until the trainer has published its settings (False: stopped while waiting)."""
+        if not self.options.wait_for_trainer:
+            return True
+        started = time.monotonic()
+        last_log: float | None = None
+        while await self.state.get_trainer_info() is None:
+            now = time.monotonic()
+            if last_log is None or now - last_log >= self.options.wait_log_s:
+                log.info("waiting for the trainer to publish %s (B, eta, n) before admitting anything (%.0fs); "
+                         "--without-trainer admits on this config's numbers", self.keys.trainer, now - started)
+                last_log = now
+            await self._wait(stop)
+            if stop.is_set():
+                return False
+        return True
 
     def _epoch_wanted(self) -> bool:
         return self.options.follow or self.epoch < self.options.epochs
@@ -232,8 +260,10 @@ class Producer:
         return outcome
 
     async def _give_up(self, head: bytes, ref: str, reason: str) -> int:
-        # Dead-letter first, then pop: a crash in between leaves a duplicate record, never a lost task.
-        await self.buffer.dead_letter(source="requeue", reason=reason, payload=head, ref=ref)
+        # Dead-letter first, then pop: a crash in between repeats this, never loses the task; keyed
+        # by the entry's bytes, so a repeat within the op key's TTL writes nothing twice.
+        op_id = "requeue-dead:" + hashlib.blake2b(head, digest_size=16).hexdigest()
+        await self.buffer.dead_letter(source="requeue", reason=reason, payload=head, ref=ref, op_id=op_id)
         return await self._drop(head, dead=True)
 
     async def _drop(self, head: bytes, *, dead: bool = False, refused: bool = False) -> int:
@@ -332,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--poll", type=float, default=0.1, help="seconds between looks at the version while waiting")
     parser.add_argument("--max-requeues", type=int, default=3)
     parser.add_argument("--reset-cursor", action="store_true", help="start the epochs over (counters are kept)")
+    parser.add_argument("--without-trainer", action="store_true",
+                        help="admit on this config's B and eta without waiting for the trainer to publish {ns}:trainer")
     return parser
 
 
@@ -340,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = ProducerOptions(
         seed=args.seed, batch=args.batch, poll_s=args.poll, max_requeues=args.max_requeues,
-        reset_cursor=args.reset_cursor,
+        reset_cursor=args.reset_cursor, wait_for_trainer=not args.without_trainer,
     )
     try:
         config = load_config(args.config)
@@ -349,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rollout enqueue: {exc}", file=sys.stderr)
         return 1
+    except RedisConnectionError as exc:  # RedisUnavailable: past the outage budget
+        print(f"rollout enqueue: redis unreachable: {exc}", file=sys.stderr)
+        return 3
     log.info("done: %s", stats)
     return 0
 

@@ -93,3 +93,142 @@ async def wait_workers(redis, keys: Keys, count: int, timeout: float = 90.0) -> 
     while len(await live_workers(redis, keys)) < count:
         assert time.monotonic() < deadline, f"fewer than {count} workers heart-beating after {timeout}s"
         await asyncio.sleep(0.2)
+
+
+# ------------------------------------------------------------------ lost replies
+
+class LossyProxy:
+    """A loopback TCP proxy in front of a redis-server that loses replies.
+
+    Every chunk a client sends is forwarded; each reply chunk the server sends back is, with
+    probability `rate`, not forwarded: the proxy drops both connections instead. The server
+    has executed the command (its reply exists), the client never hears of it and, through
+    redis-py's retry, sends it again: the fault a write must be safe against. `down(s)` also
+    refuses new connections and cuts open ones for `s` seconds (a Redis restart, as clients
+    see it). Runs its own event loop in a thread, so sync code and subprocesses can use it.
+    """
+
+    def __init__(self, target_port: int, *, rate: float = 0.01, seed: int = 0, host: str = "127.0.0.1"):
+        import random as _random
+
+        self.target = (host, target_port)
+        self.rate = rate
+        self.rng = _random.Random(seed)
+        self.port = 0
+        self.replies = 0  # reply chunks seen
+        self.dropped = 0  # reply chunks lost (connections dropped)
+        self.refused = 0
+        self._down_until = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._lose: list[list] = []  # [pattern, times left]: lose the reply to a request containing it
+        self.stalled = False  # hold every reply (a half-open connection, as the client sees it)
+
+    def lose_reply_to(self, pattern: bytes, times: int = 1) -> None:
+        """Lose the reply to the next `times` requests whose bytes contain `pattern` (b"EXEC", ...)."""
+        self._lose.append([pattern, times])
+
+    def _should_lose(self, request: bytes) -> bool:
+        for rule in self._lose:
+            if rule[1] > 0 and rule[0] in request:
+                rule[1] -= 1
+                return True
+        return bool(self.rate) and self.rng.random() < self.rate
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "LossyProxy":
+        self._thread = threading.Thread(target=self._run, daemon=True, name="lossy-proxy")
+        self._thread.start()
+        assert self._ready.wait(10), "proxy did not start"
+        return self
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    def down(self, seconds: float) -> None:
+        """Refuse new connections and cut the open ones for `seconds`."""
+        self._down_until = time.monotonic() + seconds
+
+        def cut() -> None:
+            for w in list(self._writers):
+                w.transport.abort()
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(cut)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if time.monotonic() < self._down_until:
+            self.refused += 1
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+
+        def drop() -> None:
+            writer.transport.abort()
+            up_writer.transport.abort()
+
+        last = [b""]  # the latest request chunk of this connection
+
+        async def client_to_server() -> None:
+            while data := await reader.read(65536):
+                last[0] = data
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def server_to_client() -> None:
+            while data := await up_reader.read(65536):
+                self.replies += 1
+                while self.stalled:
+                    await asyncio.sleep(0.05)
+                if self._should_lose(last[0]):
+                    self.dropped += 1
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            pumps = [asyncio.ensure_future(client_to_server()), asyncio.ensure_future(server_to_client())]
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            for p in pumps:
+                p.cancel()
+        except Exception:  # noqa: BLE001 - any error: the connection is gone, as with a real fault
+            pass
+        finally:
+            drop()
+            self._writers -= {writer, up_writer}
+
+    def close(self) -> None:
+        if self._loop is None:
+            return
+
+        async def shutdown() -> None:
+            assert self._server is not None
+            self._server.close()
+            for w in list(self._writers):
+                w.transport.abort()
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread is not None
+        self._thread.join(10)
+
+    def __enter__(self) -> "LossyProxy":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

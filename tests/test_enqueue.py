@@ -27,6 +27,8 @@ from producers.enqueue import Producer, ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
 from workers.queue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
 
+NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
+
 
 def write_tasks(path: Path, prefix: str, sizes: dict[str, int]) -> list[Task]:
     """Task ids carry the test's namespace (unique ids; arq's ids carry the namespace anyway)."""
@@ -60,7 +62,7 @@ async def wait_for(predicate, timeout: float = 60.0):  # generous: CI machines a
 async def test_plain_run_admits_every_task_once_per_epoch(tmp_path, redis_url, redis, keys, namespace):
     tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 20, "b": 10})
     config = make_config(redis_url, namespace, {"a": 1, "b": 1}, batch=1000, eta=0)
-    stats = await run_producer(config, tmp_path / "tasks.jsonl", epochs=2, redis=redis)
+    stats = await run_producer(config, tmp_path / "tasks.jsonl", epochs=2, redis=redis, options=NO_TRAINER)
     ids = await queued_jobs(redis, keys)
     assert sorted(ids) == sorted(f"{t.id}:{e}" for t in tasks for e in (0, 1))
     assert stats.admitted == 60 and stats.epochs_done == 2
@@ -89,7 +91,7 @@ async def test_waits_at_the_bound_and_admits_as_it_moves(tmp_path, redis_url, re
     state = PipelineState(redis, keys)
     stop = asyncio.Event()
     run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(poll_s=0.02)))
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.02)))
     enqueued = lambda: state.counters()  # noqa: E731
 
     async def count():
@@ -161,7 +163,7 @@ async def test_restart_mid_epoch_admits_each_task_exactly_once(tmp_path, redis_u
 
     consumer = asyncio.create_task(consume_and_step())
     rng = random.Random(3)
-    options = ProducerOptions(poll_s=0.005, batch=5)
+    options = ProducerOptions(wait_for_trainer=False, poll_s=0.005, batch=5)
     for _restart in range(60):
         run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options))
         await asyncio.sleep(rng.uniform(0.0, 0.03))
@@ -187,7 +189,7 @@ async def test_mixing_follows_weights(tmp_path, redis_url, redis, keys, namespac
     config = make_config(redis_url, namespace, {"a": 3, "b": 2, "c": 1}, batch=3000, eta=0)
     stop = asyncio.Event()
     run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(poll_s=0.02, batch=256)))
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.02, batch=256)))
     await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 3000))
     stop.set()
     await asyncio.wait_for(run, 30)
@@ -205,7 +207,7 @@ async def test_requeued_tasks_go_first_with_fresh_ids_then_dead_letter(tmp_path,
     config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)
     back = Task(id=f"{namespace}-a-3", env="a", prompt="a question 3")
     await redis.rpush(keys.requeue, handed_back(back), b"\x01not msgpack")
-    options = ProducerOptions(max_requeues=2)
+    options = ProducerOptions(wait_for_trainer=False, max_requeues=2)
     stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options)
     assert stats.requeued == 1 and stats.dead == 1 and stats.admitted == 5
     assert f"{back.id}:0r1" in await queued_jobs(redis, keys)
@@ -234,7 +236,7 @@ async def test_requeue_returns_to_its_own_epoch_with_its_own_budget(tmp_path, re
     state = PipelineState(redis, keys)
     stop = asyncio.Event()
     run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, redis=redis, stop_event=stop,
-                                           options=ProducerOptions(poll_s=0.01, max_requeues=2)))
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.01, max_requeues=2)))
 
     async def enqueued() -> int:
         return (await state.counters()).get(Counter.ENQUEUED, 0)
@@ -271,11 +273,11 @@ async def test_trainer_settings_are_checked(tmp_path, redis_url, redis, keys, na
     state = PipelineState(redis, keys)
     await state.set_trainer_info(TrainerInfo(rollout_batch_size=4, n_samples_per_prompt=8, eta=0))
     with pytest.raises(ConfigError, match="n_samples_per_prompt is 2 but the trainer runs n_samples_per_prompt=8"):
-        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=NO_TRAINER)
     await state.set_trainer_info(TrainerInfo(rollout_batch_size=5, n_samples_per_prompt=2, eta=1))
     stop = asyncio.Event()
     run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(poll_s=0.02)))
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.02)))
     await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 10))  # trainer's B=5, eta=1
     stop.set()
     stats = await run
@@ -285,11 +287,11 @@ async def test_trainer_settings_are_checked(tmp_path, redis_url, redis, keys, na
 async def test_changed_tasks_file_refuses_to_resume(tmp_path, redis_url, redis, keys, namespace):
     write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 10})
     config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)
-    await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+    await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=NO_TRAINER)
     write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 11})
     with pytest.raises(ConfigError, match="--reset-cursor"):
-        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
-    options = ProducerOptions(reset_cursor=True)
+        await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=NO_TRAINER)
+    options = ProducerOptions(wait_for_trainer=False, reset_cursor=True)
     stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options)
     assert stats.admitted == 1  # the ten old ids are still queued: arq's id check refuses them
     assert stats.refused == 10
@@ -312,7 +314,7 @@ def test_cli_plain_run_exits_when_all_admitted(tmp_path, redis_url, namespace):
         "rollout": {"rollout_batch_size": 100, "eta": 0, "n_samples_per_prompt": 2},
         "environments": {"a": {"kind": "math"}},
     }))  # JSON is YAML
-    assert main(["--tasks", str(tmp_path / "tasks.jsonl"), "--config", str(cfg), "--epochs", "2"]) == 0
+    assert main(["--tasks", str(tmp_path / "tasks.jsonl"), "--config", str(cfg), "--epochs", "2", "--without-trainer"]) == 0
 
 
 # ---------------------------------------------------------------- the bound, end to end
@@ -368,7 +370,7 @@ async def test_bound_holds_at_every_instant_with_real_worker_and_trainer(tmp_pat
     async def produce() -> None:  # a producer that keeps exiting and being restarted
         while not trainer.done():
             await run_producer(config, tmp_path / "tasks.jsonl", redis=redis,
-                               options=ProducerOptions(poll_s=0.005, batch=4))
+                               options=ProducerOptions(wait_for_trainer=False, poll_s=0.005, batch=4))
             await asyncio.sleep(0.01)
 
     producer = asyncio.create_task(produce())

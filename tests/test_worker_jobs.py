@@ -28,6 +28,8 @@ from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
 # ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
 SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]
 
+NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
+
 
 def config_dict(redis_url, namespace, engine_url, **workers):
     return {
@@ -116,7 +118,7 @@ async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(redis, red
     async with serve_sim_engine() as sim:
         configs = [parse_config(config_dict(redis_url, k.ns, sim.url)) for k in pipelines]
         for config in configs:
-            stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis)
+            stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=NO_TRAINER)
             assert (stats.admitted, stats.refused) == (len(tasks), 0)
         workers = [build_worker(config, handle_signals=False) for config in configs]
         runs = [asyncio.create_task(w.async_run()) for w in workers]  # the same ids in progress in both
@@ -173,7 +175,7 @@ async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(redis, red
 
         tasks = tmp_path / "tasks.jsonl"
         tasks.write_bytes(b"")  # nothing fresh: only the requeue list
-        options = ProducerOptions(max_requeues=1)
+        options = ProducerOptions(wait_for_trainer=False, max_requeues=1)
         assert (await run_producer(config, tasks, redis=redis, options=options)).requeued == 1
         retry_id = keys.arq_job_id(f"{namespace}-t2:0r1")
         assert [i.decode() for i in await redis.zrange(keys.queue, 0, -1)] == [retry_id]

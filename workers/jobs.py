@@ -2,11 +2,17 @@
 
 `run_group(ctx, payload)`:
 1. decode the PromptJob (poison -> dead-letter stream, counted failed + discarded, no retry);
-2. `running` +1, record the job in this worker's job set (for the reaper);
-3. run the n episodes concurrently, build the SampleGroup (group_id = job id);
-4. push it with the buffer's atomic dedup transaction, which applies `running` -1 and the
-   episodes/episodes_failed/tokens counters only when the group is stored;
-5. only then return. A failure is retried by arq (`Retry`, jittered) up to
+2. `running` +1, record the job in this worker's job set (for the reaper), in one script;
+3. run the n episodes concurrently under a soft deadline (`soft_deadline_s`, below arq's
+   `job_timeout` with a margin), build the SampleGroup (group_id = job id);
+4. push it with the buffer's atomic dedup transaction, which applies the
+   episodes/episodes_failed/tokens counters only when the group is stored; `running` -1
+   when the job leaves the worker's job set (once, whatever happened);
+5. only then return. A group past its soft deadline, or aborted (`Job.abort()`), is
+   dead-lettered with the reason and handed back (arq's own timeout stays a backstop that
+   the defaults never reach). A bug (TypeError, KeyError, ... : `workers.queue.is_bug`) is
+   dead-lettered once with its traceback and not retried or handed back.
+   A transient failure is retried by arq (`Retry`, jittered) up to
    `workers.max_tries`; the last try's failure goes to the dead-letter stream with
    the error. A job arq re-runs after a crash of its worker past the last try is
    dead-lettered with the last recorded error (e.g. "worker X stopped heart-beating").
@@ -14,7 +20,9 @@
    hand the task back on `{ns}:requeue` (reason "failed") in the same transaction: the
    producer re-admits it as the next attempt of the same epoch, and its attempt limit
    dead-letters it for good. Poison (undecodable payload, unknown environment) is not
-   handed back: it can never succeed.
+   handed back: it can never succeed. Every hand-back also writes the group's dedup marker
+   as a tombstone in its transaction (WATCHing the marker): a zombie worker's late push of
+   the group is refused, and a push that landed first turns the hand-back into a no-op.
 
 `ctx["job_id"]` is arq's id, `Keys.arq_job_id(group id)`; it names the job in the
 dead-letter `ref`, the reaper's records and `{ns}:job_errors`.
@@ -26,12 +34,14 @@ import asyncio
 import logging
 import random
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 from arq.worker import Retry
 
 from pipeline.buffer import GroupBuffer
+from pipeline.redis_conn import REFUSED, run_once
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.keys import Counter, Keys
 from pipeline.schema import (
@@ -43,10 +53,27 @@ from workers.envs.base import Environment
 from workers.envs.registry import UnknownEnvironmentKind, build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.liveness import Liveness
+from workers.queue import is_bug
 
 log = logging.getLogger(__name__)
 
 CTX_KEY = "rollout"  # where the WorkerContext lives in arq's ctx
+ARQ_WORKER_KEY = "arq_worker"  # the arq Worker itself (to tell Job.abort() from other cancellations)
+
+
+def soft_deadline_s(workers: Any) -> float:
+    """How long a group may run before it is handed back: `workers.soft_timeout_s` when set,
+    else `job_timeout_s` minus a margin (5 %, at least 60 s, at most half) that covers the
+    hand-back's Redis writes, so arq's hard timeout (which drops the job) is never reached."""
+    explicit = getattr(workers, "soft_timeout_s", None)
+    hard = float(workers.job_timeout_s)
+    if explicit:
+        return min(float(explicit), hard)
+    return hard - min(hard / 2, max(60.0, hard * 0.05))
+
+
+class SoftDeadline(Exception):
+    """The group ran past its soft deadline."""
 
 
 class PoisonJob(Exception):
@@ -99,27 +126,72 @@ async def run_group(ctx: dict[str, Any], payload: bytes) -> dict[str, Any]:
         # A re-run whose earlier try stored the group (its worker died after the push):
         # don't generate n episodes only to have the push refused.
         return {"status": "duplicate", "stream_id": None}
-    return await _run_counted(w, job, job_id, job_try, payload)
+    return await _run_counted(w, job, job_id, job_try, payload, ctx.get(ARQ_WORKER_KEY))
 
 
-async def _run_counted(w: WorkerContext, job: PromptJob, job_id: str, job_try: int, payload: bytes) -> dict[str, Any]:
-    """Run with `running` held +1 until the push (which releases it) or a failure (released here)."""
+async def _run_counted(
+    w: WorkerContext, job: PromptJob, job_id: str, job_try: int, payload: bytes, arq_worker: Any = None
+) -> dict[str, Any]:
+    """Run with `running` held +1 while the job is in this worker's job set."""
     await w.liveness.job_started(job_id)  # running +1 and the reaper's record, atomically
-    pushed = False  # the push releases `running` only when it stores the group
+    started = time.monotonic()
+    soft_s = soft_deadline_s(w.config.workers)
     try:
-        group = await run_episodes(w, job, job_try)
+        group = await _within(run_episodes(w, job, job_try), soft_s)
         stream_id = await w.buffer.push(group, **_push_counters(group))
-        pushed = stream_id is not None
         await w.buffer.redis.hdel(w.keys.job_errors, job_id)
-        return {"status": "pushed" if pushed else "duplicate", "stream_id": stream_id}
+        return {"status": "pushed" if stream_id is not None else "duplicate", "stream_id": stream_id}
     except PoisonJob as exc:
         await _dead_letter(w, job_id, f"job {job_id}: {exc}", payload)
         return {"status": "dead", "reason": str(exc)}
+    except SoftDeadline:
+        reason = (f"job {job_id} try {job_try}: ran past its soft deadline of {soft_s:.0f}s "
+                  f"(workers.job_timeout_s {w.config.workers.job_timeout_s:.0f}s)")
+        log.warning("%s; handing the task back", reason)
+        return await _out_of_tries(w, job, job_id, reason, payload)
+    except asyncio.CancelledError:
+        elapsed = time.monotonic() - started
+        if arq_worker is not None and job_id in getattr(arq_worker, "aborting_tasks", ()):
+            why = "aborted (Job.abort)"
+        elif elapsed >= float(w.config.workers.job_timeout_s) - 0.5:
+            why = f"cancelled by arq's job timeout ({w.config.workers.job_timeout_s:.0f}s)"
+        else:
+            raise  # drain on SIGTERM: arq re-runs the job
+        log.warning("job %s try %d %s; handing the task back", job_id, job_try, why)
+        await asyncio.shield(_out_of_tries(w, job, job_id, f"job {job_id} try {job_try}: {why}", payload))
+        raise
     except Exception as exc:  # noqa: BLE001 - retried by arq, dead-lettered on the last try
+        if is_bug(exc):
+            return await _bug(w, job_id, job_try, exc, payload)
         return await _retry_or_give_up(w, job, job_id, job_try, exc, payload)
     finally:
-        # failure, hand-back (CancelledError) or duplicate: no push released `running`
-        await asyncio.shield(w.liveness.job_ended(job_id, release_running=not pushed))
+        # `running` -1 once: the script gives it back only if the job was still in our set
+        await asyncio.shield(w.liveness.job_ended(job_id))
+
+
+async def _within(coro: Any, seconds: float) -> Any:
+    """`await coro`, cancelled and turned into SoftDeadline after `seconds` (an inner
+    TimeoutError stays what it is; a cancellation of the caller cancels `coro` too)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.wait({task})
+        raise SoftDeadline(f"past {seconds:.0f}s")
+    return task.result()
+
+
+async def _bug(w: WorkerContext, job_id: str, job_try: int, exc: Exception, payload: bytes) -> dict[str, Any]:
+    """A programming error: dead-lettered once with its traceback; no retry, no hand-back."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    head = f"job {job_id} try {job_try}: a bug, not retried: {type(exc).__name__}: {exc}"
+    log.error("%s\n%s", head, tb)
+    await _dead_letter(w, job_id, f"{head}\n{tb[-(1900 - len(head)):]}" if len(head) < 1800 else head, payload)
+    return {"status": "dead", "reason": head}
 
 
 async def _retry_or_give_up(
@@ -134,33 +206,49 @@ async def _retry_or_give_up(
 
 
 async def _out_of_tries(w: WorkerContext, job: PromptJob, job_id: str, reason: str, payload: bytes) -> dict[str, Any]:
-    """A transient failure past the last try: dead-letter the job and hand its task back."""
-    if await w.buffer.redis.exists(w.keys.dedup(job.job_id)):
-        # An earlier try stored the group (its worker died, or the reply was lost, after the push):
-        # the job did succeed, and handing the task back would train it twice.
+    """A transient failure past the last try (or past the soft deadline, or aborted): dead-letter
+    the job and hand its task back, with the group's dedup marker as a tombstone.
+
+    The marker is WATCHed: if a group was stored first (an earlier try whose worker died, or
+    whose reply was lost, after the push; a zombie's late push), the job did succeed and
+    handing the task back would train it twice; if the hand-back is first, the tombstone
+    refuses any later push of the group."""
+    outcome = await _dead_letter(w, job_id, f"{reason} (task handed back for re-admission)", payload, requeue=job)
+    if outcome is REFUSED:
         await w.buffer.redis.hdel(w.keys.job_errors, job_id)
         return {"status": "duplicate", "stream_id": None}
-    await _dead_letter(w, job_id, f"{reason} (task handed back for re-admission)", payload, requeue=job)
     return {"status": "dead", "reason": reason}
 
 
 async def _dead_letter(
     w: WorkerContext, job_id: str, reason: str, payload: bytes, *, requeue: PromptJob | None = None
-) -> None:
-    """Dead-letter, counted failed + discarded; `requeue`: also put the job's task on `{ns}:requeue`.
+) -> Any:
+    """Dead-letter, counted failed + discarded; `requeue`: also put the job's task on `{ns}:requeue`
+    and write the group's tombstone, unless its dedup marker exists (-> REFUSED).
 
-    One transaction: the record, the counters and the hand-back exist together or not at all.
+    One transaction, once per job id (`run_once`): the record, the counters and the hand-back
+    exist together or not at all, and a lost reply, a zombie and a re-run apply them once.
     """
-    pipe = w.buffer.redis.pipeline(transaction=True)
-    w.buffer.stage_dead_letter(pipe, source="jobs", reason=reason, payload=payload, ref=job_id)
-    pipe.hincrby(w.keys.counters, Counter.FAILED, 1)
-    pipe.hincrby(w.keys.counters, Counter.DISCARDED, 1)
-    pipe.hdel(w.keys.job_errors, job_id)
-    if requeue is not None:
-        back = Requeue(task=requeue.task, epoch=requeue.epoch, attempt=requeue.attempt, reason=RequeueReason.FAILED)
-        pipe.rpush(w.keys.requeue, encode(back))
-        pipe.hincrby(w.keys.counters, Counter.REQUEUED, 1)
-    await pipe.execute()
+    marker = w.keys.dedup(requeue.job_id) if requeue is not None else None
+
+    def stage(pipe: Any) -> None:
+        w.buffer.stage_dead_letter(pipe, source="jobs", reason=reason, payload=payload, ref=job_id)
+        pipe.hincrby(w.keys.counters, Counter.FAILED, 1)
+        pipe.hincrby(w.keys.counters, Counter.DISCARDED, 1)
+        pipe.hdel(w.keys.job_errors, job_id)
+        if requeue is not None:
+            back = Requeue(task=requeue.task, epoch=requeue.epoch, attempt=requeue.attempt, reason=RequeueReason.FAILED)
+            pipe.rpush(w.keys.requeue, encode(back))
+            pipe.hincrby(w.keys.counters, Counter.REQUEUED, 1)
+            w.buffer.stage_tombstone(pipe, requeue.job_id)
+
+    async def marker_absent(pipe: Any) -> bool:
+        return marker is None or not await pipe.exists(marker)
+
+    return await run_once(
+        w.buffer.redis, w.keys.op(f"job-dead:{job_id}"), stage,
+        watch=[marker] if marker else [], guard=marker_absent,
+    )
 
 
 class GroupFailed(RuntimeError):
@@ -209,7 +297,6 @@ async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> Sample
 
 def _push_counters(group: SampleGroup) -> dict[str, int]:
     return {
-        Counter.RUNNING: -1,
         Counter.EPISODES: len(group.samples),
         Counter.EPISODES_FAILED: sum(1 for s in group.samples if s.status is Status.FAILED),
         Counter.TOKENS: sum(int(s.loss_mask_array().sum()) for s in group.samples),

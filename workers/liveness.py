@@ -6,9 +6,17 @@ jobs it runs in `{ns}:worker:<id>:jobs` and heart-beats; a worker silent for
 `dead_after_s` is reaped by whichever live worker notices first: one Lua script
 deletes the in-progress keys of its jobs (they are still in arq's queue, so the next
 poll of any worker starts them again with job_try + 1), notes the cause as the jobs'
-last error, gives back the `running` count of those whose group is not stored yet
-(a worker can die between its push and forgetting the job) and forgets the worker. A job that
-is re-run pushes its group through the dedup marker, so it is stored once.
+last error, gives back the `running` count of every job in its set and forgets the worker.
+A job that is re-run pushes its group through the dedup marker, so it is stored once.
+
+`running` = the number of jobs in all workers' job sets, by construction: a job counts +1
+when it enters its worker's set (SADD that added it) and -1 when it leaves (SREM that
+removed it, or the reaper deleting the set), in one script each. Replayed after a lost
+reply, the SADD/SREM find nothing to do and the count does not move; a zombie worker's
+late `job_ended` after the reaper took its set gives back nothing twice.
+
+Clocks: heartbeats and the reaper's cutoff use Redis `TIME`, not the hosts' clocks, so
+clock skew between worker nodes never makes a live worker look dead.
 
 Job ids here are arq's (`Keys.arq_job_id`, `{ns}:{group id}`: arq's keys are global,
 so the namespace in the id keeps one pipeline's reaper off another's jobs).
@@ -32,24 +40,21 @@ log = logging.getLogger(__name__)
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
 _REAP_LUA = """
 -- KEYS: workers zset, counters hash, job_errors hash
--- ARGV: cutoff timestamp, job-set key prefix, job-set key suffix, arq in-progress prefix, running counter,
---       dedup key prefix, length of the arq job-id prefix ("{ns}:")
-local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+-- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter
+local t = redis.call('TIME')
+local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
+local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
 local released = 0
 for _, worker in ipairs(dead) do
   local set_key = ARGV[2] .. worker .. ARGV[3]
   local jobs = redis.call('SMEMBERS', set_key)
-  local unpushed = 0
   for _, job in ipairs(jobs) do
     redis.call('DEL', ARGV[4] .. job)
     redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
-    -- a job whose group is stored already gave back its `running` count in the push
-    if redis.call('EXISTS', ARGV[6] .. string.sub(job, tonumber(ARGV[7]) + 1)) == 0 then
-      unpushed = unpushed + 1
-    end
   end
-  if unpushed > 0 then
-    redis.call('HINCRBY', KEYS[2], ARGV[5], -unpushed)
+  -- every job in the set holds one `running` count (pushed or not): give them all back
+  if #jobs > 0 then
+    redis.call('HINCRBY', KEYS[2], ARGV[5], -#jobs)
   end
   released = released + #jobs
   redis.call('DEL', set_key)
@@ -79,6 +84,34 @@ for _, job in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMI
 end
 return orphans
 """
+_BEAT_LUA = """
+-- KEYS: workers zset; ARGV: worker id. The score is Redis's clock, like the reaper's cutoff.
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
+return 1
+"""
+
+# KEYS: worker job set, counters hash; ARGV: job id, running counter, +1 (start) or -1 (end)
+_JOB_LUA = """
+local changed
+if tonumber(ARGV[3]) > 0 then
+  changed = redis.call('SADD', KEYS[1], ARGV[1])
+else
+  changed = redis.call('SREM', KEYS[1], ARGV[1])
+end
+if changed == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], tonumber(ARGV[3])) end
+return changed
+"""
+
+# KEYS: workers zset, our job set, counters hash; ARGV: worker id, running counter
+_LEAVE_LUA = """
+local n = redis.call('SCARD', KEYS[2])
+if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2], -n) end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return n
+"""
+
 ORPHAN_SCAN = 1000  # queue entries checked per round; running jobs sit at the head (oldest scores)
 
 
@@ -93,23 +126,22 @@ class Liveness:
         self.dead_after_s = dead_after_s
         self._reap = redis.register_script(_REAP_LUA)
         self._orphans = redis.register_script(_ORPHANS_LUA)
+        self._beat = redis.register_script(_BEAT_LUA)
+        self._job = redis.register_script(_JOB_LUA)
+        self._leave = redis.register_script(_LEAVE_LUA)
         self._suspects: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         prefix, _, suffix = keys.worker_jobs("\x00").partition("\x00")
         self._set_prefix, self._set_suffix = prefix, suffix
 
     async def beat(self) -> None:
-        await self.redis.zadd(self.keys.workers, {self.worker_id: time.time()})
+        await self._beat(keys=[self.keys.workers], args=[self.worker_id])
 
     async def reap(self) -> tuple[int, int]:
         """(dead workers forgotten, jobs released)."""
-        cutoff = time.time() - self.dead_after_s
         dead, released = await self._reap(
             keys=[self.keys.workers, self.keys.counters, self.keys.job_errors],
-            args=[
-                cutoff, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING,
-                self.keys.dedup(""), len(self.keys.arq_job_id("")),
-            ],
+            args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING],
         )
         if dead:
             log.warning("reaped %d silent worker(s); released %d job(s) for re-run", dead, released)
@@ -132,20 +164,17 @@ class Liveness:
             log.warning("released %d orphaned in-progress job(s) for re-run", len(confirmed))
         return len(confirmed)
 
-    async def job_started(self, job_id: str) -> None:
-        """Record the job as ours and count it running, in one transaction (a crash leaves neither)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.sadd(self.keys.worker_jobs(self.worker_id), job_id)
-        pipe.hincrby(self.keys.counters, Counter.RUNNING, 1)
-        await pipe.execute()
+    async def job_started(self, job_id: str) -> bool:
+        """Record the job as ours and count it running, in one script (a crash leaves neither;
+        replayed after a lost reply it counts nothing twice). False: it was recorded already."""
+        return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
+                                    args=[job_id, Counter.RUNNING, 1]))
 
-    async def job_ended(self, job_id: str, *, release_running: bool = False) -> None:
-        """Forget the job; `release_running` also gives back its `running` count (no push did)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.srem(self.keys.worker_jobs(self.worker_id), job_id)
-        if release_running:
-            pipe.hincrby(self.keys.counters, Counter.RUNNING, -1)
-        await pipe.execute()
+    async def job_ended(self, job_id: str) -> bool:
+        """Forget the job and give back its `running` count, once: False when it was not in our
+        set any more (the reaper took it, or this is a replay)."""
+        return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
+                                    args=[job_id, Counter.RUNNING, -1]))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"liveness-{self.worker_id}")
@@ -166,7 +195,6 @@ class Liveness:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.zrem(self.keys.workers, self.worker_id)
-        pipe.delete(self.keys.worker_jobs(self.worker_id))
-        await pipe.execute()
+        # jobs still in our set (none after a clean drain) give back their `running` count
+        await self._leave(keys=[self.keys.workers, self.keys.worker_jobs(self.worker_id), self.keys.counters],
+                          args=[self.worker_id, Counter.RUNNING])

@@ -62,8 +62,37 @@ def _rebuild_exception(name: str, message: str) -> BaseException:
     return RemoteJobError(name, message)
 
 
-def redis_settings(url: str) -> RedisSettings:
-    return RedisSettings.from_dsn(url)
+def redis_settings(url: str, *, outage_s: float | None = None) -> RedisSettings:
+    """arq's connection with the pipeline's reconnect policy (`pipeline.redis_conn`): retried
+    across a Redis restart of up to the outage budget, socket timeouts set. arq's own writes
+    replayed after a lost reply are safe: finishing a job is SET/DELETE/ZREM; taking a job is
+    a WATCHed transaction (a lost reply raises WatchError and arq skips the job, whose
+    in-progress key `workers.liveness` releases as an orphan); a replayed INCR of the retry
+    counter can skip one try number (the job's tries are bounded either way)."""
+    from pipeline.redis_conn import CONNECT_TIMEOUT_S, RETRY_ERRORS, OutageRetry, outage_budget_s, redact
+
+    settings = RedisSettings.from_dsn(url)
+    settings.conn_timeout = int(CONNECT_TIMEOUT_S)
+    settings.retry_on_timeout = True
+    settings.retry_on_error = list(RETRY_ERRORS)
+    settings.retry = OutageRetry(outage_budget_s() if outage_s is None else outage_s, redact(url))
+    return settings
+
+
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError)
+BUG_ERRORS: tuple[type[BaseException], ...] = (
+    TypeError, AttributeError, NameError, LookupError, ValueError, AssertionError, ArithmeticError,
+    NotImplementedError, RecursionError, ImportError, SyntaxError,
+)
+
+
+def is_bug(exc: BaseException) -> bool:
+    """A programming error (TypeError in an environment, KeyError, ...), not a transient fault
+    (connection, timeout, HTTP 5xx, which the engine and environment clients raise as their own
+    RuntimeErrors): retrying it only burns tries, so it fails loudly once."""
+    if isinstance(exc, TRANSIENT_ERRORS) or type(exc).__module__.split(".")[0] in ("aiohttp", "redis", "httpx"):
+        return False
+    return isinstance(exc, BUG_ERRORS)
 
 
 async def create_arq_pool(url: str, keys: Keys) -> ArqRedis:

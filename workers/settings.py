@@ -8,7 +8,10 @@
 - msgspec serializer both ways; abortable jobs;
 - SIGTERM/SIGINT drain: stop taking jobs, let running groups finish for
   `drain_grace_s`, then cancel the rest, which arq hands back for re-run at once;
-- heartbeats + reaper (`workers.liveness`) started with the worker.
+- heartbeats + reaper (`workers.liveness`) started with the worker;
+- arq's Redis connection has the pipeline's reconnect policy (`workers.queue.redis_settings`:
+  a Redis restart of up to `$ROLLOUT_REDIS_OUTAGE_S` is ridden out, socket timeouts set);
+  past it the worker exits with one line naming the cause.
 
 In-process (tests, demo, bench):
     worker = build_worker(config, handle_signals=False)
@@ -29,15 +32,16 @@ from typing import Any
 
 import aiohttp
 from arq.worker import Worker, func
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import PipelineConfig
 from pipeline.keys import Keys
-from pipeline.redis_conn import connect
+from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, make_pool_retrying, redact
 from pipeline.state import PipelineState
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
-from workers.jobs import CTX_KEY, WorkerContext, run_group
+from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
 from workers.queue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
 
@@ -62,6 +66,7 @@ def build_worker(
     worker_id = worker_id or new_worker_id()
 
     async def on_startup(ctx: dict[str, Any]) -> None:
+        _set_socket_timeout(ctx.get("redis"))
         ctx[CTX_KEY] = await _build_context(config, keys, worker_id)
         ctx[CTX_KEY].liveness.start()
         _quiet_garbage_collector()
@@ -74,7 +79,7 @@ def build_worker(
             await w.aclose()
             await w.buffer.redis.aclose()
 
-    return Worker(
+    worker = Worker(
         functions=[func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s)],
         queue_name=keys.queue,
         redis_settings=redis_settings(config.redis.resolved_url()),
@@ -93,6 +98,21 @@ def build_worker(
         health_check_interval=max(wcfg.heartbeat_s, 1.0),
         log_results=False,
     )
+    worker.ctx[ARQ_WORKER_KEY] = worker  # run_group tells Job.abort() from a drain by it
+    return worker
+
+
+def _set_socket_timeout(pool: Any) -> None:
+    """arq's RedisSettings has no read timeout: set ours on its pool and its open connections,
+    so a half-open connection fails over (and is retried) instead of hanging the worker; and
+    its pool reconnects under the outage budget (`make_pool_retrying`)."""
+    if pool is None:
+        return
+    make_pool_retrying(pool)
+    cp = pool.connection_pool
+    cp.connection_kwargs["socket_timeout"] = SOCKET_TIMEOUT_S
+    for conn in [*getattr(cp, "_available_connections", []), *getattr(cp, "_in_use_connections", [])]:
+        conn.socket_timeout = SOCKET_TIMEOUT_S
 
 
 def _quiet_garbage_collector() -> None:
@@ -156,4 +176,11 @@ async def stop_worker(worker: Worker, task: "asyncio.Task[None]") -> None:
 def run_worker(config: PipelineConfig, *, concurrency: int | None = None) -> None:
     """Run one worker in this process until SIGTERM/SIGINT (drained)."""
     asyncio.set_event_loop(asyncio.new_event_loop())
-    build_worker(config, concurrency=concurrency).run()
+    try:
+        build_worker(config, concurrency=concurrency).run()
+    except RedisUnavailable as exc:
+        log.error("worker stopped: %s", exc)
+        raise SystemExit(3) from None
+    except (RedisConnectionError, ConnectionError, OSError) as exc:  # e.g. arq's first connect refused
+        log.error("worker stopped: redis %s: %s: %s", redact(config.redis.resolved_url()), type(exc).__name__, exc)
+        raise SystemExit(3) from None

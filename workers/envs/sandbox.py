@@ -2,13 +2,15 @@
 
 Every run gets: its own process (and session, so the whole group can be killed),
 rlimits (CPU seconds, address space, file size, process count), a wall-clock
-timeout, an empty environment, a fresh temporary working directory, bounded
-captured output, and as much namespace isolation as the platform allows:
+timeout, an empty environment (but for single-thread settings of BLAS libraries), a
+fresh temporary working directory, bounded captured output, and as much namespace
+isolation as the platform allows:
 
 | level (`Isolation.summary`) | when | what the program gets |
 |---|---|---|
 | `netns+pidns+mntns+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with private, size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` (= `/var/run`, `/var/lock`): nothing persists between runs, no run reads another's files, the host's unix sockets there are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs, nor connect to root's sockets) |
 | `netns+pidns+mntns` | Linux, not root, unprivileged user namespaces allowed | the same namespaces via a user namespace (`--map-root-user`); the program runs as the worker's own uid mapped to root in the namespace, so it can write files the worker can write outside the masked paths. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
+| `netns+pidns(+uid)` | as above, but the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
 | `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's /tmp and /proc. Set `require_isolation: true` to refuse to run instead |
 
 `probe_isolation()` tells which one this host gets (cached; one trial run) and logs it once.
@@ -52,6 +54,9 @@ _UNSHARE = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "-
 _USERNS = ["--user", "--map-root-user"]
 # Masked with a fresh tmpfs in every run (symlinks such as /var/run -> /run follow their target).
 _TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+# The program's whole environment. Single-threaded numeric libraries: a pool of BLAS threads
+# started at import would count against RLIMIT_NPROC and fail the harness's no-threads check.
+_PROGRAM_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Per-run uids, far above any real account; distinct per worker process and run.
 _UID_BASE = 2_000_000_000 + (os.getpid() % 100_000) * 1000
 _uid_counter = itertools.count()
@@ -90,7 +95,7 @@ if pid == 0:
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
-    os.execve(cfg["python"], [cfg["python"], "-I", "-B", *cfg["argv"]], {})
+    os.execve(cfg["python"], [cfg["python"], "-I", "-B", *cfg["argv"]], cfg["env"])
 while True:
     try:
         reaped, code, usage = os.wait4(-1, 0)
@@ -107,7 +112,7 @@ os.write(status, json.dumps(fate).encode())
 os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
 """
 
-# Runs assert tests against the program (argv: channel fd, program path).
+# Runs assert tests against the program (argv: channel fd, program path, "pidns" or "-").
 #
 # Threat model. The program is adversarial and runs in this same interpreter, so the harness
 # trusts nothing it can reach after the program's code first runs. The worker grants a pass only
@@ -138,7 +143,7 @@ os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
 _HARNESS = r"""
 def _harness():
     import builtins, gc, os, signal, sys, threading, types
-    fd, path = int(sys.argv[1]), sys.argv[2]
+    fd, path, in_pidns = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "pidns"
     write, read, exit_, listdir, kill = os.write, os.read, os._exit, os.listdir, os.kill
     compile_, exec_, bytes_, len_, type_, str_ = compile, exec, bytes, len, type, str
     os.set_inheritable(fd, False)
@@ -158,7 +163,6 @@ def _harness():
     sys.addaudithook(refuse_new_hooks)
     saved_builtins = dict(builtins.__dict__)
     sys_hooks = {name: getattr(sys, "__" + name + "__") for name in ("excepthook", "displayhook", "stdin", "stdout", "stderr")}
-    in_pidns = os.getpid() <= 2
     with open(path, "rb") as handle:
         source = handle.read()
     module = types.ModuleType("solution")  # imported, not run: `if __name__ == "__main__":` blocks stay out
@@ -285,7 +289,8 @@ def _kernel_counts_nproc_per_userns() -> bool:
 def _prefix(isolation: Isolation) -> list[str]:
     if not isolation.network:
         return []
-    return _UNSHARE if isolation.own_uid else [*_UNSHARE[:1], *_USERNS, *_UNSHARE[1:]]
+    unshare = _UNSHARE if isolation.mount_namespace else _UNSHARE[:-2]
+    return unshare if isolation.own_uid else [*unshare[:1], *_USERNS, *unshare[1:]]
 
 
 @functools.lru_cache(maxsize=1)
@@ -295,19 +300,22 @@ def probe_isolation() -> Isolation:
     isolation = none
     if shutil.which("unshare") is not None and sys.platform.startswith("linux"):
         root = os.geteuid() == 0
-        candidate = Isolation(
-            network=True,
-            pid_namespace=True,
-            own_uid=root,
-            mount_namespace=True,
-            nproc=root or _kernel_counts_nproc_per_userns(),
-        )
-        if _trial(candidate):
-            isolation = candidate
+        nproc = root or _kernel_counts_nproc_per_userns()
+        for mounts in (True, False):  # without a mount namespace: the host's /tmp, /dev/shm, /run and /proc
+            candidate = Isolation(network=True, pid_namespace=True, own_uid=root, mount_namespace=mounts, nproc=nproc)
+            if _trial(candidate):
+                isolation = candidate
+                break
     if isolation == none:
         log.warning(
             "code sandbox: isolation level rlimits-only (no usable `unshare` namespaces here): programs have "
             "network access and see the host's /tmp and /proc; set require_isolation: true to refuse"
+        )
+    elif not isolation.mount_namespace:
+        log.warning(
+            "code sandbox: isolation level %s (no mount namespace here): programs share the host's /tmp, "
+            "/var/tmp, /dev/shm, /run and see its /proc",
+            isolation.summary,
         )
     else:
         log.info("code sandbox: isolation level %s", isolation.summary)
@@ -326,7 +334,8 @@ def _trial(isolation: Isolation) -> bool:
         config = _bootstrap_config(Limits(), uid, isolation, workdir, write_end, ["main.py"])
         command = [*_prefix(isolation), "--", sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
         done = subprocess.run(command, cwd=workdir, capture_output=True, timeout=20, env={}, pass_fds=(write_end,))
-        ok = done.returncode == 0 and done.stdout.decode().strip() == f"[{workdir.name!r}]"
+        expected = f"[{workdir.name!r}]" if isolation.mount_namespace else None
+        ok = done.returncode == 0 and (expected is None or done.stdout.decode().strip() == expected)
         if not ok:
             log.info("code sandbox: %s unavailable: %s", isolation.summary, done.stderr.decode(errors="replace")[-300:])
         return ok
@@ -369,6 +378,7 @@ def _bootstrap_config(
         "tmpfs": list(_TMPFS),
         "tmpfs_kb": limits.tmpfs_mb << 10,
         "workdir": str(workdir),
+        "env": dict(_PROGRAM_ENV),
     }
 
 
@@ -396,7 +406,9 @@ async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), te
             for path in (workdir, workdir / "main.py"):
                 os.chown(path, uid, uid)
         workdir.chmod(0o700)
-        argv = ["main.py"] if test is None else ["-c", _HARNESS, str(pending[-1]), "main.py"]
+        argv = ["main.py"]
+        if test is not None:  # kill(-1) is only for a PID namespace: outside one it would reach the worker's processes
+            argv = ["-c", _HARNESS, str(pending[-1]), "main.py", "pidns" if isolation.pid_namespace else "-"]
         config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv)
         command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-c", _BOOTSTRAP]
         command.append(json.dumps(config))

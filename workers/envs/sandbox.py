@@ -96,6 +96,8 @@ if pid == 0:
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
     os.execve(cfg["python"], [cfg["python"], "-I", "-B", *cfg["argv"]], cfg["env"])
+for fd in cfg["program_fds"]:  # the program's alone (the harness channel)
+    os.close(fd)
 while True:
     try:
         reaped, code, usage = os.wait4(-1, 0)
@@ -142,27 +144,27 @@ os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
 # stdin/stdout tests (compared by the worker, never shown to the program) where that matters.
 _HARNESS = r"""
 def _harness():
+    # One function, no helpers: every function and module attribute used after the import is
+    # taken here, before it, so a program that rebinds os.write or signal.signal changes nothing.
     import builtins, gc, os, signal, sys, threading, types
     fd, path, in_pidns = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "pidns"
     write, read, exit_, listdir, kill = os.write, os.read, os._exit, os.listdir, os.kill
-    compile_, exec_, bytes_, len_, type_, str_ = compile, exec, bytes, len, type, str
+    compile_, exec_, len_, type_, str_, int_, setattr_ = compile, exec, len, type, str, int, setattr
+    settrace, setprofile, thread_settrace, thread_setprofile = sys.settrace, sys.setprofile, threading.settrace, threading.setprofile
+    setitimer, set_handler, active_count = signal.setitimer, signal.signal, threading.active_count
+    timers = (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)
+    signals = [n for n in signal.valid_signals() if n not in (signal.SIGKILL, signal.SIGSTOP)]
+    SIG_DFL, SIGKILL = signal.SIG_DFL, signal.SIGKILL
+    gc_callbacks, builtins_dict, saved_builtins = gc.callbacks, builtins.__dict__, dict(builtins.__dict__)
+    sys_hooks = [(name, getattr(sys, "__" + name + "__")) for name in ("excepthook", "displayhook", "stdin", "stdout", "stderr")]
+    on_linux = sys.platform.startswith("linux")
     os.set_inheritable(fd, False)
-
-    def send(data):
-        while data:
-            data = data[write(fd, data):]
-
-    def fail(why):
-        send(b"fail " + why.encode("utf-8", "replace")[:300] + b"\n")
-        exit_(1)
 
     def refuse_new_hooks(event, args):
         if event == "sys.addaudithook":
             raise RuntimeError("no audit hooks in the sandbox")
 
     sys.addaudithook(refuse_new_hooks)
-    saved_builtins = dict(builtins.__dict__)
-    sys_hooks = {name: getattr(sys, "__" + name + "__") for name in ("excepthook", "displayhook", "stdin", "stdout", "stderr")}
     with open(path, "rb") as handle:
         source = handle.read()
     module = types.ModuleType("solution")  # imported, not run: `if __name__ == "__main__":` blocks stay out
@@ -170,55 +172,61 @@ def _harness():
     module.__builtins__ = builtins
     sys.modules["solution"] = module
     sys.argv = [path]
+    verdict, passed = b"", False
     try:
         exec_(compile_(source, path, "exec", dont_inherit=True), module.__dict__)
     except BaseException as exc:
-        fail("import: " + str_(type_(exc).__name__))
-    # Take back what the program's top level may have planted.
-    sys.settrace(None)
-    sys.setprofile(None)
-    threading.settrace(None)
-    threading.setprofile(None)
-    for timer in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF):
-        signal.setitimer(timer, 0)
-    for signum in signal.valid_signals():
-        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        verdict = b"fail import: " + str_(type_(exc).__name__).encode("utf-8", "replace")
+    if not verdict:  # take back what the program's top level may have planted
+        settrace(None)
+        setprofile(None)
+        thread_settrace(None)
+        thread_setprofile(None)
+        for timer in timers:
+            setitimer(timer, 0)
+        for signum in signals:
             try:
-                signal.signal(signum, signal.SIG_DFL)
+                set_handler(signum, SIG_DFL)
             except (OSError, ValueError):
                 pass
-    gc.callbacks.clear()
-    builtins.__dict__.clear()
-    builtins.__dict__.update(saved_builtins)
-    for name, value in sys_hooks.items():
-        setattr(sys, name, value)
-    if in_pidns:
+        gc_callbacks.clear()
+        builtins_dict.clear()
+        builtins_dict.update(saved_builtins)
+        for name, value in sys_hooks:
+            setattr_(sys, name, value)
+        if in_pidns:
+            try:
+                kill(-1, SIGKILL)  # every other process of the sandbox (never its init)
+            except OSError:
+                pass
+        if (len_(listdir("/proc/self/task")) if on_linux else active_count()) != 1:
+            verdict = b"fail the program left threads running"
+    if not verdict:
+        message = b"ready\n"
+        while message:
+            message = message[write(fd, message):]
+        header = b""
+        while not header.endswith(b"\n"):
+            chunk = read(fd, 1)
+            if not chunk:
+                exit_(1)
+            header += chunk
+        size, payload = int_(header), b""
+        while len_(payload) < size:
+            chunk = read(fd, size - len_(payload))
+            if not chunk:
+                exit_(1)
+            payload += chunk
+        sentinel, _, test = payload.partition(b"\n")
         try:
-            kill(-1, signal.SIGKILL)  # every other process of the sandbox (never the init)
-        except OSError:
-            pass
-    if len_(listdir("/proc/self/task")) != 1:
-        fail("the program left threads running")
-    send(b"ready\n")
-    header = b""
-    while not header.endswith(b"\n"):
-        chunk = read(fd, 1)
-        if not chunk:
-            exit_(1)
-        header += chunk
-    size, payload = int(header), b""
-    while len_(payload) < size:
-        chunk = read(fd, size - len_(payload))
-        if not chunk:
-            exit_(1)
-        payload += chunk
-    sentinel, _, test = payload.partition(b"\n")
-    try:
-        exec_(compile_(test, "<test>", "exec", dont_inherit=True), module.__dict__)
-    except BaseException as exc:
-        fail(str_(type_(exc).__name__))
-    send(b"pass " + bytes_(sentinel) + b"\n")
-    exit_(0)
+            exec_(compile_(test, "<test>", "exec", dont_inherit=True), module.__dict__)
+            verdict, passed = b"pass " + sentinel, True
+        except BaseException as exc:
+            verdict = b"fail " + str_(type_(exc).__name__).encode("utf-8", "replace")
+    verdict = verdict[:300] + b"\n"
+    while verdict:
+        verdict = verdict[write(fd, verdict):]
+    exit_(0 if passed else 1)  # no atexit, no finalisers
 
 _harness()
 """
@@ -356,7 +364,13 @@ def sandbox_python(configured: str) -> str:
 
 
 def _bootstrap_config(
-    limits: Limits, uid: Union[int, None], isolation: Isolation, workdir: Path, status_fd: int, argv: list[str]
+    limits: Limits,
+    uid: Union[int, None],
+    isolation: Isolation,
+    workdir: Path,
+    status_fd: int,
+    argv: list[str],
+    program_fds: tuple[int, ...] = (),
 ) -> dict:
     rlimits = {
         "RLIMIT_CPU": limits.cpu_s,
@@ -379,6 +393,7 @@ def _bootstrap_config(
         "tmpfs_kb": limits.tmpfs_mb << 10,
         "workdir": str(workdir),
         "env": dict(_PROGRAM_ENV),
+        "program_fds": program_fds,
     }
 
 
@@ -409,7 +424,7 @@ async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), te
         argv = ["main.py"]
         if test is not None:  # kill(-1) is only for a PID namespace: outside one it would reach the worker's processes
             argv = ["-c", _HARNESS, str(pending[-1]), "main.py", "pidns" if isolation.pid_namespace else "-"]
-        config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv)
+        config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv, tuple(pending[1:]))
         command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-c", _BOOTSTRAP]
         command.append(json.dumps(config))
         return await _run(

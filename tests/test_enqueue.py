@@ -284,6 +284,26 @@ async def test_trainer_settings_are_checked(tmp_path, redis_url, redis, keys, na
     assert any("rollout_batch_size is 4 but the trainer runs 5" in w for w in stats.warnings)
 
 
+async def test_admits_nothing_before_the_trainer_publishes_its_settings(tmp_path, redis_url, redis, keys, namespace, caplog):
+    """Issue 10: a producer started before the trainer admitted (eta+1)*B on its own settings at
+    once. It now waits for `{ns}:trainer`, saying so, and then admits on the trainer's B and eta."""
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 30})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=8, eta=2, n=2)
+    stop = asyncio.Event()
+    caplog.set_level("INFO", logger="rollout.enqueue")
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(poll_s=0.02, wait_log_s=0.2)))
+    await asyncio.sleep(0.7)
+    assert await redis.zcard(keys.queue) == 0
+    assert sum("waiting for the trainer to publish" in r.getMessage() for r in caplog.records) >= 2
+    await PipelineState(redis, keys).set_trainer_info(TrainerInfo(rollout_batch_size=3, n_samples_per_prompt=2, eta=1))
+    await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 6))  # the trainer's (1 + 0 + 1) * 3
+    await asyncio.sleep(0.2)
+    assert await redis.zcard(keys.queue) == 6
+    stop.set()
+    await run
+
+
 async def test_changed_tasks_file_refuses_to_resume(tmp_path, redis_url, redis, keys, namespace):
     write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 10})
     config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)

@@ -333,3 +333,184 @@ async def test_sigterm_drains(redis, redis_url, keys, namespace, tmp_path, grace
         assert await redis.zcard(keys.workers) == 0  # left cleanly: nobody reaps it
         assert (await PipelineState(redis, keys).counters()).get(Counter.RUNNING, 0) == 0
         await arq.aclose()
+
+
+# ------------------------------------------------------------------ issue 13: deadlines, aborts, bugs
+
+class HangingEnvironment(Environment):
+    """A plugin environment whose session start never returns (a hung env server with no timeout)."""
+
+    async def start(self, task: Task) -> EnvSession:
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+async def _running_jobs(redis, keys) -> int:
+    return int((await PipelineState(redis, keys).counters()).get(Counter.RUNNING, 0))
+
+
+async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_tombstoned(redis, redis_url, keys, namespace):
+    """Past arq's job_timeout a group vanished (CancelledError passes `except Exception`): no
+    group, no dead letter, no hand-back, its admission slot leaked. The soft deadline (here
+    job_timeout_s 4 -> 2 s) hands it back first; a zombie's late push of it is refused."""
+    from workers.jobs import soft_deadline_s
+
+    async with serve_sim_engine() as sim:
+        config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)
+        config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
+        config = parse_config(config)
+        assert soft_deadline_s(config.workers) == 2.0
+        assert soft_deadline_s(parse_config({}).workers) == 3420.0  # defaults: 180 s before arq's 3600 s
+        arq = await create_arq_pool(redis_url, keys)
+        stuck = job(namespace, 1, env="hang")
+        await enqueue_prompt_job(arq, stuck, keys)
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 1), "the hung group's dead letter", 30)
+        await arq.aclose()
+    [(_id, dead)] = await redis.xrange(keys.dead)
+    assert b"soft deadline of 2s" in dead[b"reason"] and b"handed back" in dead[b"reason"]
+    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [stuck.task.id]
+    counters = await PipelineState(redis, keys).counters()
+    assert counters[Counter.FAILED] == 1 and counters[Counter.DISCARDED] == 1 and counters[Counter.REQUEUED] == 1
+    assert await _running_jobs(redis, keys) == 0
+    # a zombie worker that still finishes the group later cannot push it: the tombstone refuses it
+    from pipeline.synthetic import make_group
+    assert await GroupBuffer(redis, keys).push(make_group(stuck.job_id, n=4)) is None
+    assert await redis.xlen(keys.groups) == 0
+
+
+async def test_an_aborted_job_is_dead_lettered_and_handed_back(redis, redis_url, keys, namespace):
+    from arq.jobs import Job
+
+    async with serve_sim_engine() as sim:
+        config = config_dict(redis_url, namespace, sim.url)
+        config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
+        config = parse_config(config)
+        arq = await create_arq_pool(redis_url, keys)
+        stuck = job(namespace, 1, env="hang")
+        await enqueue_prompt_job(arq, stuck, keys)
+        worker = build_worker(config, handle_signals=False)
+        task = asyncio.create_task(worker.async_run())
+        try:
+            await wait_for(lambda: _has_running_jobs(redis, keys), 20, "the job to start")
+            from workers.queue import job_deserializer
+
+            handle = Job(keys.arq_job_id(stuck.job_id), arq, _queue_name=keys.queue, _deserializer=job_deserializer)
+            await handle.abort(timeout=10)
+            await wait_for(lambda: _dead_and_finished(redis, keys, 1), 20, "the aborted job's dead letter")
+        finally:
+            await stop_worker(worker, task)
+        await arq.aclose()
+    [(_id, dead)] = await redis.xrange(keys.dead)
+    assert b"aborted (Job.abort)" in dead[b"reason"]
+    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [stuck.task.id]
+    assert await _running_jobs(redis, keys) == 0
+
+
+async def test_a_bug_fails_once_with_its_traceback(redis, redis_url, keys, namespace, monkeypatch):
+    """A TypeError is a bug, not a transient fault: one try, dead-lettered with its traceback,
+    not retried and not handed back (it would fail the same way)."""
+    import workers.jobs as jobs_module
+
+    calls = []
+
+    async def buggy(w, job, job_try):
+        calls.append(job_try)
+        return None + 1  # TypeError
+
+    monkeypatch.setattr(jobs_module, "run_episodes", buggy)
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url, max_tries=3))
+        arq = await create_arq_pool(redis_url, keys)
+        await enqueue_prompt_job(arq, job(namespace, 1), keys)
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 1), "the bug's dead letter")
+        await arq.aclose()
+    assert calls == [1]
+    [(_id, dead)] = await redis.xrange(keys.dead)
+    assert b"a bug, not retried: TypeError" in dead[b"reason"] and b"Traceback" in dead[b"reason"]
+    assert b"buggy" in dead[b"reason"]  # the frame that raised
+    assert await redis.llen(keys.requeue) == 0
+    counters = await PipelineState(redis, keys).counters()
+    assert counters[Counter.FAILED] == 1 and counters[Counter.DISCARDED] == 1 and counters.get(Counter.REQUEUED, 0) == 0
+
+
+def test_transient_faults_are_not_bugs():
+    import aiohttp
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from workers.engine import EngineError
+    from workers.envs.base import EnvError
+    from workers.queue import is_bug
+
+    for exc in (TypeError("x"), KeyError("k"), AttributeError("a"), ValueError("v"), ZeroDivisionError()):
+        assert is_bug(exc), exc
+    for exc in (ConnectionError(), TimeoutError(), asyncio.TimeoutError(), OSError(), RedisConnectionError(),
+                aiohttp.ClientConnectionError(), EngineError("HTTP 503"), EnvError("HTTP 500")):
+        assert not is_bug(exc), exc
+
+
+# ------------------------------------------------------------------ the process pool (workers/pool.py)
+
+def _pool(target, *args, **kw):
+    from workers.pool import Pool
+
+    cfg = parse_config({})
+    return Pool(cfg, kw.pop("processes", 1), None, False, target=target, args=args, tick_s=0.05, **kw)
+
+
+def _run_pool(pool, *, sigterm_after: float | None = None, timeout: float = 30.0) -> tuple[int, float]:
+    """Run the pool in this (main) thread; SIGTERM it after `sigterm_after` s. (status, seconds)."""
+    import os
+    import threading
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    timer = threading.Timer(sigterm_after, os.kill, (os.getpid(), signal.SIGTERM)) if sigterm_after else None
+    watchdog = threading.Timer(timeout, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    try:
+        if timer:
+            timer.start()
+        watchdog.start()
+        status = pool.run()
+    finally:
+        watchdog.cancel()
+        if timer:
+            timer.cancel()
+        for s, h in saved.items():
+            signal.signal(s, h)
+    return status, time.monotonic() - started
+
+
+def test_pool_gives_up_on_a_crash_loop():
+    from tests.chaos_helpers import child_exit
+
+    pool = _pool(child_exit, 3, backoff_s=0.05, max_restarts=2, window_s=60)
+    status, _ = _run_pool(pool)
+    assert status == 1 and pool.restarts == 2
+
+
+def test_pool_told_to_stop_during_a_restart_backoff_starts_nothing():
+    from tests.chaos_helpers import child_exit
+
+    pool = _pool(child_exit, 1, backoff_s=5.0)
+    status, seconds = _run_pool(pool, sigterm_after=1.0)
+    assert status == 0 and pool.restarts == 0 and seconds < 4
+    assert all(p is None or not p.is_alive() for p in pool.children)
+
+
+def test_pool_does_not_restart_a_child_that_drained_and_exited_cleanly():
+    from tests.chaos_helpers import child_exit
+
+    pool = _pool(child_exit, 0, 0.2, processes=2)
+    status, seconds = _run_pool(pool)
+    assert status == 0 and pool.restarts == 0 and seconds < 10
+
+
+def test_pool_sigkills_a_child_that_does_not_drain():
+    from tests.chaos_helpers import child_drains, child_ignores_sigterm
+
+    pool = _pool(child_ignores_sigterm, 0, kill_after_s=0.5)
+    status, seconds = _run_pool(pool, sigterm_after=1.5)
+    assert status == 0 and seconds < 8
+    drained = _pool(child_drains, 0, processes=2, kill_after_s=30)
+    status, seconds = _run_pool(drained, sigterm_after=4.0)  # after the children's imports
+    assert status == 0 and seconds < 12 and [p.exitcode for p in drained.children] == [0, 0]

@@ -3,9 +3,17 @@
 Each process is one arq worker running up to C groups at once (C x n episodes).
 The parent starts N children (spawned: no inherited event loops or sockets),
 forwards SIGTERM/SIGINT to them (each drains: stops taking jobs, finishes or hands
-back its groups within `workers.drain_grace_s`), and exits when all have. A child
-that dies unexpectedly is restarted; its jobs are released by the other workers'
-reaper, so none waits for arq's job timeout.
+back its groups within `workers.drain_grace_s`), and exits when all have; a child
+still alive `drain_grace_s + KILL_MARGIN_S` after the signal is SIGKILLed (its jobs are
+released by the reaper of whatever workers remain, or re-run after a restart).
+
+A child that dies unexpectedly (non-zero exit, killed) is restarted after a backoff that
+doubles per recent failure (2 s .. 60 s); more than `MAX_RESTARTS` failures within
+`RESTART_WINDOW_S` stop the pool with exit status 1 and one line naming the cause (a crash
+loop, e.g. Redis gone past its outage budget: the workers exit with status 3). A child
+that exits 0 drained on purpose (it got SIGTERM itself, e.g. from a process-group kill)
+and is not restarted. A pool told to stop restarts nothing, not even one whose backoff
+was running when the signal came.
 """
 
 from __future__ import annotations
@@ -23,7 +31,11 @@ from pipeline.config import ConfigError, PipelineConfig, load_config
 
 log = logging.getLogger("workers.pool")
 
-RESTART_BACKOFF_S = 2.0
+RESTART_BACKOFF_S = 2.0  # first restart delay; doubles per failure in the window, up to RESTART_BACKOFF_MAX_S
+RESTART_BACKOFF_MAX_S = 60.0
+MAX_RESTARTS = 5  # failures within RESTART_WINDOW_S before the pool gives up
+RESTART_WINDOW_S = 300.0
+KILL_MARGIN_S = 15.0  # after drain_grace_s: SIGKILL what is still alive
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,44 +80,101 @@ def _child(config: PipelineConfig, concurrency: int | None, verbose: bool) -> No
 
 
 class Pool:
-    def __init__(self, config: PipelineConfig, processes: int, concurrency: int | None, verbose: bool):
+    def __init__(
+        self, config: PipelineConfig, processes: int, concurrency: int | None, verbose: bool,
+        *, target: Any = None, args: tuple | None = None, tick_s: float = 0.2,
+        backoff_s: float = RESTART_BACKOFF_S, max_restarts: int = MAX_RESTARTS, window_s: float = RESTART_WINDOW_S,
+        kill_after_s: float | None = None,
+    ):
         self.config = config
         self.processes = processes
         self.concurrency = concurrency
         self.verbose = verbose
         self.ctx = mp.get_context("spawn")
-        self.children: list[mp.process.BaseProcess] = []
+        self.children: list[mp.process.BaseProcess | None] = []
         self.stopping = False
+        self.stop_at: float | None = None
+        self.target = target or _child
+        self.args = args if args is not None else (config, concurrency, verbose)
+        self.tick_s = tick_s
+        self.backoff_s = backoff_s
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self.kill_after_s = kill_after_s if kill_after_s is not None else config.workers.drain_grace_s + KILL_MARGIN_S
+        self.failures: list[float] = []  # monotonic times of unexpected exits
+        self.restart_at: dict[int, float] = {}  # slot -> when its replacement may start
+        self.restarts = 0
+        self.failed = False  # gave up on a crash loop
 
     def _spawn(self) -> mp.process.BaseProcess:
-        proc = self.ctx.Process(target=_child, args=(self.config, self.concurrency, self.verbose), daemon=False)
+        proc = self.ctx.Process(target=self.target, args=self.args, daemon=False)
         proc.start()
         log.info("started worker process %d", proc.pid)
         return proc
 
     def _stop(self, signum: int, _frame: Any) -> None:
+        alive = [p for p in self.children if p is not None and p.is_alive()]
         if not self.stopping:
-            log.info("%s: draining %d worker process(es)", signal.Signals(signum).name, len(self.children))
+            log.info("%s: draining %d worker process(es)", signal.Signals(signum).name, len(alive))
+            self.stop_at = time.monotonic()
         self.stopping = True
-        for proc in self.children:
-            if proc.is_alive() and proc.pid is not None:
+        self.restart_at.clear()  # a backoff that was running starts nothing
+        for proc in alive:
+            if proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        self.children = [self._spawn() for _ in range(self.processes)]
+        for _ in range(self.processes):
+            if self.stopping:
+                break
+            self.children.append(self._spawn())
         while True:
-            alive = [p for p in self.children if p.is_alive()]
-            if self.stopping and not alive:
-                return 0
-            if not self.stopping:
-                for i, proc in enumerate(self.children):
-                    if not proc.is_alive():
-                        log.error("worker process %d exited with %s; restarting", proc.pid, proc.exitcode)
-                        time.sleep(RESTART_BACKOFF_S)
-                        self.children[i] = self._spawn()
-            time.sleep(0.5)
+            status = self._tick()
+            if status is not None:
+                return status
+            time.sleep(self.tick_s)
+
+    def _tick(self) -> int | None:
+        """One look at the children; an exit status when the pool is done."""
+        now = time.monotonic()
+        alive = [p for p in self.children if p is not None and p.is_alive()]
+        if self.stopping:
+            if not alive:
+                return 1 if self.failed else 0
+            if self.stop_at is not None and now - self.stop_at >= self.kill_after_s:
+                for proc in alive:
+                    log.error("worker process %d still running %.0fs after the signal; SIGKILL", proc.pid, now - self.stop_at)
+                    proc.kill()
+                self.stop_at = None  # once
+            return None
+        for i, proc in enumerate(self.children):
+            if proc is not None and not proc.is_alive():
+                self.children[i] = None
+                if proc.exitcode == 0:
+                    log.info("worker process %d exited cleanly (drained); not restarted", proc.pid)
+                    continue
+                self.failures = [t for t in self.failures if now - t < self.window_s] + [now]
+                if len(self.failures) > self.max_restarts:
+                    log.error("worker process %d exited with %s: %d failures in %.0fs, giving up (see its log)",
+                              proc.pid, proc.exitcode, len(self.failures), self.window_s)
+                    self._stop(signal.SIGTERM, None)
+                    self.failed = True
+                    return None
+                delay = min(RESTART_BACKOFF_MAX_S, self.backoff_s * 2 ** (len(self.failures) - 1))
+                log.error("worker process %d exited with %s; restarting in %.1fs", proc.pid, proc.exitcode, delay)
+                self.restart_at[i] = now + delay
+        for i, when in list(self.restart_at.items()):
+            if self.stopping:
+                break
+            if now >= when:
+                del self.restart_at[i]
+                self.children[i] = self._spawn()
+                self.restarts += 1
+        if not self.restart_at and all(p is None for p in self.children):
+            return 0  # every child drained on its own
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

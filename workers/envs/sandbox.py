@@ -340,7 +340,7 @@ def _trial(isolation: Isolation) -> bool:
             for path in (workdir, workdir / "main.py"):
                 os.chown(path, uid, uid)
         config = _bootstrap_config(Limits(), uid, isolation, workdir, write_end, ["main.py"])
-        command = [*_prefix(isolation), "--", sys.executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
+        command = [*_prefix(isolation), "--", sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
         done = subprocess.run(command, cwd=workdir, capture_output=True, timeout=20, env={}, pass_fds=(write_end,))
         expected = f"[{workdir.name!r}]" if isolation.mount_namespace else None
         ok = done.returncode == 0 and (expected is None or done.stdout.decode().strip() == expected)
@@ -425,7 +425,7 @@ async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), te
         if test is not None:  # kill(-1) is only for a PID namespace: outside one it would reach the worker's processes
             argv = ["-c", _HARNESS, str(pending[-1]), "main.py", "pidns" if isolation.pid_namespace else "-"]
         config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv, tuple(pending[1:]))
-        command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-c", _BOOTSTRAP]
+        command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-S", "-c", _BOOTSTRAP]
         command.append(json.dumps(config))
         return await _run(
             command, workdir, stdin if test is None else "", limits, uid, list(pending), release, status_read, channel, test

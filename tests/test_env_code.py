@@ -158,3 +158,4 @@ async def test_a_planted_pass_line_is_not_the_sentinel():
     )
     result = await run_python(program, "", FAST, test="assert add(1, 2) == 3")
     assert result.passed is False and not result.ok
+    assert not result.timed_out  # off-protocol talk gets no test and an EOF, not a hang

@@ -32,8 +32,8 @@ from rich.table import Table
 from pipeline.config import ConfigError, EnvConfig, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Task, encode_task_json
 from producers.sources import (
-    DatasetOptions, FieldMap, Row, RowError, dataset_options, openreward_target, read_files, read_openreward,
-    resolve_files,
+    NEMO_GYM_FIELDS, DatasetOptions, FieldMap, Row, RowError, dataset_options, nemo_gym_prompt, openreward_target,
+    read_files, read_openreward, resolve_files,
 )
 
 DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024
@@ -121,11 +121,13 @@ def _metadata(row: dict[str, Any], fields: FieldMap) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in used}
 
 
-def row_to_task(row: Any, env: str, fields: FieldMap) -> Task:
-    """One validated Task, or SchemaError saying what is wrong with the row."""
+def row_to_task(row: Any, env: str, fields: FieldMap, prompt: Any = _MISSING) -> Task:
+    """One validated Task, or SchemaError saying what is wrong with the row. `prompt`, when
+    given, replaces the row's prompt field (a NeMo Gym row's rendered chat prompt)."""
     if not isinstance(row, dict):
         raise SchemaError(f"row must be a JSON object, got {type(row).__name__}")
-    prompt = lookup(row, fields.prompt)
+    if prompt is _MISSING:
+        prompt = lookup(row, fields.prompt)
     if prompt is _MISSING or prompt is None:
         raise SchemaError(f"missing field {fields.prompt!r} (prompt)")
     label, metadata = _label(row, fields), _metadata(row, fields)
@@ -186,7 +188,7 @@ class _Writer:
         self.out = out
         self.max_row_bytes = max_row_bytes
         self.skip_invalid = skip_invalid
-        self.seen: dict[str, str] = {}  # task id -> where it first appeared
+        self.seen: dict[str, tuple[str, str]] = {}  # task id -> (environment, where) it first appeared
         self.errors: list[str] = []
         self.n_errors = 0
 
@@ -195,10 +197,18 @@ class _Writer:
         try:
             if isinstance(item, RowError):
                 raise SchemaError(item.reason)
-            task = row_to_task(item.data, source.name, source.options.field_map())
-            first = self.seen.setdefault(task.id, item.where)
-            if first != item.where:
-                raise SchemaError(f"duplicate task id {task.id!r} (first at {first})")
+            fields = source.options.field_map()
+            prompt: Any = _MISSING
+            if source.options.source == "nemo_gym":  # checked as /verify would, after a whole episode
+                prompt = nemo_gym_prompt(item.data)
+                if fields.prompt != NEMO_GYM_FIELDS.prompt:
+                    prompt = _MISSING  # a mapping of the user's own picks the prompt
+            task = row_to_task(item.data, source.name, fields, prompt)
+            # Keyed by environment too: two environments may read rows with the same `where`
+            # (two OpenReward environments of one name on different servers or variants).
+            first = self.seen.setdefault(task.id, (source.name, item.where))
+            if first != (source.name, item.where):
+                raise SchemaError(f"duplicate task id {task.id!r} (first at {first[1]}) of environment {first[0]!r}")
             line = encode_line(task, self.max_row_bytes)
         except SchemaError as exc:
             self._reject(item.where, str(exc), summary)

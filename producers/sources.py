@@ -38,6 +38,8 @@ from typing import Any, Iterator, Literal, Union
 import msgspec
 
 from pipeline.config import ConfigError, EnvConfig
+from pipeline.schema import SchemaError
+from workers.envs.convert import input_problems, prompt_messages
 
 Source = Literal["jsonl", "parquet", "nemo_gym", "openreward"]
 PARQUET_BATCH_ROWS = 1024
@@ -183,6 +185,27 @@ def read_files(options: DatasetOptions, files: list[Path]) -> Iterator[Row | Row
     reader = read_parquet if options.source == "parquet" else read_jsonl
     for path in files:
         yield from reader(path)
+
+
+# ------------------------------------------------------------------ NeMo Gym
+
+
+def nemo_gym_prompt(row: Any) -> list[dict[str, Any]]:
+    """The chat prompt of a NeMo Gym row, or SchemaError naming the bad field.
+
+    The row is checked as NeMo Gym's /verify would check it after a whole episode
+    (`convert.input_problems`: item types and fields of `input`, `tools`, `tool_choice`
+    and `parallel_tool_calls` not null), and rendered as the worker renders it
+    (`convert.prompt_messages`: `instructions` as the system message, `function_call` /
+    `function_call_output` / `reasoning` history as assistant tool calls and tool messages).
+    """
+    if not isinstance(row, dict):
+        raise SchemaError(f"row must be a JSON object, got {type(row).__name__}")
+    params = row.get("responses_create_params")
+    problems = input_problems(params)
+    if problems:
+        raise SchemaError("; ".join(f"field {where}: {reason}" for where, reason in problems[:5]))
+    return prompt_messages(params)
 
 
 # ------------------------------------------------------------------ OpenReward

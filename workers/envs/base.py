@@ -14,6 +14,8 @@ tool output, `{"role": "user", "content": "..."}` for an env's free-text reply.
 from __future__ import annotations
 
 import abc
+import asyncio
+import random
 from typing import Any, Awaitable, Callable, TypeVar, Union
 
 import msgspec
@@ -112,3 +114,39 @@ async def opened(session: SessionT, opening: Callable[[], Awaitable[None]]) -> S
         await session.close()
         raise
     return session
+
+
+T = TypeVar("T")
+
+
+async def call_once(
+    fn: Callable[[], Awaitable[T]],
+    budget: Any,
+    what: str,
+    *,
+    unsent: Callable[[BaseException], bool],
+) -> T:
+    """Run a call that must not run twice (a tool call) at most once.
+
+    `rewards.call_with_budget` retries transient failures, which is right for idempotent
+    calls (seeding, verification) and wrong for a tool: a timeout or a dropped answer does
+    not say whether the server ran it. Here only failures that `unsent(exc)` says happened
+    before the request left this process (a refused connection, a connect timeout) are
+    retried, within `budget.retries` with full-jitter backoff (`budget.backoff_s`); when
+    they are spent, `EnvError` (nothing ran: the environment is unreachable). Any other
+    outcome goes back to the caller: the answer, its exception, or `asyncio.TimeoutError`
+    after `budget.timeout_s`, and the caller must not send the call again (it tells the
+    model, or fails the episode).
+    """
+    failures: list[BaseException] = []
+    for attempt in range(budget.retries + 1):
+        try:
+            return await asyncio.wait_for(fn(), budget.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - classified by `unsent`
+            if not unsent(exc):
+                raise
+            failures.append(exc)
+        if attempt < budget.retries:
+            await asyncio.sleep(random.uniform(0.0, budget.backoff_s * (2**attempt)))
+    last = failures[-1]
+    raise EnvError(f"{what}: not sent after {len(failures)} attempt(s); last error: {type(last).__name__}: {last}"[:600])

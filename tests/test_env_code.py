@@ -7,7 +7,7 @@ import pytest
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, EpisodeRecord
-from workers.envs.code import CodeEnvironment, extract_program
+from workers.envs.code import CodeEnvironment, ValueCheck, extract_program, value_check
 from workers.envs.sandbox import Limits, probe_isolation, run_python
 
 FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
@@ -63,11 +63,32 @@ def test_extract_program_takes_the_last_python_block():
     assert extract_program(text) == "print(2)\n"
 
 
-async def test_partial_credit_on_assert_tests_is_unchanged():
-    task = Task(id="c4", env="code", prompt="def add(a, b)", metadata={"tests": ["assert add(1, 2) == 3", "assert add(0, 0) == 1"]})
-    half = await _verify({}, task, "```python\ndef add(a, b):\n    return a + b\n```")
-    assert half.reward == 0.5 and half.components["passed"] == 1
-    assert half.components["failures"] == ["test 1: fail AssertionError"]
+@pytest.mark.parametrize("by_value", [True, False])
+async def test_partial_credit_on_assert_tests_is_unchanged(by_value: bool):
+    tests = ["assert add(1, 2) == 3", "assert add(0, 0) == 1", "assert is_even(add(1, 1))", "assert not is_even(3)"]
+    task = Task(id="c4", env="code", prompt="def add(a, b)", metadata={"tests": tests})
+    program = "```python\ndef add(a, b):\n    return a + b\ndef is_even(n):\n    return n % 2 == 0\n```"
+    result = await _verify({"compare_in_worker": by_value}, task, program)
+    assert result.reward == 0.75 and result.components["passed"] == 3
+    assert result.components["failures"] == [f"test 1: {'wrong value' if by_value else 'fail AssertionError'}"]
+
+
+def test_which_asserts_are_judged_by_value():
+    assert value_check("assert add(1, 2) == 3") == ValueCheck("add(1, 2)", "eq", 3)
+    assert value_check("assert [1, (2, 'x')] == f(x=-1), 'msg'") == ValueCheck("f(x=-1)", "eq", [1, (2, "x")])
+    assert value_check("assert is_prime(7)") == ValueCheck("is_prime(7)", "true")
+    assert value_check("assert not is_prime(8)") == ValueCheck("is_prime(8)", "false")
+    for other in ("assert f(1) == g(2)", "assert f(1) != 3", "assert math.isclose(f(1), 0.5)" + "\nassert 1",
+                  "def check(c):\n    assert c(1) == 2\ncheck(f)", "assert f(1) is None", "assert x"):
+        assert value_check(other) is None, other
+
+
+async def test_by_value_results_must_be_plain_data():
+    task = Task(id="c5", env="code", prompt="def add(a, b)", metadata={"tests": ["assert add(1, 2) == 3", "assert add(1, 1) == [2]"]})
+    program = "```python\nclass Int(int):\n    pass\ndef add(a, b):\n    return Int(a + b) if a != b else [a + b]\n```"
+    result = await _verify({}, task, program)
+    assert result.components["passed"] == 1
+    assert result.components["failures"] == ["test 0: fail the value is not plain data (Int)"]
 
 
 async def test_a_correct_program_passes_with_main_guard_helpers_and_classes():
@@ -135,15 +156,46 @@ EXPLOITS = {
 }
 
 
+# Only by value (the comparison in the worker) stops these two; the harness alone does not.
+_RIGGED_EQ = "class Anything:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return Anything()\n"
+_IMPERSONATE = (  # speaks the harness's protocol itself during its import, on the channel fd from its command line
+    "import os\n"
+    "args = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
+    "fd = int(args[args.index(b'-c') + 2])\n"
+    "os.write(fd, b'ready\\n')\n"
+    "header = b''\n"
+    "while not header.endswith(b'\\n'):\n"
+    "    header += os.read(fd, 1)\n"
+    "payload = b''\n"
+    "while len(payload) < int(header):\n"
+    "    payload += os.read(fd, int(header) - len(payload))\n"
+    "sentinel, kind, test = payload.split(b'\\n', 2)\n"
+    "os.write(fd, b'pass ' + sentinel + b'\\n' if kind == b'exec' else b'value [\"n\"]\\n')\n"
+    "os._exit(0)\n"
+)
+
+
+@pytest.mark.parametrize("by_value", [True, False], ids=["by value", "in harness"])
 @pytest.mark.parametrize("name", list(EXPLOITS))
-async def test_reward_hack_scores_zero(name: str):
+async def test_reward_hack_scores_zero(name: str, by_value: bool):
     program = EXPLOITS[name]
     asserts = "\n".join(ASSERT_TASK.metadata["tests"])
     naive = await run_python(f"{program}\n\n{asserts}\n", "", FAST)
     assert naive.ok, f"{name}: the hack no longer beats the old design, so this test proves nothing: {naive}"
-    verification = await _verify({"limits": {"wall_s": 5.0, "cpu_s": 1}}, ASSERT_TASK, f"```python\n{program}```")
+    options = {"limits": {"wall_s": 5.0, "cpu_s": 1}, "compare_in_worker": by_value}
+    verification = await _verify(options, ASSERT_TASK, f"```python\n{program}```")
     assert verification.reward == 0.0, (name, verification.components)
     assert verification.components["passed"] == 0
+
+
+async def test_rigged_eq_and_harness_impersonation_score_zero_by_value():
+    for program in (_RIGGED_EQ, _IMPERSONATE):
+        by_value = await _verify({}, ASSERT_TASK, f"```python\n{program}```")
+        assert by_value.reward == 0.0, by_value.components
+        # The known limit of running an assert snippet in the program's interpreter (see
+        # docs/environments.md, threat model): if this starts failing, the hole is closed; say so there.
+        in_harness = await _verify({"compare_in_worker": False}, ASSERT_TASK, f"```python\n{program}```")
+        assert in_harness.reward == 1.0, in_harness.components
 
 
 async def test_a_planted_pass_line_is_not_the_sentinel():

@@ -6,12 +6,18 @@ model's last assistant message. Tests come from `task.metadata["tests"]`, a list
 
 - `{"input": "...", "output": "..."}`: run the program with that stdin; its stdout
   must equal `output` up to trailing whitespace on each line, or
-- a string (or `{"assert": "..."}`): Python run in the program's namespace after it
-  was imported (HumanEval/MBPP style asserts). It runs under the sandbox's harness
-  (`workers.envs.sandbox._HARNESS`, threat model there): the test passes only when the
-  harness reports this run's secret sentinel after the test code completed. The exit
-  code never passes a test, and the test code is not in the sandbox while the
-  program's top level runs.
+- a string (or `{"assert": "..."}`): HumanEval/MBPP style asserts, run against the
+  program imported as a module by the sandbox's harness (`workers.envs.sandbox._HARNESS`,
+  threat model there). The exit code never passes a test. Two ways:
+  - by value (`compare_in_worker: true`, the default) for a single `assert EXPR == LITERAL`
+    (either side the literal), `assert CALL` or `assert not CALL`: the sandbox only
+    evaluates EXPR / CALL and hands the value back as plain data (exact builtin types); the
+    worker compares it with the literal, which never enters the sandbox. Nothing the
+    program does in its own interpreter (exiting, hooks, reading files, impersonating the
+    harness, objects with a rigged `__eq__`) can pass such a test without the right value;
+  - otherwise the whole snippet runs in the program's namespace and passes only when the
+    harness reports this run's secret sentinel after it completed (robust against exits,
+    hooks and reading the tests; not against a program written to impersonate the harness).
 
 APPS-style `{"inputs": [...], "outputs": [...]}` is accepted too. Each test is one
 sandbox run (`workers.envs.sandbox`). Reward: the fraction of tests passed, or with
@@ -20,9 +26,11 @@ sandbox run (`workers.envs.sandbox`). Reward: the fraction of tests passed, or w
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 import msgspec
@@ -44,6 +52,7 @@ class CodeOptions(Options):
     limits: Limits = Limits()
     parallel: int = 2  # sandbox runs at once per episode
     require_isolation: bool = False  # refuse to run without network/PID namespaces
+    compare_in_worker: bool = True  # simple asserts by value, compared outside the sandbox
 
 
 class IOTest(msgspec.Struct, kw_only=True):
@@ -56,6 +65,41 @@ class AssertTest(msgspec.Struct, kw_only=True):
 
 
 Test = Union[IOTest, AssertTest]
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """An assert the worker can judge from one value: `expression`'s value must be `expected`
+    (`kind` "eq"), truthy ("true") or falsy ("false")."""
+
+    expression: str
+    kind: Literal["eq", "true", "false"]
+    expected: Any = None
+
+
+def value_check(code: str) -> Union[ValueCheck, None]:
+    """The ValueCheck for `assert EXPR == LITERAL` / `assert LITERAL == EXPR` / `assert CALL` /
+    `assert not CALL` (one statement; a message is ignored); None for anything else."""
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        return None
+    test = body[0].test
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
+        for expression, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
+            try:
+                expected = ast.literal_eval(literal)
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                continue
+            return ValueCheck(ast.unparse(expression), "eq", expected)
+        return None
+    if isinstance(test, ast.Call):
+        return ValueCheck(ast.unparse(test), "true")
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Call):
+        return ValueCheck(ast.unparse(test.operand), "false")
+    return None
 
 
 def extract_program(text: str) -> Union[str, None]:
@@ -106,6 +150,24 @@ def judge(test: Test, result: RunResult) -> tuple[bool, str]:
     return True, ""
 
 
+def judge_value(check: ValueCheck, result: RunResult) -> tuple[bool, str]:
+    """(passed, why not) for a by-value assert: the comparison happens here, in the worker."""
+    if result.timed_out:
+        return False, "wall timeout"
+    if result.output_exceeded:
+        return False, "output limit"
+    if not result.evaluated:
+        return False, (result.harness or result.reason or _tail(result) or "no value came back")[:300]
+    try:
+        if check.kind == "eq":
+            ok = bool(result.value == check.expected)
+        else:
+            ok = bool(result.value) == (check.kind == "true")
+    except Exception as exc:  # plain data compares without raising; be safe all the same
+        return False, f"comparison failed: {type(exc).__name__}"
+    return (True, "") if ok else (False, "wrong value")
+
+
 def _tail(result: RunResult) -> str:
     lines = result.stderr.strip().splitlines()
     return lines[-1] if lines else ""
@@ -138,11 +200,16 @@ class CodeEnvironment(Environment):
             async with gate:
                 if stop_early and failed.is_set():
                     return False, "not run (an earlier test failed)"
-                if isinstance(test, AssertTest):
+                check = value_check(test.code) if isinstance(test, AssertTest) and self.options.compare_in_worker else None
+                if check is not None:
+                    result = await run_python(program, "", self.options.limits, evaluate=check.expression)
+                    verdict = judge_value(check, result)
+                elif isinstance(test, AssertTest):
                     result = await run_python(program, "", self.options.limits, test=test.code)
+                    verdict = judge(test, result)
                 else:
                     result = await run_python(program, test.input, self.options.limits)
-                verdict = judge(test, result)
+                    verdict = judge(test, result)
                 if not verdict[0]:
                     failed.set()
                 return verdict

@@ -44,7 +44,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import msgspec
 
@@ -146,7 +146,7 @@ _HARNESS = r"""
 def _harness():
     # One function, no helpers: every function and module attribute used after the import is
     # taken here, before it, so a program that rebinds os.write or signal.signal changes nothing.
-    import builtins, gc, os, signal, sys, threading, types
+    import builtins, gc, json, os, signal, sys, threading, types
     fd, path, in_pidns = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "pidns"
     write, read, exit_, listdir, kill = os.write, os.read, os._exit, os.listdir, os.kill
     compile_, exec_, len_, type_, str_, int_, setattr_ = compile, exec, len, type, str, int, setattr
@@ -158,7 +158,28 @@ def _harness():
     gc_callbacks, builtins_dict, saved_builtins = gc.callbacks, builtins.__dict__, dict(builtins.__dict__)
     sys_hooks = [(name, getattr(sys, "__" + name + "__")) for name in ("excepthook", "displayhook", "stdin", "stdout", "stderr")]
     on_linux = sys.platform.startswith("linux")
+    dumps, eval_, hex_, repr_ = json.dumps, eval, hex, repr
+    plain = {type(None): "n", bool: "b", int: "i", float: "f", complex: "c", str: "s", bytes: "y",
+             list: "l", tuple: "t", set: "set", frozenset: "fset", dict: "d"}
     os.set_inheritable(fd, False)
+
+    def encode(x, depth):  # plain data only, by exact type: a subclass or a rigged __eq__ does not get through
+        tag = plain.get(type_(x))
+        if tag is None or depth > 100:
+            raise TypeError("not plain data: " + str_(type_(x).__name__))
+        if tag in ("n", "b", "s"):
+            return [tag, x]
+        if tag == "i":
+            return [tag, hex_(x)]
+        if tag == "f":
+            return [tag, repr_(x)]
+        if tag == "c":
+            return [tag, repr_(x.real), repr_(x.imag)]
+        if tag == "y":
+            return [tag, x.hex()]
+        if tag == "d":
+            return [tag, [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(x)]]
+        return [tag, [encode(v, depth + 1) for v in x]]
 
     def refuse_new_hooks(event, args):
         if event == "sys.addaudithook":
@@ -217,13 +238,23 @@ def _harness():
             if not chunk:
                 exit_(1)
             payload += chunk
-        sentinel, _, test = payload.partition(b"\n")
+        sentinel, _, rest = payload.partition(b"\n")
+        kind, _, test = rest.partition(b"\n")
         try:
-            exec_(compile_(test, "<test>", "exec", dont_inherit=True), module.__dict__)
-            verdict, passed = b"pass " + sentinel, True
+            if kind == b"eval":
+                value = eval_(compile_(test, "<test>", "eval", dont_inherit=True), module.__dict__)
+                try:
+                    verdict, passed = b"value " + dumps(encode(value, 0)).encode(), True
+                except BaseException:
+                    verdict = b"fail the value is not plain data (" + str_(type_(value).__name__).encode("utf-8", "replace") + b")"
+            else:
+                exec_(compile_(test, "<test>", "exec", dont_inherit=True), module.__dict__)
+                verdict, passed = b"pass " + sentinel, True
         except BaseException as exc:
             verdict = b"fail " + str_(type_(exc).__name__).encode("utf-8", "replace")
-    verdict = verdict[:300] + b"\n"
+    if not passed:
+        verdict = verdict[:300]
+    verdict += b"\n"
     while verdict:
         verdict = verdict[write(fd, verdict):]
     exit_(0 if passed else 1)  # no atexit, no finalisers
@@ -276,8 +307,10 @@ class RunResult:
     timed_out: bool = False
     output_exceeded: bool = False
     reason: str = ""  # why the program ended, when it did not exit by itself ("cpu time limit (SIGXCPU)")
-    passed: Union[bool, None] = None  # harness runs: the harness reported the run's sentinel
-    harness: str = ""  # harness runs: what the harness said ("fail AssertionError", ...)
+    passed: Union[bool, None] = None  # `test` runs: the harness reported the run's sentinel
+    harness: str = ""  # harness runs: what the harness said when it did not pass ("fail AssertionError", ...)
+    value: Any = None  # `evaluate` runs: the expression's value (plain data)
+    evaluated: bool = False  # `evaluate` runs: a value came back
 
     @property
     def ok(self) -> bool:
@@ -397,18 +430,31 @@ def _bootstrap_config(
     }
 
 
-async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), test: Union[str, None] = None) -> RunResult:
+async def run_python(
+    source: str,
+    stdin: str = "",
+    limits: Limits = Limits(),
+    test: Union[str, None] = None,
+    evaluate: Union[str, None] = None,
+) -> RunResult:
     """Run `source` in a fresh sandbox; never raises for what the program does.
 
-    Without `test`: as `main.py`, with `stdin`. With `test` (Python, e.g. asserts): the program
-    is imported by the harness, then `test` runs in its namespace; `RunResult.passed` says
-    whether the harness reported this run's sentinel (stdin is empty).
+    Without `test`/`evaluate`: as `main.py`, with `stdin`. Otherwise the harness imports the
+    program (stdin empty), then, in its namespace, either runs `test` (statements, e.g.
+    asserts): `RunResult.passed` says whether the harness reported this run's sentinel; or
+    evaluates the expression `evaluate` and hands its value back as plain data
+    (`RunResult.value`, `RunResult.evaluated`): None, bool, int, float, complex, str, bytes
+    and lists, tuples, sets, frozensets and dicts of them, by exact type. The caller compares
+    that value with an expected one that never enters the sandbox.
     """
+    if test is not None and evaluate is not None:
+        raise ValueError("run_python: test or evaluate, not both")
+    request = None if test is None and evaluate is None else (("exec", test) if test is not None else ("eval", evaluate))
     isolation = probe_isolation()
     uid = _UID_BASE + next(_uid_counter) % 1000 if isolation.own_uid else None
     workdir = Path(tempfile.mkdtemp(prefix="sandbox-"))
     status_read, status_write = os.pipe()
-    channel, child_end = socket.socketpair() if test is not None else (None, None)
+    channel, child_end = socket.socketpair() if request is not None else (None, None)
     pending = [status_write, *([child_end.detach()] if child_end is not None else [])]  # the child's ends
 
     def release() -> None:  # once the child holds them (or never will): close our copies exactly once
@@ -422,13 +468,13 @@ async def run_python(source: str, stdin: str = "", limits: Limits = Limits(), te
                 os.chown(path, uid, uid)
         workdir.chmod(0o700)
         argv = ["main.py"]
-        if test is not None:  # kill(-1) is only for a PID namespace: outside one it would reach the worker's processes
+        if request is not None:  # kill(-1) is only for a PID namespace: outside one it would reach the worker's processes
             argv = ["-c", _HARNESS, str(pending[-1]), "main.py", "pidns" if isolation.pid_namespace else "-"]
         config = _bootstrap_config(limits, uid, isolation, workdir, status_write, argv, tuple(pending[1:]))
         command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-S", "-c", _BOOTSTRAP]
         command.append(json.dumps(config))
         return await _run(
-            command, workdir, stdin if test is None else "", limits, uid, list(pending), release, status_read, channel, test
+            command, workdir, stdin if request is None else "", limits, uid, list(pending), release, status_read, channel, request
         )
     finally:
         release()
@@ -448,7 +494,7 @@ async def _run(
     release: Callable[[], None],
     status_read: int,
     channel: Union[socket.socket, None],
-    test: Union[str, None],
+    request: Union[tuple[str, str], None],
 ) -> RunResult:
     proc = await asyncio.create_subprocess_exec(
         *command,
@@ -466,8 +512,8 @@ async def _run(
     sentinel = secrets.token_hex(16)
     said = bytearray()
     jobs = [_communicate(proc, stdin, stdout, stderr)]
-    if channel is not None and test is not None:
-        jobs.append(_converse(channel, sentinel, test, said))
+    if channel is not None and request is not None:
+        jobs.append(_converse(channel, sentinel, request, said, limits.output_bytes + 4096))
     timed_out = False
     try:
         await asyncio.wait_for(asyncio.gather(*jobs), limits.wall_s)
@@ -482,11 +528,14 @@ async def _run(
         reason = f"wall time limit ({limits.wall_s:g}s)"
     elif stdout.exceeded or stderr.exceeded:
         reason = f"output limit ({limits.output_bytes} bytes)"
-    passed = harness = None
-    if channel is not None:
+    passed = harness = value = None
+    evaluated = False
+    if request is not None and request[0] == "eval":
+        value, evaluated, harness = _read_value(bytes(said), returncode)
+    elif request is not None:
         lines = bytes(said).decode("utf-8", errors="replace").splitlines()
         passed = lines == ["ready", f"pass {sentinel}"] and returncode == 0
-        harness = lines[-1] if lines and not passed else ""
+        harness = lines[-1][:300] if lines and not passed else ""
         if not passed and lines[-1:] == [f"pass {sentinel}"]:
             harness = "harness protocol violated"
     return RunResult(
@@ -498,16 +547,18 @@ async def _run(
         reason=reason,
         passed=passed,
         harness=harness or "",
+        value=value,
+        evaluated=evaluated,
     )
 
 
-async def _converse(channel: socket.socket, sentinel: str, test: str, said: bytearray) -> None:
+async def _converse(channel: socket.socket, sentinel: str, request: tuple[str, str], said: bytearray, cap: int) -> None:
     """Send the test and the sentinel once the harness says it imported the program; record its replies."""
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
     sent = False
-    while len(said) < 4096:
-        chunk = await loop.sock_recv(channel, 4096)
+    while len(said) < cap:
+        chunk = await loop.sock_recv(channel, 65536)
         if not chunk:
             return
         said += chunk
@@ -515,12 +566,55 @@ async def _converse(channel: socket.socket, sentinel: str, test: str, said: byte
             sent = True
             try:
                 if bytes(said).startswith(b"ready\n"):
-                    payload = sentinel.encode() + b"\n" + test.encode()
+                    payload = f"{sentinel}\n{request[0]}\n{request[1]}".encode()
                     await loop.sock_sendall(channel, b"%d\n" % len(payload) + payload)
                 else:  # not the harness's protocol: no test, no sentinel; EOF ends the harness's wait
                     channel.shutdown(socket.SHUT_WR)
             except OSError:
                 return
+
+
+def _read_value(said: bytes, returncode: int) -> tuple[Any, bool, str]:
+    """(value, evaluated, why not) from an `evaluate` run's channel."""
+    ready, _, rest = said.partition(b"\n")
+    line, newline, extra = rest.partition(b"\n")
+    if ready != b"ready":
+        return None, False, (ready or b"the harness reported nothing").decode("utf-8", "replace")[:300]
+    if not line.startswith(b"value ") or not newline or extra or returncode != 0:
+        return None, False, line.decode("utf-8", "replace")[:300] or "the harness reported nothing"
+    try:
+        return _decode(json.loads(line[6:]), 0), True, ""
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError, MemoryError):
+        return None, False, "unreadable value"
+
+
+def _decode(node: Any, depth: int) -> Any:
+    """The harness's tagged plain data back into Python values (nothing else can come out)."""
+    if depth > 100 or not isinstance(node, list) or not node or not isinstance(node[0], str):
+        raise ValueError("bad node")
+    tag, args = node[0], node[1:]
+    if tag == "n":
+        return None
+    if tag in ("b", "s"):
+        if type(args[0]) is not (bool if tag == "b" else str):
+            raise ValueError("bad scalar")
+        return args[0]
+    if tag == "i":
+        return int(args[0], 16)
+    if tag == "f":
+        return float(args[0])
+    if tag == "c":
+        return complex(float(args[0]), float(args[1]))
+    if tag == "y":
+        return bytes.fromhex(args[0])
+    items = args[0]
+    if not isinstance(items, list):
+        raise ValueError("bad container")
+    if tag == "d":
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in items}
+    values = [_decode(v, depth + 1) for v in items]
+    kinds = {"l": list, "t": tuple, "set": set, "fset": frozenset}
+    return kinds[tag](values)
 
 
 def _read_fate(status_read: int) -> dict:

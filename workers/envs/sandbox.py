@@ -135,13 +135,16 @@ os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
 #   cannot be added (the harness's own hook refuses it);
 # - the channel fd is not inherited across exec, and the program's processes are gone before
 #   the sentinel exists.
-# What it does NOT stop (documented in docs/environments.md): code of the program that the
-# tests themselves call runs in this interpreter after the sentinel arrived. A program written
-# against this harness can walk the stack from such a call (or use ctypes) to find the channel
-# and the sentinel, and objects with a rigged __eq__ can satisfy `assert f(x) == y`. Stopping
-# that needs the asserts evaluated outside the program's interpreter, which HumanEval/MBPP
-# style tests (calls into the program's functions) do not allow in general; prefer
-# stdin/stdout tests (compared by the worker, never shown to the program) where that matters.
+# What the "exec" mode does NOT stop (documented in docs/environments.md): the program shares
+# this interpreter, so one written against this harness can impersonate it: find the channel
+# fd (it is on the command line) and speak the protocol during its own import, or walk the
+# stack (or use ctypes) from a function the test calls to reach the sentinel; and an object
+# with a rigged __eq__ satisfies `assert f(x) == y`. Nothing inside one process can tell the
+# harness's code from the program's. The "eval" mode closes this for asserts of one value:
+# the harness only evaluates an expression and returns its value as plain data (exact builtin
+# types, so no rigged __eq__ gets out); the worker compares it with an expected value that
+# never enters the sandbox. Impersonating the harness then gains nothing: a forged reply
+# still has to carry the right value.
 _HARNESS = r"""
 def _harness():
     # One function, no helpers: every function and module attribute used after the import is

@@ -7,7 +7,7 @@ import pytest
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, EpisodeRecord
-from workers.envs.code import CodeEnvironment, ValueCheck, extract_program, value_check
+from workers.envs.code import CodeEnvironment, ValueCheck, extract_program, value_checks
 from workers.envs.sandbox import Limits, probe_isolation, run_python
 
 FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
@@ -74,13 +74,49 @@ async def test_partial_credit_on_assert_tests_is_unchanged(by_value: bool):
 
 
 def test_which_asserts_are_judged_by_value():
-    assert value_check("assert add(1, 2) == 3") == ValueCheck("add(1, 2)", "eq", 3)
-    assert value_check("assert [1, (2, 'x')] == f(x=-1), 'msg'") == ValueCheck("f(x=-1)", "eq", [1, (2, "x")])
-    assert value_check("assert is_prime(7)") == ValueCheck("is_prime(7)", "true")
-    assert value_check("assert not is_prime(8)") == ValueCheck("is_prime(8)", "false")
-    for other in ("assert f(1) == g(2)", "assert f(1) != 3", "assert math.isclose(f(1), 0.5)" + "\nassert 1",
-                  "def check(c):\n    assert c(1) == 2\ncheck(f)", "assert f(1) is None", "assert x"):
-        assert value_check(other) is None, other
+    assert value_checks("assert add(1, 2) == 3") == [ValueCheck("add(1, 2)", "eq", 3)]
+    assert value_checks("assert [1, (2, 'x')] == f(x=-1), 'msg'") == [ValueCheck("f(x=-1)", "eq", [1, (2, "x")])]
+    assert value_checks("assert is_prime(7)\nassert not is_prime(8)") == [
+        ValueCheck("is_prime(7)", "true"),
+        ValueCheck("is_prime(8)", "false"),
+    ]
+    assert value_checks(HUMANEVAL) == [ValueCheck("add(1, 2)", "eq", 3), ValueCheck("add(-1, 1)", "eq", 0)]
+    for other in (
+        "assert f(1) == g(2)",
+        "assert f(1) != 3",
+        "assert math.isclose(f(1), 0.5)",
+        "assert math.isclose(f(1), 0.5) == True",
+        "assert all(f(1))",
+        "assert is_prime(n)",
+        "assert f(1) == 2\nprint('x')",
+        "assert f(1) is None",
+        "assert x",
+        "def check(c):\n    assert abs(c(1) - 0.5) < 1e-6\ncheck(f)",
+        "import math\ndef check(c):\n    assert c(1) == 2\ncheck(f)",
+    ):
+        assert value_checks(other) is None, other
+
+
+HUMANEVAL = """
+
+METADATA = {'author': 'jt', 'dataset': 'test'}
+
+
+def check(candidate):
+    assert candidate(1, 2) == 3
+    assert candidate(-1, 1) == 0
+
+check(add)
+"""
+
+
+async def test_humaneval_check_functions_are_judged_by_value():
+    task = Task(id="c6", env="code", prompt="def add(a, b)", metadata={"tests": [HUMANEVAL]})
+    right = await _verify({}, task, "```python\ndef add(a, b):\n    return a + b\n```")
+    wrong = await _verify({}, task, "```python\ndef add(a, b):\n    return 3\n```")
+    rigged = await _verify({}, task, f"```python\n{_RIGGED_EQ}```")
+    assert (right.reward, wrong.reward, rigged.reward) == (1.0, 0.0, 0.0)
+    assert wrong.components["failures"] == ["test 0: wrong value (assert 1)"]
 
 
 async def test_by_value_results_must_be_plain_data():

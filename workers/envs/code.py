@@ -9,8 +9,10 @@ model's last assistant message. Tests come from `task.metadata["tests"]`, a list
 - a string (or `{"assert": "..."}`): HumanEval/MBPP style asserts, run against the
   program imported as a module by the sandbox's harness (`workers.envs.sandbox._HARNESS`,
   threat model there). The exit code never passes a test. Two ways:
-  - by value (`compare_in_worker: true`, the default) for a single `assert EXPR == LITERAL`
-    (either side the literal), `assert CALL` or `assert not CALL`: the sandbox only
+  - by value (`compare_in_worker: true`, the default) when every statement is
+    `assert EXPR == LITERAL` (either side the literal), `assert f(literals)` or
+    `assert not f(literals)` (or HumanEval's `def check(candidate)` of such asserts; see
+    `value_checks` for the exact rules): the sandbox only
     evaluates EXPR / CALL and hands the value back as plain data (exact builtin types); the
     worker compares it with the literal, which never enters the sandbox. Nothing the
     program does in its own interpreter (exiting, hooks, reading files, impersonating the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
 import json
 import re
 from dataclasses import dataclass
@@ -77,29 +80,108 @@ class ValueCheck:
     expected: Any = None
 
 
-def value_check(code: str) -> Union[ValueCheck, None]:
-    """The ValueCheck for `assert EXPR == LITERAL` / `assert LITERAL == EXPR` / `assert CALL` /
-    `assert not CALL` (one statement; a message is ignored); None for anything else."""
+def value_checks(code: str) -> Union[list[ValueCheck], None]:
+    """The ValueChecks of an assert snippet the worker can judge by value, else None.
+
+    Every statement must be `assert EXPR == LITERAL` / `assert LITERAL == EXPR` (when LITERAL
+    is True, False or None, EXPR must be `f(literals)` with `f` no builtin: a value anyone can
+    guess proves nothing if, say, a rebound `math.isclose` produced it), `assert f(literals)` or
+    `assert not f(literals)` (a message is ignored), or the snippet is HumanEval's shape:
+    `def check(candidate):` made of such asserts (and a docstring), `METADATA = {...}`, and
+    `check(entry_point)`; `candidate` then stands for the entry point."""
     try:
         body = ast.parse(code).body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if len(body) != 1 or not isinstance(body[0], ast.Assert):
-        return None
-    test = body[0].test
+    if body and all(isinstance(node, ast.Assert) for node in body):
+        checks = [_check_of(node) for node in body]
+        return None if any(c is None for c in checks) else checks  # type: ignore[return-value]
+    return _humaneval_checks(body)
+
+
+def _check_of(node: ast.Assert) -> Union[ValueCheck, None]:
+    test = node.test
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
         for expression, literal in ((test.left, test.comparators[0]), (test.comparators[0], test.left)):
-            try:
-                expected = ast.literal_eval(literal)
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            expected = _literal(literal)
+            if expected is _NOT_LITERAL:
                 continue
+            # A value anyone can guess (True, False, None) proves something only when the program's
+            # own function produced it: `math.isclose(f(x), y) == True` would pass a program that
+            # rebinds math.isclose. So those need `name(literals)`; others cannot be guessed.
+            if isinstance(expected, bool) or expected is None:
+                return ValueCheck(ast.unparse(expression), "eq", expected) if _own_call(expression) else None
             return ValueCheck(ast.unparse(expression), "eq", expected)
         return None
-    if isinstance(test, ast.Call):
+    if _own_call(test):
         return ValueCheck(ast.unparse(test), "true")
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and isinstance(test.operand, ast.Call):
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not) and _own_call(test.operand):
         return ValueCheck(ast.unparse(test.operand), "false")
     return None
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(node: ast.expr) -> Any:
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
+
+
+def _own_call(node: ast.expr) -> bool:
+    """`name(literal, ..., key=literal)` with a name that is no builtin: the program's function on fixed input."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and not hasattr(builtins, node.func.id)
+        and all(_literal(arg) is not _NOT_LITERAL for arg in node.args)
+        and all(kw.arg is not None and _literal(kw.value) is not _NOT_LITERAL for kw in node.keywords)
+    )
+
+
+def _humaneval_checks(body: list[ast.stmt]) -> Union[list[ValueCheck], None]:
+    rest = [
+        node
+        for node in body
+        if not (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["METADATA"])
+        and not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+    ]
+    if len(rest) != 2 or not isinstance(rest[0], ast.FunctionDef) or not isinstance(rest[1], ast.Expr):
+        return None
+    check, call = rest[0], rest[1].value
+    params = check.args
+    if (
+        len(params.args) != 1
+        or params.posonlyargs
+        or params.kwonlyargs
+        or params.vararg
+        or params.kwarg
+        or check.decorator_list
+        or not isinstance(call, ast.Call)
+        or not isinstance(call.func, ast.Name)
+        or call.func.id != check.name
+        or len(call.args) != 1
+        or call.keywords
+        or not isinstance(call.args[0], ast.Name)
+    ):
+        return None
+    parameter, entry = params.args[0].arg, call.args[0].id
+    asserts = [node for node in check.body if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))]
+    if not asserts or not all(isinstance(node, ast.Assert) for node in asserts):
+        return None
+    renamed = [_Rename(parameter, entry).visit(node) for node in asserts]
+    checks = [_check_of(node) for node in renamed]
+    return None if any(c is None for c in checks) else checks  # type: ignore[return-value]
+
+
+class _Rename(ast.NodeTransformer):
+    def __init__(self, old: str, new: str):
+        self.old, self.new = old, new
+
+    def visit_Name(self, node: ast.Name) -> ast.Name:
+        return ast.Name(id=self.new, ctx=node.ctx) if node.id == self.old else node
 
 
 def extract_program(text: str) -> Union[str, None]:
@@ -150,22 +232,33 @@ def judge(test: Test, result: RunResult) -> tuple[bool, str]:
     return True, ""
 
 
-def judge_value(check: ValueCheck, result: RunResult) -> tuple[bool, str]:
-    """(passed, why not) for a by-value assert: the comparison happens here, in the worker."""
+def expression_of(checks: list[ValueCheck]) -> str:
+    """One expression for the sandbox: the tuple of the checks' expressions, evaluated in order."""
+    return "(" + "".join(f"({check.expression}), " for check in checks) + ")"
+
+
+def judge_value(checks: list[ValueCheck], result: RunResult) -> tuple[bool, str]:
+    """(passed, why not) for by-value asserts: the comparison happens here, in the worker."""
     if result.timed_out:
         return False, "wall timeout"
     if result.output_exceeded:
         return False, "output limit"
     if not result.evaluated:
         return False, (result.harness or result.reason or _tail(result) or "no value came back")[:300]
-    try:
-        if check.kind == "eq":
-            ok = bool(result.value == check.expected)
-        else:
-            ok = bool(result.value) == (check.kind == "true")
-    except Exception as exc:  # plain data compares without raising; be safe all the same
-        return False, f"comparison failed: {type(exc).__name__}"
-    return (True, "") if ok else (False, "wrong value")
+    values = result.value
+    if type(values) is not tuple or len(values) != len(checks):
+        return False, "wrong value"
+    for index, (check, value) in enumerate(zip(checks, values)):
+        try:
+            if check.kind == "eq":
+                ok = bool(value == check.expected)
+            else:
+                ok = bool(value) == (check.kind == "true")
+        except Exception as exc:  # plain data compares without raising; be safe all the same
+            return False, f"comparison failed: {type(exc).__name__}"
+        if not ok:
+            return False, "wrong value" if len(checks) == 1 else f"wrong value (assert {index})"
+    return True, ""
 
 
 def _tail(result: RunResult) -> str:
@@ -200,10 +293,10 @@ class CodeEnvironment(Environment):
             async with gate:
                 if stop_early and failed.is_set():
                     return False, "not run (an earlier test failed)"
-                check = value_check(test.code) if isinstance(test, AssertTest) and self.options.compare_in_worker else None
-                if check is not None:
-                    result = await run_python(program, "", self.options.limits, evaluate=check.expression)
-                    verdict = judge_value(check, result)
+                checks = value_checks(test.code) if isinstance(test, AssertTest) and self.options.compare_in_worker else None
+                if checks is not None:
+                    result = await run_python(program, "", self.options.limits, evaluate=expression_of(checks))
+                    verdict = judge_value(checks, result)
                 elif isinstance(test, AssertTest):
                     result = await run_python(program, "", self.options.limits, test=test.code)
                     verdict = judge(test, result)

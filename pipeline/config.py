@@ -17,7 +17,7 @@ import yaml
 from pipeline.keys import DEFAULT_NAMESPACE
 from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL
 from pipeline.schema import SamplingParams
-from pipeline.staleness import StalePolicy
+from pipeline.staleness import StalePolicy, TrainerLoop
 
 
 class ConfigError(ValueError):
@@ -176,6 +176,7 @@ _TRAINER_SOURCES = {
     "wait_log_s": ("pipeline_wait_log_s", "ROLLOUT_WAIT_LOG_S"),
     "wait_timeout_s": ("pipeline_wait_timeout_s", "ROLLOUT_WAIT_TIMEOUT_S"),
     "publish_engine": ("pipeline_publish_engine", "ROLLOUT_PUBLISH_ENGINE"),
+    "trainer_loop": ("pipeline_trainer_loop", "ROLLOUT_TRAINER_LOOP"),
 }
 
 
@@ -197,6 +198,9 @@ class TrainerSettings(_Section):
     wait_log_s: float = 30.0  # log while blocked waiting for groups
     wait_timeout_s: float = 0.0  # 0 = wait forever
     publish_engine: bool = True  # publish slime's router URL as `{ns}:engine`
+    # which loop calls the rollout function: train_async.py (engines one push behind the batch
+    # being generated) or train.py / a loop that pushes weights before each generate
+    trainer_loop: TrainerLoop = TrainerLoop.ASYNC
 
     @classmethod
     def from_args(cls, args: Any) -> "TrainerSettings":

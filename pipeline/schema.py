@@ -18,6 +18,9 @@ from typing import Any, Sequence, Union
 import msgspec
 import numpy as np
 
+from pipeline.sampling import sampling_errors
+from pipeline.staleness import version_on_branch
+
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 MASK_DTYPE = np.dtype("u1")
@@ -64,7 +67,8 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
     """SGLang sampling params, restricted to the keys the router forwards (PROTOCOLS.md).
 
-    Types are strict on purpose: SGLang answers 400 to a float where an int belongs.
+    Types are strict on purpose: SGLang answers 400 to a float where an int belongs; values
+    are checked with SGLang's own rules (pipeline/sampling.py), so a bad one fails at load.
     """
 
     temperature: Union[float, None] = None
@@ -86,6 +90,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     json_schema: Union[str, None] = None
     regex: Union[str, None] = None
     ebnf: Union[str, None] = None
+
+    def __post_init__(self) -> None:
+        errors = sampling_errors(self.to_dict())
+        if errors:  # msgspec reports it with the path (e.g. `$.rollout.sampling`)
+            raise SchemaError("; ".join(errors))
 
     def to_dict(self) -> dict[str, Any]:
         """Only the keys that were set, ready for the `sampling_params` body field."""
@@ -139,7 +148,11 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False)
     reward: float
     status: Status
     reward_components: dict[str, Any] = {}
-    weight_versions: list[str] = []
+    weight_versions: list[str] = []  # the engine's labels, one per generate call (display only)
+    # Per generate call, the policy version the engines held (a lower bound, read before the
+    # call: pipeline/staleness.py "policy versions"), and the trainer run that published it.
+    policy_versions: list[int] = []
+    policy_run: int = 0
     prompt: Prompt = ""
     response: str = ""
     label: Union[str, None] = None
@@ -232,16 +245,21 @@ class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=F
     def env(self) -> str:
         return self.task.env
 
-    def oldest_version(self) -> int:
+    def oldest_version(self, run_starts: dict[int, int] | None = None, current_run: int = 0) -> int:
         """The oldest policy version that produced any token of this group.
 
-        Engine weight versions that are not integers (SGLang's default is "default")
-        carry no information; the admission version bounds them from below.
+        From the per-call stamps (`Sample.policy_versions`), each seen from the current
+        trainer run's branch (`version_on_branch`). A group with no stamp at all (every
+        episode failed before generating, or a group built outside the workers) falls back
+        to its admission version, the version published when it was admitted.
         """
-        versions = [self.admission_version]
-        for sample in self.samples:
-            versions.extend(int(v) for v in sample.weight_versions if _is_int(v))
-        return min(versions)
+        starts = run_starts or {}
+        versions = [
+            version_on_branch(v, sample.policy_run, starts, current_run)
+            for sample in self.samples
+            for v in sample.policy_versions
+        ]
+        return min(versions) if versions else self.admission_version
 
     def rewards(self) -> list[float]:
         return [s.reward for s in self.samples]
@@ -268,14 +286,6 @@ class Requeue(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def group_id(self) -> str:
         return job_id_for(self.task.id, self.epoch, self.attempt)
-
-
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- codec

@@ -35,12 +35,15 @@ from pipeline.config import ConfigError, TrainerSettings
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect, new_op_id, redact, run_once
 from pipeline.schema import Requeue, RequeueReason, Sample, SampleGroup, Status, Task, encode
-from pipeline.staleness import StalePolicy, staleness
+from pipeline.staleness import StalePolicy, engine_policy_version, lag_floor, staleness
 from pipeline.state import PipelineState, TrainerInfo
 
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
+# slime binds only train/*, rollout/*, multi_turn/*, passrate/*, eval/* and perf/* to its step
+# axis in wandb (slime/utils/wandb_utils.py): ours live under rollout/ to land on it.
+METRIC_PREFIX = "rollout/pipeline"
 
 
 # ------------------------------------------------------------ lazy slime import
@@ -115,6 +118,7 @@ def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
         "worker_id": group.worker_id,
         "epoch": group.epoch,
         "attempt": group.attempt,
+        "policy_run": next((x.policy_run for x in group.samples if x.policy_run), 0),
         # the whole task (label, metadata): a group slime hands back may still be requeued
         "task": msgspec.to_builtins(group.task),
     }
@@ -123,6 +127,8 @@ def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
         metadata = dict(s.metadata)
         metadata["pipeline"] = pipeline_meta
         metadata["reward_components"] = s.reward_components
+        metadata["source_name"] = group.env  # slime's per-source rollout metrics group by it
+        metadata["engine_weight_versions"] = list(s.weight_versions)  # the engine's own labels
         sample = SampleClass(
             group_index=group_index,
             index=group_index * n + j,
@@ -133,7 +139,9 @@ def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
             label=s.label,
             reward=s.reward,
             loss_mask=mask_list(s.loss_mask_array()),
-            weight_versions=list(s.weight_versions),
+            # policy versions (steps) per generate call, not the engine's push counter: what
+            # staleness and importance weights are about (docs/architecture.md)
+            weight_versions=[str(v) for v in s.policy_versions] or list(s.weight_versions),
             rollout_log_probs=s.log_prob_array().tolist(),
             status=SampleClass.Status(s.status.value),
             metadata=metadata,
@@ -166,7 +174,10 @@ def from_trainer_group(samples: list[Any]) -> SampleGroup:
     meta = samples[0].metadata.get("pipeline", {})
     wire = []
     for s in samples:
-        metadata = {k: v for k, v in s.metadata.items() if k not in ("pipeline", "reward_components")}
+        metadata = {
+            k: v for k, v in s.metadata.items()
+            if k not in ("pipeline", "reward_components", "source_name", "engine_weight_versions")
+        }
         status = s.status.value if isinstance(s.status, enum.Enum) else str(s.status)
         wire.append(
             Sample.build(
@@ -177,7 +188,10 @@ def from_trainer_group(samples: list[Any]) -> SampleGroup:
                 reward=float(s.reward or 0.0),
                 status=status if status != "pending" else Status.ABORTED,
                 reward_components=s.metadata.get("reward_components", {}),
-                weight_versions=list(s.weight_versions),
+                weight_versions=list(s.metadata.get("engine_weight_versions", s.weight_versions)),
+                policy_versions=[int(v) for v in s.weight_versions if str(v).lstrip("-").isdigit()]
+                if "engine_weight_versions" in s.metadata else [],
+                policy_run=int(meta.get("policy_run", 0)),
                 prompt=s.prompt,
                 response=s.response,
                 label=s.label,
@@ -220,26 +234,26 @@ class BatchStats:
 
     def metrics(self, ready: int, pending: int, counters: dict[str, int]) -> dict[str, float]:
         m: dict[str, float] = {
-            "pipeline/buffer_ready": ready,
-            "pipeline/buffer_pending": pending,
-            "pipeline/wait_s": self.wait_s,
-            "pipeline/replayed": float(self.replayed),
-            "pipeline/groups_stale": self.stale,
-            "pipeline/groups_requeued": self.requeued,
-            "pipeline/groups_dropped": self.dropped,
-            "pipeline/groups_kept_stale": self.kept_stale,
-            "pipeline/groups_filtered": self.filtered,
-            "pipeline/samples_failed": self.samples_failed,
+            f"{METRIC_PREFIX}/buffer_ready": ready,
+            f"{METRIC_PREFIX}/buffer_pending": pending,
+            f"{METRIC_PREFIX}/wait_s": self.wait_s,
+            f"{METRIC_PREFIX}/replayed": float(self.replayed),
+            f"{METRIC_PREFIX}/groups_stale": self.stale,
+            f"{METRIC_PREFIX}/groups_requeued": self.requeued,
+            f"{METRIC_PREFIX}/groups_dropped": self.dropped,
+            f"{METRIC_PREFIX}/groups_kept_stale": self.kept_stale,
+            f"{METRIC_PREFIX}/groups_filtered": self.filtered,
+            f"{METRIC_PREFIX}/samples_failed": self.samples_failed,
         }
         if self.staleness:
-            m["pipeline/staleness_mean"] = sum(self.staleness) / len(self.staleness)
-            m["pipeline/staleness_max"] = max(self.staleness)
+            m[f"{METRIC_PREFIX}/staleness_mean"] = sum(self.staleness) / len(self.staleness)
+            m[f"{METRIC_PREFIX}/staleness_max"] = max(self.staleness)
             for k, count in sorted(Tally(self.staleness).items()):
-                m[f"pipeline/staleness_hist/{k}"] = count
+                m[f"{METRIC_PREFIX}/staleness_hist/{k}"] = count
         for env, rewards in self.rewards.items():
-            m[f"pipeline/reward_mean/{env}"] = sum(rewards) / len(rewards)
+            m[f"{METRIC_PREFIX}/reward_mean/{env}"] = sum(rewards) / len(rewards)
         for name, value in counters.items():
-            m[f"pipeline/counters/{name}"] = value
+            m[f"{METRIC_PREFIX}/counters/{name}"] = value
         return m
 
 
@@ -259,9 +273,25 @@ class RedisDataSource(_DataSourceBase):
         self.current_rollout_id: int | None = None  # set by generate_rollout
         self._next_rollout_id = 0
         self.last_stats = BatchStats()
+        self.update_interval = 1 if getattr(args, "release_train", False) else int(
+            getattr(args, "update_weights_interval", None) or 1
+        )
+        floor = lag_floor(interval=self.update_interval, loop=self.settings.trainer_loop)
+        if self.settings.eta < floor:
+            raise ConfigError(
+                f"pipeline eta {self.settings.eta} is below the lag slime's {self.settings.trainer_loop.value} loop "
+                f"imposes with --update-weights-interval {self.update_interval} ({floor}): the engines are always "
+                f"{floor} version(s) behind the step being trained, so nothing could be admitted; set eta >= {floor}"
+            )
+        self.first_rollout_id: int | None = None  # this process's start_rollout_id, once generate_rollout runs
+        self._run_starts: dict[int, int] = {}
         try:
             self._run(self.buffer.ensure_group())
             self._recorded: dict[int, list[str]] = self._run(self._load_recorded())
+            # A new trainer process: workers stop stamping with the previous run's versions and
+            # wait for this run's first rollout; producers learn B, n and eta now, not minutes later.
+            self.run_id: int = self._run(self.state.begin_run())
+            self._publish_settings()
         except Exception as exc:
             raise ConnectionError(f"pipeline redis {redact(self.settings.redis_url)}: {type(exc).__name__}: {exc}") from None
         log.info(
@@ -330,7 +360,8 @@ class RedisDataSource(_DataSourceBase):
         recorded = self._recorded.setdefault(rid, [])
         entries = await self.buffer.fetch(recorded) if recorded else []
         stats.replayed = bool(entries)
-        version = await self.state.get_version()
+        version = rid  # the policy that trains this batch has taken `rid` steps
+        self._run_starts = await self.state.run_starts()
         last_log = started
         while len(entries) < n:
             batch = await self.buffer.read(
@@ -356,11 +387,15 @@ class RedisDataSource(_DataSourceBase):
             if self.settings.wait_timeout_s and now - started > self.settings.wait_timeout_s:
                 raise TimeoutError(f"rollout {rid}: only {len(entries)}/{n} groups after {self.settings.wait_timeout_s:.0f}s")
         for entry in entries:
-            stats.staleness.append(staleness(version, entry.group.oldest_version()))
+            stats.staleness.append(staleness(version, self._oldest(entry.group)))
             stats.rewards[entry.group.env].extend(entry.group.rewards())
             stats.samples_failed += sum(s.status is Status.FAILED for s in entry.group.samples)
         stats.wait_s = time.monotonic() - started
         return entries, stats
+
+    def _oldest(self, group: SampleGroup) -> int:
+        """The group's oldest token version, seen from this run's branch (after resumes)."""
+        return group.oldest_version(self._run_starts, self.run_id)
 
     async def _admit(self, entry: Entry, version: int, stats: BatchStats) -> bool:
         """Apply the group-size contract, the staleness policy and the zero-variance filter."""
@@ -379,7 +414,7 @@ class RedisDataSource(_DataSourceBase):
                 f"n_samples_per_prompt is {expected}: workers and trainer disagree on n "
                 "(the group was moved to the dead-letter stream)"
             )
-        if staleness(version, group.oldest_version()) > self.settings.eta:
+        if staleness(version, self._oldest(group)) > self.settings.eta:
             stats.stale += 1
             policy = self.settings.stale_policy
             if policy is StalePolicy.KEEP:
@@ -418,9 +453,20 @@ class RedisDataSource(_DataSourceBase):
 
     # called by generate_rollout ---------------------------------------------------
     def publish(self, rollout_id: int) -> None:
-        """Policy version = rollout_id (steps done), trainer settings, engine URL."""
+        """At each rollout: the policy version the engines hold (the admission clock and the
+        workers' stamp), from slime's loop law (pipeline/staleness.py), and the settings."""
+        if self.first_rollout_id is None:
+            self.first_rollout_id = rollout_id
+        engine_version = engine_policy_version(
+            rollout_id, start=self.first_rollout_id, interval=self.update_interval, loop=self.settings.trainer_loop
+        )
+        self._publish_settings()
+        self._run(self.state.publish_policy(
+            run=self.run_id, start=self.first_rollout_id, engine_version=engine_version, rollout_id=rollout_id
+        ))
+
+    def _publish_settings(self) -> None:
         s = self.settings
-        self._run(self.state.set_version(rollout_id))
         self._run(self.state.set_trainer_info(
             TrainerInfo(rollout_batch_size=s.rollout_batch_size, n_samples_per_prompt=s.n_samples_per_prompt, eta=s.eta)
         ))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from typing import Any, Mapping
 
 import msgspec
@@ -9,6 +12,8 @@ import redis.asyncio as aioredis
 
 from pipeline.keys import Keys
 from pipeline.redis_conn import new_op_id, run_once
+
+log = logging.getLogger(__name__)
 
 
 class TrainerInfo(msgspec.Struct, kw_only=True):
@@ -71,3 +76,70 @@ class PipelineState:
             return None
         values = {k.decode(): int(v) for k, v in raw.items()}
         return msgspec.convert(values, TrainerInfo)
+
+    # policy clock (pipeline/staleness.py "policy versions") ---------------------
+    async def get_policy(self) -> "PolicyStamp | None":
+        raw = await self.redis.hmget(self.keys.policy, "run", "version")
+        if raw[0] is None or raw[1] is None:
+            return None
+        return PolicyStamp(run=int(raw[0]), version=int(raw[1]))
+
+    async def begin_run(self) -> int:
+        """A new trainer process: a new run number, and no published version until its first rollout."""
+        run = int(await self.redis.hincrby(self.keys.runs, "count", 1))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.keys.policy)
+        pipe.hset(self.keys.policy, "run", run)
+        await pipe.execute()
+        return run
+
+    async def publish_policy(self, *, run: int, start: int, engine_version: int, rollout_id: int) -> None:
+        """At each rollout: the run's branch point, the engines' version, and the admission clock."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.runs, str(run), start)
+        pipe.hset(self.keys.policy, mapping={"run": run, "version": engine_version, "rollout": rollout_id})
+        pipe.set(self.keys.version, engine_version)
+        await pipe.execute()
+
+    async def run_starts(self) -> dict[int, int]:
+        raw = await self.redis.hgetall(self.keys.runs)
+        return {int(k): int(v) for k, v in raw.items() if k != b"count"}
+
+
+class PolicyStamp(msgspec.Struct, frozen=True):
+    """What a worker records per generate call: trainer run and the engines' policy version."""
+
+    run: int
+    version: int
+
+
+class PolicyClock:
+    """The worker side of `{ns}:policy`: a stamp per generate call, read before it is sent.
+
+    Cached for `refresh_s`: a cached stamp can only be older than the published one, and
+    an older version only makes the recorded lag larger (never hides staleness).
+    `stamp()` waits while no trainer has published a version for its current run (slime
+    is still starting, or resuming): generating then would use weights nobody trains.
+    """
+
+    def __init__(self, state: PipelineState, *, refresh_s: float = 0.5, log_every_s: float = 10.0):
+        self.state = state
+        self.refresh_s = refresh_s
+        self.log_every_s = log_every_s
+        self._cached: PolicyStamp | None = None
+        self._read_at = -1e9
+
+    async def stamp(self) -> PolicyStamp:
+        waited_since = None
+        while True:
+            now = time.monotonic()
+            if self._cached is None or now - self._read_at > self.refresh_s:
+                self._cached, self._read_at = await self.state.get_policy(), now
+            if self._cached is not None:
+                return self._cached
+            if waited_since is None or now - waited_since >= self.log_every_s:
+                waited_since = now
+                log.info(
+                    "waiting for the trainer to publish the engines' policy version (%s)", self.state.keys.policy
+                )
+            await asyncio.sleep(self.refresh_s)

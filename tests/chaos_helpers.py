@@ -30,14 +30,17 @@ class Trainer(threading.Thread):
         max_steps: int,
         done: Callable[["Trainer"], bool],
         after_step: Optional[Callable[[int], None]] = None,
+        wait_timeout_s: float = 90.0,
     ):
         super().__init__(daemon=True)
         self.args = SimpleNamespace(
             pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=batch, n_samples_per_prompt=n,
-            pipeline_eta=eta, pipeline_wait_timeout_s=90.0, pipeline_publish_engine=False,
+            pipeline_eta=eta, pipeline_wait_timeout_s=wait_timeout_s, pipeline_publish_engine=False,
             # keep (and count) stale groups: a requeued task is re-admitted under the producer's current
             # epoch, which would blur the per-epoch exactly-once count these tests are about
             pipeline_stale_policy="keep",
+            # this loop pushes weights (`after_step`) before the next rollout, as slime's train.py does
+            pipeline_trainer_loop="sync",
         )
         self.max_steps, self.done, self.after_step = max_steps, done, after_step
         self.groups: list[list[Any]] = []  # every trained group's samples, in training order

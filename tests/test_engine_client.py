@@ -120,9 +120,11 @@ async def test_auto_url_follows_the_engine_key(redis, keys, tokenizer):
         SimConfig(weight_version="b")
     ) as second:
         locator = EngineLocator("auto", state, refresh_s=0.0)
-        with pytest.raises(EngineError, match="is not set"):
-            await locator.get()
+        waiting = asyncio.create_task(locator.get())  # no URL yet: it waits, it does not fail episodes
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
         await state.set_engine(first.url)
+        assert await asyncio.wait_for(waiting, 5) == first.url
         async with EngineClient(locator) as client:
             ids = prompt_ids(tokenizer)
             assert (await client.generate(ids, SAMPLING, rid="1", routing_key="k")).weight_version == "a"

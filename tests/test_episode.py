@@ -116,8 +116,11 @@ async def test_context_overflow_truncates_and_bad_request_fails(chat):
     async with serve_sim_engine(SimConfig(context_length=40)) as sim, EngineClient(sim.url, backoff_s=0.01) as client:
         runner = runner_for(client, chat)
         sample = await runner.run(TASK, "e1")
-        assert sample.status is Status.TRUNCATED and sample.response_length == 0
-        assert sample.metadata["turn_log"][0]["finish"] == "context_overflow"
+        # the prompt alone fills the context (learned from /server_info): nothing is sent, and an
+        # episode with no model token is failed, one masked EOS keeping it well-formed for slime
+        assert sample.status is Status.FAILED and sample.response_length == 1
+        assert sample.loss_mask_array().tolist() == [0] and "does not fit" in sample.metadata["error"]
+        assert sample.metadata["turn_log"] == []
     async with serve_sim_engine() as sim, EngineClient(sim.url, backoff_s=0.01) as client:
         async with client.session.post(f"{sim.url}/sim/fail_next", json={"status": 400, "message": "bad top_k"}):
             pass

@@ -61,9 +61,9 @@ def test_rollout_returns_batch_times_n_contiguous(redis_url, namespace):
     assert isinstance(s, LocalSample) and s.rollout_id is None
     assert s.status is LocalSample.Status.COMPLETED
     assert len(s.loss_mask) == len(s.rollout_log_probs) == s.response_length
-    assert out.metrics["pipeline/buffer_ready"] == 3
-    assert out.metrics["pipeline/staleness_hist/0"] == 2
-    assert "pipeline/reward_mean/synthetic" in out.metrics
+    assert out.metrics["rollout/pipeline/buffer_ready"] == 3
+    assert out.metrics["rollout/pipeline/staleness_hist/0"] == 2
+    assert "rollout/pipeline/reward_mean/synthetic" in out.metrics
     out2 = generate_rollout(ds.args, 1, ds)
     assert [g[0].group_index for g in out2.samples] == [2, 3]
     assert len(ds) == 1
@@ -83,7 +83,7 @@ def test_a_failed_episode_is_handed_over_removed_from_the_loss(redis_url, namesp
     assert removed == {"tfail:0": [False, True, False, False], "tok:0": [False] * 4}
     statuses = {x.status for g in out.samples for x in g if x.remove_sample}
     assert statuses == {LocalSample.Status.FAILED}
-    assert out.metrics["pipeline/samples_failed"] == 1
+    assert out.metrics["rollout/pipeline/samples_failed"] == 1
     # slime's --custom-reward-post-process-path: the failed sample shifts no sibling's baseline
     args = SimpleNamespace(**vars(ds.args), advantage_estimator="grpo", rewards_normalization=True,
                            grpo_std_normalization=True, reward_key=None)
@@ -158,7 +158,7 @@ def test_staleness_policies(redis_url, namespace, policy):
     assert counters[Counter.STALE] == 1
     if policy == "keep":
         assert _ids(out.samples) == ["old:1r2", "f0:0"]
-        assert out.metrics["pipeline/staleness_max"] == 4
+        assert out.metrics["rollout/pipeline/staleness_max"] == 4
     else:
         assert _ids(out.samples) == ["f0:0", "f1:0"]
         assert counters[Counter.DISCARDED] == 1
@@ -172,7 +172,7 @@ def test_staleness_policies(redis_url, namespace, policy):
         assert asyncio.run(requeued()) == [
             Requeue(task=stale.task, epoch=1, attempt=2, reason=RequeueReason.STALE)
         ]
-        assert out.metrics["pipeline/groups_requeued"] == 1
+        assert out.metrics["rollout/pipeline/groups_requeued"] == 1
     ds.close()
 
 
@@ -182,7 +182,7 @@ def test_zero_variance_filter_keeps_batch_full(redis_url, namespace):
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_filter_zero_variance=True))
     out = generate_rollout(ds.args, 0, ds)
     assert _ids(out.samples) == ["a:0", "b:0"]
-    assert out.metrics["pipeline/groups_filtered"] == 1
+    assert out.metrics["rollout/pipeline/groups_filtered"] == 1
     assert _counters(redis_url, namespace)[Counter.FILTERED] == 1
     ds.close()
 

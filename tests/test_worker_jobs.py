@@ -25,10 +25,18 @@ from workers.settings import _build_context, build_worker, stop_worker
 from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
 
+from tests.policy_helpers import trainer_started
+
 # ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
 SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]
 
 NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
+
+
+@pytest.fixture(autouse=True)
+async def _policy_published(redis, keys):
+    """No trainer here either: publish its first rollout's policy version, or workers wait for it."""
+    await trainer_started(redis, keys)
 
 
 def config_dict(redis_url, namespace, engine_url, **workers):
@@ -117,7 +125,8 @@ async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(redis, red
     pipelines = [Keys(f"{namespace}a"), Keys(f"{namespace}b")]
     async with serve_sim_engine() as sim:
         configs = [parse_config(config_dict(redis_url, k.ns, sim.url)) for k in pipelines]
-        for config in configs:
+        for config, k in zip(configs, pipelines):
+            await trainer_started(redis, k)
             stats = await run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=NO_TRAINER)
             assert (stats.admitted, stats.refused) == (len(tasks), 0)
         workers = [build_worker(config, handle_signals=False) for config in configs]

@@ -106,6 +106,7 @@ def trainer_args(profile: Profile, redis_url: str, ns: str) -> SimpleNamespace:
         pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=profile.batch,
         n_samples_per_prompt=profile.n, pipeline_eta=profile.eta, pipeline_stale_policy="requeue",
         pipeline_wait_timeout_s=120.0, pipeline_wait_log_s=10.0, pipeline_publish_engine=False,
+        pipeline_trainer_loop="sync",  # the demo's trainer pushes weights after each step, before the next rollout
     )
 
 
@@ -160,7 +161,7 @@ class Trainer(threading.Thread):
         for rollout_id in range(self.profile.steps):
             if self.stop_event.is_set():
                 return
-            out = generate_rollout(self.args, rollout_id, source)  # publishes version = rollout_id
+            out = generate_rollout(self.args, rollout_id, source)  # publishes the engines' policy version
             stats = source.last_stats
             report.wait_s += stats.wait_s
             report.staleness += stats.staleness

@@ -10,10 +10,17 @@ Failure policy:
 - connection errors, 5xx/429 and a 200 whose body is not a /generate answer (garbage
   or truncated JSON, e.g. from a broken proxy): retried with jittered exponential
   backoff, bounded;
-- 400: never retried. Context overflow -> `ContextOverflow` (the episode ends as
-  truncated), anything else -> `BadRequest` (failed), both carrying the server's message;
+- 400: never retried. Context overflow (SGLang's two messages, matched exactly) ->
+  `ContextOverflow` (the episode ends as truncated), anything else -> `BadRequest`
+  (failed), both carrying the server's message;
 - a request running past its timeout -> `EngineError` (failed) and a best-effort
-  `/abort_request` so the engine stops spending slots on it.
+  `/abort_request` for that attempt's rid so the engine stops spending slots on it.
+
+Every attempt has its own rid (`{rid}~{k}` for the k-th retry): SGLang keeps a rid
+registered while its request lives, and for a few seconds after a client disconnect, and
+answers a reused one with 400 "Duplicate request ID detected". Before each attempt the
+client reads the policy stamp (`pipeline.state.PolicyClock`), so every answer says which
+policy version its tokens are at least.
 
 One `aiohttp.ClientSession` per client; build one client per worker process.
 """
@@ -21,6 +28,7 @@ One `aiohttp.ClientSession` per client; build one client per worker process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import re
@@ -32,13 +40,18 @@ import aiohttp
 import msgspec
 
 from pipeline.schema import SamplingParams
-from pipeline.state import PipelineState
+from pipeline.state import PipelineState, PolicyClock, PolicyStamp
 
 log = logging.getLogger(__name__)
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 AUTO = "auto"
-_CONTEXT_OVERFLOW = re.compile(r"context|longer than|too long|exceed", re.IGNORECASE)
+# tokenizer_manager._validate_one_request: input too long, or input + max_new_tokens too long
+_CONTEXT_OVERFLOW = re.compile(
+    r"^The input \(\d+ tokens\) is longer than the model's context length \(\d+ tokens\)\."
+    r"|^Requested token count exceeds the model's maximum context length of \d+ tokens\."
+)
+_WAIT_LOG_S = 10.0
 _MAX_BACKOFF_S = 10.0
 
 
@@ -64,10 +77,20 @@ class _FinishReason(msgspec.Struct):
     length: Union[int, None] = None
 
 
+class _VersionSpan(msgspec.Struct):
+    """SGLang's `meta_info.weight_versions` item: output tokens [start, end) ran on `version`
+    (a request paused in place or retracted across a weight update has several)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class _MetaInfo(msgspec.Struct):
     finish_reason: Union[_FinishReason, None] = None
     output_token_logprobs: list[tuple[Union[float, None], int, Any]] = []
     weight_version: str = "default"
+    weight_versions: Union[list[_VersionSpan], None] = None
     prompt_tokens: Union[int, None] = None
     completion_tokens: Union[int, None] = None
     cached_tokens: Union[int, None] = None
@@ -96,6 +119,8 @@ class Generation:
     text: str
     cached_tokens: int
     latency_s: float
+    weight_versions: tuple[str, ...] = ()  # every engine label the tokens ran on, oldest first
+    policy: Union[PolicyStamp, None] = None  # read before the request: its tokens are at least this version
 
 
 def parse_generation(body: bytes, latency_s: float) -> Generation:
@@ -120,6 +145,7 @@ def parse_generation(body: bytes, latency_s: float) -> Generation:
         text=reply.text,
         cached_tokens=meta.cached_tokens or 0,
         latency_s=latency_s,
+        weight_versions=tuple(span.version for span in meta.weight_versions or ()) or (str(meta.weight_version),),
     )
 
 
@@ -162,14 +188,22 @@ class EngineLocator:
         if self._fixed is not None:
             return self._fixed
         if self._cached is None or time.monotonic() - self._read_at > self._refresh_s:
-            assert self._state is not None
-            url = await self._state.get_engine()
-            if url is None:
-                raise EngineError(f"engine url is 'auto' but {self._state.keys.engine} is not set in Redis")
+            url = await self._wait_for_url()
             if url.rstrip("/") != self._cached:
                 log.info("engine url is now %s", url)
             self._cached, self._read_at = url.rstrip("/"), time.monotonic()
         return self._cached
+
+    async def _wait_for_url(self) -> str:
+        """`{ns}:engine`, waiting (with a log line now and then) until the slime side publishes it."""
+        assert self._state is not None
+        logged_at = None
+        while (url := await self._state.get_engine()) is None:
+            if logged_at is None or time.monotonic() - logged_at >= _WAIT_LOG_S:
+                logged_at = time.monotonic()
+                log.info("engine url is 'auto': waiting for the trainer to publish %s", self._state.keys.engine)
+            await asyncio.sleep(min(1.0, self._refresh_s))
+        return url
 
     def invalidate(self) -> None:
         self._read_at = 0.0
@@ -187,13 +221,16 @@ class EngineClient:
         max_retries: int = 5,
         backoff_s: float = 0.5,
         max_connections: int = 0,
+        clock: PolicyClock | None = None,
     ):
         self.locator = EngineLocator(locator) if isinstance(locator, str) else locator
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.clock = clock  # None: answers carry no policy stamp (tests, standalone use)
         self._max_connections = max_connections  # 0 = unbounded; the engine's slots are the limit
         self._session: aiohttp.ClientSession | None = None
+        self._context_length: int | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -212,27 +249,51 @@ class EngineClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def context_length(self) -> int | None:
+        """The engine's context length (`/server_info`), or None when it does not say.
+
+        SGLang refuses input + max_new_tokens over it with a 400, so the episode runner sizes
+        each turn to fit. Read once per client; an engine swapped behind a router serves
+        the same model.
+        """
+        if self._context_length is None:
+            url = await self.locator.get()
+            for path in ("/server_info", "/model_info"):
+                try:
+                    async with self.session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                        info = await resp.json(content_type=None) if resp.status == 200 else {}
+                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+                    log.warning("%s%s: %s", url, path, exc)
+                    continue
+                if isinstance(info, dict) and isinstance(info.get("context_length"), int):
+                    self._context_length = int(info["context_length"])
+                    break
+        return self._context_length
+
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str
     ) -> Generation:
-        body = _json_encoder.encode(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling.to_dict(),
-                "return_logprob": True,
-                "rid": rid,
-                "routing_key": routing_key,
-            }
-        )
         headers = {"Content-Type": "application/json", ROUTING_HEADER: routing_key}
+        params = sampling.to_dict()
         for attempt in range(self.max_retries + 1):
-            failure = await self._attempt(body, headers, rid)
+            attempt_rid = rid if attempt == 0 else f"{rid}~{attempt}"
+            body = _json_encoder.encode(
+                {
+                    "input_ids": input_ids,
+                    "sampling_params": params,
+                    "return_logprob": True,
+                    "rid": attempt_rid,
+                    "routing_key": routing_key,
+                }
+            )
+            policy = await self.clock.stamp() if self.clock is not None else None
+            failure = await self._attempt(body, headers, attempt_rid)
             if isinstance(failure, Generation):
-                return failure
+                return dataclasses.replace(failure, policy=policy) if policy else failure
             if attempt == self.max_retries:
                 raise EngineError(f"rid {rid}: gave up after {attempt + 1} attempts: {failure}")
             delay = min(_MAX_BACKOFF_S, self.backoff_s * 2**attempt) * random.uniform(0.5, 1.5)
-            log.warning("rid %s: %s; retry %d/%d in %.2fs", rid, failure, attempt + 1, self.max_retries, delay)
+            log.warning("rid %s: %s; retry %d/%d in %.2fs", attempt_rid, failure, attempt + 1, self.max_retries, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

@@ -25,6 +25,7 @@ import msgspec
 from pipeline.config import EnvConfig, PipelineConfig
 from pipeline.schema import SamplingParams, Sample, Status, Task
 from workers.chat import ChatTokens
+from pipeline.state import PolicyStamp
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
@@ -68,6 +69,15 @@ class _Trace:
     step_rewards: list[float] = field(default_factory=list)
     finished: bool = False
     malformed_calls: int = 0
+    policy_versions: list[int] = field(default_factory=list)
+    policy_run: int = 0
+
+    def stamp(self, stamps: list[PolicyStamp]) -> None:
+        """Record each call's policy stamp; the run is the first call's (a trainer restart
+        mid-episode leaves later calls on a newer run, whose versions are not older)."""
+        for stamp in stamps:
+            self.policy_run = self.policy_run or stamp.run
+            self.policy_versions.append(stamp.version)
 
     def add_model(self, ids: list[int], log_probs: list[float]) -> None:
         self.tokens += ids
@@ -91,6 +101,7 @@ class _Turn:
     finish: str = "stop"
     aborts: int = 0
     versions: list[str] = field(default_factory=list)
+    policy: list[PolicyStamp] = field(default_factory=list)  # one per generate call that answered
 
 
 class EpisodeRunner:
@@ -102,23 +113,31 @@ class EpisodeRunner:
         self.env = env
         self.settings = settings
 
-    async def run(self, task: Task, episode_id: str) -> Sample:
+    async def run(self, task: Task, episode_id: str, sample_index: int = 0) -> Sample:
+        """One episode; `sample_index` (its place in the group) varies a configured sampling seed."""
         started = time.monotonic()
         try:
             session = await self.env.start(task)
         except Exception as exc:  # noqa: BLE001 - any env failure ends this episode, not the group
             log.warning("episode %s: env %s start failed: %s", episode_id, self.env.name, exc)
-            return _failed_sample(task, [], f"env start: {exc}")
+            # The task's own prompt: slime builds log-prob targets from every sample's tokens,
+            # and an empty one crashes its training step even with the loss masked out.
+            prompt_ids = self.chat.prompt_ids(_task_messages(task), None)
+            trace = _Trace(tokens=list(prompt_ids), prompt_length=len(prompt_ids))
+            return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"env start: {exc}")
         try:
-            return await self._run_session(task, session, episode_id, started)
+            return await self._run_session(task, session, episode_id, started, sample_index)
         finally:
             await asyncio.shield(_close_quietly(session, episode_id))
 
-    async def _run_session(self, task: Task, session: EnvSession, episode_id: str, started: float) -> Sample:
+    async def _run_session(
+        self, task: Task, session: EnvSession, episode_id: str, started: float, sample_index: int
+    ) -> Sample:
         prompt_ids = self.chat.prompt_ids(session.messages, session.tools)
         trace = _Trace(tokens=list(prompt_ids), prompt_length=len(prompt_ids), messages=list(session.messages))
+        sampling = _per_sample(self.settings.sampling, sample_index)
         try:
-            status = await self._loop(session, trace, episode_id)
+            status = await self._loop(session, trace, episode_id, sampling)
         except EngineError as exc:
             log.warning("episode %s failed: %s", episode_id, exc)
             return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=str(exc))
@@ -142,11 +161,14 @@ class EpisodeRunner:
         reward = final_reward(self.env.config, verification, finished=trace.finished)
         return self._sample(task, trace, status, reward, verification.components, started)
 
-    async def _loop(self, session: EnvSession, trace: _Trace, episode_id: str) -> Status:
+    async def _loop(self, session: EnvSession, trace: _Trace, episode_id: str, sampling: SamplingParams) -> Status:
         """Turns until a stop condition; returns completed or truncated."""
         s = self.settings
+        engine_context = await self.engine.context_length()
+        context = min(s.max_context_tokens, engine_context or s.max_context_tokens)
         while True:
-            room = min(s.max_response_tokens - trace.response_length, s.max_context_tokens - len(trace.tokens))
+            # SGLang refuses input + max_new_tokens over its context: size the turn to fit
+            room = min(s.max_response_tokens - trace.response_length, context - len(trace.tokens))
             if s.sampling.max_new_tokens is not None:
                 room_this_turn = min(room, s.sampling.max_new_tokens)
             else:
@@ -156,12 +178,15 @@ class EpisodeRunner:
             turn_index = len(trace.turns)
             gen_started = time.monotonic()
             try:
-                turn = await self._generate(trace.tokens, room_this_turn, f"{episode_id}:t{turn_index}", episode_id)
+                turn = await self._generate(
+                    trace.tokens, room_this_turn, sampling, rid=f"{episode_id}:t{turn_index}", routing_key=episode_id
+                )
             except ContextOverflow as exc:
                 trace.turns.append({"text": "", "finish": "context_overflow", "error": str(exc)})
                 return Status.TRUNCATED
             trace.add_model(turn.ids, turn.log_probs)
             trace.weight_versions += turn.versions
+            trace.stamp(turn.policy)
             text = self.chat.decode(turn.ids)
             parsed = s.tool_parser(text)
             meta = _turn_meta(turn, text, parsed, time.monotonic() - gen_started)
@@ -184,21 +209,29 @@ class EpisodeRunner:
                 return Status.COMPLETED
             ended_with_eos = bool(turn.ids) and turn.ids[-1] == self.chat.eos_id
             continuation = self.chat.continuation_ids(observations, model_ended_with_eos=ended_with_eos)
-            if len(trace.tokens) + len(continuation) >= s.max_context_tokens:
+            if len(trace.tokens) + len(continuation) >= context:
                 return Status.TRUNCATED
             trace.add_template(continuation)
 
-    async def _generate(self, tokens: list[int], max_new: int, rid: str, routing_key: str) -> _Turn:
+    async def _generate(
+        self, tokens: list[int], max_new: int, base: SamplingParams, *, rid: str, routing_key: str
+    ) -> _Turn:
         """One model turn; an abort resumes from the tokens so far with the remaining budget."""
         turn = _Turn()
         while True:
-            sampling = msgspec.structs.replace(self.settings.sampling, max_new_tokens=max_new - len(turn.ids))
+            left = max_new - len(turn.ids)
+            min_new = base.min_new_tokens
+            sampling = msgspec.structs.replace(
+                base, max_new_tokens=left, min_new_tokens=None if min_new is None else min(min_new, left)
+            )
             gen = await self.engine.generate(
                 tokens + turn.ids, sampling, rid=f"{rid}.{turn.aborts}", routing_key=routing_key
             )
             turn.ids += gen.output_ids
             turn.log_probs += gen.log_probs
-            turn.versions.append(gen.weight_version)
+            turn.versions += gen.weight_versions
+            if gen.policy is not None:
+                turn.policy.append(gen.policy)
             turn.finish = gen.finish
             if gen.finish != "abort":
                 return turn
@@ -235,6 +268,13 @@ class EpisodeRunner:
         started: float,
         error: str = "",
     ) -> Sample:
+        if trace.response_length == 0:
+            # Nothing was generated (env start failed, engine down, prompt over the context):
+            # no answer to train on. One masked EOS keeps the sample well-formed for slime,
+            # whose log-prob targets and response slices assume a response token.
+            status = Status.FAILED
+            error = error or "no response token (the prompt does not fit the context)"
+            trace.add_template([self.chat.eos_id if self.chat.eos_id is not None else 0])
         response_ids = trace.tokens[trace.prompt_length :]
         metadata: dict[str, Any] = {
             "env": self.env.name,
@@ -257,6 +297,8 @@ class EpisodeRunner:
             status=status,
             reward_components=components,
             weight_versions=trace.weight_versions,
+            policy_versions=trace.policy_versions,
+            policy_run=trace.policy_run,
             prompt=task.prompt,
             response=self.chat.decode(response_ids),
             label=task.label,
@@ -288,12 +330,19 @@ def _openai_call(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _failed_sample(task: Task, tokens: list[int], error: str) -> Sample:
-    """An episode that never got going: no response tokens, reward 0, the reason kept."""
-    return Sample.build(
-        tokens=tokens, response_length=0, loss_mask=[], rollout_log_probs=[], reward=0.0,
-        status=Status.FAILED, prompt=task.prompt, label=task.label, metadata={"error": error[:2000], "turns": 0},
-    )
+def _task_messages(task: Task) -> list[Message]:
+    """The task's prompt as chat messages (what an environment starts from by default)."""
+    if isinstance(task.prompt, str):
+        return [{"role": "user", "content": task.prompt}]
+    return list(task.prompt)
+
+
+def _per_sample(sampling: SamplingParams, sample_index: int) -> SamplingParams:
+    """A configured `sampling_seed` plus the sample's index, as slime does: one seed for every
+    episode of a group would make them identical under deterministic inference."""
+    if sampling.sampling_seed is None:
+        return sampling
+    return msgspec.structs.replace(sampling, sampling_seed=sampling.sampling_seed + sample_index)
 
 
 async def _close_quietly(session: EnvSession, episode_id: str) -> None:

@@ -38,7 +38,7 @@ from pipeline.buffer import GroupBuffer
 from pipeline.config import PipelineConfig
 from pipeline.keys import Keys
 from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, make_pool_retrying, redact
-from pipeline.state import PipelineState
+from pipeline.state import PipelineState, PolicyClock
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
@@ -79,7 +79,7 @@ def build_worker(
             await w.aclose()
             await w.buffer.redis.aclose()
 
-    worker = Worker(
+    worker = RolloutWorker(
         functions=[func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s)],
         queue_name=keys.queue,
         redis_settings=redis_settings(config.redis.resolved_url()),
@@ -100,6 +100,57 @@ def build_worker(
     )
     worker.ctx[ARQ_WORKER_KEY] = worker  # run_group tells Job.abort() from a drain by it
     return worker
+
+
+class RolloutWorker(Worker):
+    """arq's Worker with `start_jobs` safe against a lost connection (arq 0.28).
+
+    arq takes a job with WATCH in-progress key, EXISTS, ZSCORE, MULTI PSETEX EXEC. A connection
+    lost while watching raises WatchError from EXISTS/ZSCORE too, which arq does not catch: the
+    worker's main loop died (and leaked a concurrency slot). Here any WatchError skips the job
+    for this round, and a lost EXEC reply is told from a lost race by the in-progress key's
+    value: ours (a per-attempt token) means we took the job.
+    """
+
+    async def start_jobs(self, job_ids: list[bytes]) -> None:
+        from arq.constants import in_progress_key_prefix
+        from arq.utils import timestamp_ms
+        from redis.exceptions import ResponseError, WatchError
+
+        for job_id_b in job_ids:
+            await self.sem.acquire()
+            if self.job_counter >= self.max_jobs:
+                self.sem.release()
+                return None
+            self.job_counter = self.job_counter + 1
+            job_id = job_id_b.decode()
+            in_progress_key = in_progress_key_prefix + job_id
+            token = uuid.uuid4().hex.encode()
+            score = None
+            taken = False
+            try:
+                async with self.pool.pipeline(transaction=True) as pipe:
+                    await pipe.watch(in_progress_key)
+                    ongoing_exists = await pipe.exists(in_progress_key)
+                    score = await pipe.zscore(self.queue_name, job_id)
+                    if not (ongoing_exists or not score or score > timestamp_ms()):
+                        pipe.multi()
+                        pipe.psetex(in_progress_key, int(self.in_progress_timeout_s * 1000), token)
+                        try:
+                            await pipe.execute()
+                            taken = True
+                        except WatchError:
+                            # a lost EXEC reply, or another worker took it: the key's value tells
+                            taken = score is not None and await self.pool.get(in_progress_key) == token
+            except (ResponseError, WatchError):
+                taken = False
+            if not taken:
+                self.job_counter = self.job_counter - 1
+                self.sem.release()
+                continue
+            t = self.loop.create_task(self.run_job(job_id, int(score)))
+            t.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            self.tasks[job_id] = t
 
 
 def _set_socket_timeout(pool: Any) -> None:
@@ -135,6 +186,7 @@ async def _build_context(config: PipelineConfig, keys: Keys, worker_id: str) -> 
     engine = EngineClient(
         EngineLocator(ecfg.url, state), timeout_s=ecfg.request_timeout_s,
         max_retries=ecfg.max_retries, backoff_s=ecfg.retry_backoff_s,
+        clock=PolicyClock(state),  # stamps every call; waits until a trainer has published its run's version
     )
     tokenizer_path = ecfg.tokenizer or await _engine_tokenizer_path(engine)
     chat = ChatTokens(_load_tokenizer(tokenizer_path))

@@ -2,10 +2,20 @@
 scripted policy instead of a model. It is the engine of the demo, the tests and the
 benchmarks; it is never a stand-in for measuring model quality.
 
-Endpoints (PROTOCOLS.md): POST /generate, GET /health, GET /model_info,
-POST /abort_request, POST /pause_generation, POST /continue_generation,
-POST /update_weight_version. Simulator-only, under /sim/: POST /sim/fail_next
-{"status", "count", "message"} (inject HTTP errors) and GET /sim/stats.
+Endpoints, with SGLang 0.5.23's behaviour (docs/architecture.md "The engine"): POST
+/generate, GET /health (503 while starting), GET /model_info, GET /server_info (with
+`context_length`), POST /abort_request, POST /pause_generation {"mode": "abort" |
+"in_place" | "retract"}, POST /continue_generation, POST /update_weight_version
+{"new_version", "abort_all_requests": true}. Simulator-only, under /sim/: POST
+/sim/fail_next {"status", "count", "message"} (inject HTTP errors) and GET /sim/stats.
+
+It refuses what SGLang refuses, with SGLang's status and message: sampling values out of
+range (pipeline/sampling.py, SGLang's rules on the raw dict), an unknown sampling key, a
+rid that is still running ("Duplicate request ID detected"), input at or over the context
+length, input + max_new_tokens over it. `n > 1` answers a JSON array, as SGLang does.
+A weight-version update aborts running requests unless told not to; under the
+`in_place`/`retract` pause modes requests survive the pause, and an update during it
+shows up as `meta_info.weight_versions` spans.
 
 The policy works on the real test tokenizer (workers.sim.tokenizer). For each turn
 it decodes the input ids, finds the last user question and:
@@ -43,7 +53,8 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from pipeline.schema import SamplingParams, Task
+from pipeline.sampling import sampling_errors
+from pipeline.schema import Task
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +64,14 @@ _FILLER_WORDS = (
     "again compute and multiply add numbers total is value of it for with hmm wait right ok"
 ).split()
 _json = msgspec.json.Encoder()
-_sampling_decoder = msgspec.json.Decoder(SamplingParams)
+# SGLang's SamplingParams fields (sglang/srt/sampling/sampling_params.py), what a request may carry
+_SAMPLING_KEYS = frozenset(
+    "max_new_tokens stop stop_token_ids stop_regex temperature top_p top_k min_p frequency_penalty "
+    "presence_penalty repetition_penalty min_new_tokens n beam_width json_schema regex ebnf structural_tag "
+    "ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias "
+    "sampling_seed custom_params watermark".split()
+)
+_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not say
 
 
 @dataclass
@@ -69,6 +87,7 @@ class SimConfig:
     slots: int = 256  # concurrent generations; the rest wait (0 = unlimited)
     context_length: int = 32768
     weight_version: str = "default"
+    startup_s: float = 0.0  # /health answers 503 (and /generate is refused) this long after start
     seed: int = 0
     tokenizer_path: str = ""  # "" = the shared test tokenizer
     answers: dict[str, str] = field(default_factory=dict)  # question text -> label (from --tasks)
@@ -79,6 +98,8 @@ class _Running:
     rid: str
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     message: str = ""
+    produced: int = 0
+    version_events: list[tuple[str, int]] = field(default_factory=list)  # (old label, tokens so far) per update
 
 
 class SimEngine:
@@ -95,6 +116,8 @@ class SimEngine:
         self._slots = asyncio.Semaphore(config.slots) if config.slots > 0 else None
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._paused_in_place = False  # in_place/retract: running requests wait instead of aborting
+        self._started_at = time.monotonic()
         self._running: dict[str, _Running] = {}
         self._faults: list[tuple[int, str]] = []
         self.stats: dict[str, Any] = {"requests": 0, "aborted": 0, "max_running": 0, "routing_keys": {}, "errors": 0}
@@ -113,6 +136,7 @@ class SimEngine:
                 web.get("/health", self.health),
                 web.get("/model_info", self.model_info),
                 web.get("/get_model_info", self.model_info),
+                web.get("/server_info", self.server_info),
                 web.post("/abort_request", self.abort_request),
                 web.post("/pause_generation", self.pause),
                 web.post("/continue_generation", self.resume),
@@ -123,8 +147,22 @@ class SimEngine:
         )
         return app
 
+    def _starting(self) -> bool:
+        return time.monotonic() - self._started_at < self.config.startup_s
+
     async def health(self, _request: web.Request) -> web.Response:
-        return web.Response(text="OK")
+        return web.Response(status=503 if self._starting() else 200)
+
+    async def server_info(self, _request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "model_path": "simulated-engine",
+                "tokenizer_path": self.tokenizer_path,
+                "context_length": self.config.context_length,
+                "max_running_requests": self.config.slots,
+                "version": "0.5.23-sim",
+            }
+        )
 
     async def model_info(self, _request: web.Request) -> web.Response:
         return web.json_response(
@@ -133,7 +171,6 @@ class SimEngine:
                 "tokenizer_path": self.tokenizer_path,
                 "is_generation": True,
                 "weight_version": self.weight_version,
-                "context_length": self.config.context_length,
             }
         )
 
@@ -144,24 +181,44 @@ class SimEngine:
             if running is not None:
                 running.message = "Abort request"
                 running.aborted.set()
-        return web.json_response({})
+        return web.Response(status=200)
 
-    async def pause(self, _request: web.Request) -> web.Response:
-        """SGLang's default pause mode: abort running requests, hold new ones until continue."""
+    async def pause(self, request: web.Request) -> web.Response:
+        """abort (SGLang's default): abort running requests; in_place / retract: they stay and
+        wait. New requests wait until continue in every mode."""
+        body = await request.json() if request.can_read_body else {}
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "in_place", "retract"):
+            return web.json_response({"error": f"unknown pause mode {mode!r}"}, status=422)
         self._resumed.clear()
-        for running in self._running.values():
-            running.message = "Abort for pause generation"
-            running.aborted.set()
-        return web.json_response({})
+        self._paused_in_place = mode != "abort"
+        if mode == "abort":
+            self._abort_all("Abort for pause generation")
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, _request: web.Request) -> web.Response:
+        self._paused_in_place = False
         self._resumed.set()
-        return web.json_response({})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.weight_version = str(body["new_version"])
-        return web.json_response({"success": True, "message": f"weight version {self.weight_version}"})
+        if "new_version" not in body:
+            return web.json_response({"detail": [{"loc": ["body", "new_version"], "msg": "Field required"}]}, status=422)
+        if body.get("abort_all_requests", True):
+            self._abort_all("Abort for weight version update")
+        old, self.weight_version = self.weight_version, str(body["new_version"])
+        for running in self._running.values():  # survivors (paused in place) record the switch
+            running.version_events.append((old, running.produced))
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {self.weight_version}",
+             "new_version": self.weight_version}
+        )
+
+    def _abort_all(self, message: str) -> None:
+        for running in self._running.values():
+            running.message = message
+            running.aborted.set()
 
     async def fail_next(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -180,43 +237,89 @@ class SimEngine:
         if self._faults:
             status, message = self._faults.pop(0)
             return _error(status, message)
-        body = msgspec.json.decode(await request.read())
-        input_ids, rid = body.get("input_ids"), str(body.get("rid") or f"sim-{self.stats['requests']}")
+        if self._starting():
+            return _error(503, "The server is starting up")
         try:
-            sampling = _sampling_decoder.decode(_json.encode(body.get("sampling_params") or {}))
-        except msgspec.ValidationError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
-        if not isinstance(input_ids, list) or not input_ids:
-            return _error(400, "input_ids must be a non-empty list of token ids")
-        if len(input_ids) >= self.config.context_length:
-            return web.json_response(
-                {
-                    "error": {
-                        "message": f"The input ({len(input_ids)} tokens) is longer than the model's context "
-                        f"length ({self.config.context_length} tokens)."
-                    }
-                },
-                status=400,
-            )
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:
+            return web.json_response({"error": f"invalid JSON body: {exc}"}, status=400)
+        refusal = self._refuse(body)
+        if refusal is not None:
+            return refusal
+        input_ids: list[int] = body["input_ids"]
+        params: dict[str, Any] = body.get("sampling_params") or {}
+        rid = str(body.get("rid") or f"sim-{self.stats['requests']}")
         routing_key = request.headers.get("X-SMG-Routing-Key") or body.get("routing_key") or rid
         keys = self.stats["routing_keys"]
         keys[routing_key] = keys.get(routing_key, 0) + 1
-        await self._resumed.wait()
+        n = int(params.get("n") or 1)
+        rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+        for one in rids:  # registered from now until the answer, as SGLang's rid_to_state
+            self._running[one] = _Running(one)
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        try:
+            await self._resumed.wait()
+            answers = await asyncio.gather(
+                *(self._answer_one(one, input_ids, f"{routing_key}#{i}" if n > 1 else routing_key, params, started)
+                  for i, one in enumerate(rids))
+            )
+        finally:
+            for one in rids:
+                self._running.pop(one, None)
+        payload = answers[0] if n == 1 else answers
+        return web.Response(body=_json.encode(payload), content_type="application/json")
+
+    def _refuse(self, body: Any) -> web.Response | None:
+        """SGLang's refusals of a /generate body, with its status codes and error shapes."""
+        if not isinstance(body, dict):
+            return web.json_response({"error": "request body must be a JSON object"}, status=400)
+        input_ids = body.get("input_ids")
+        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+            return web.json_response({"error": "input_ids must be a non-empty list of token ids"}, status=400)
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            return web.json_response({"error": "sampling_params must be an object"}, status=400)
+        unknown = sorted(set(params) - _SAMPLING_KEYS)
+        if unknown:
+            return web.json_response({"error": f"sampling_params: unknown field {unknown[0]!r}"}, status=400)
+        errors = sampling_errors(params, pipeline=False)
+        if errors:
+            return _value_error(errors[0])
+        rid = body.get("rid")
+        if rid is not None and (str(rid) in self._running or f"{rid}_0" in self._running):
+            return _value_error(f"Duplicate request ID detected: {rid}")
+        context, n_input = self.config.context_length, len(input_ids)
+        if n_input >= context:
+            return _value_error(f"The input ({n_input} tokens) is longer than the model's context length ({context} tokens).")
+        max_new = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+        if max_new is not None and max_new + n_input > context:
+            return _value_error(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {max_new + n_input} tokens: {n_input} tokens from the input messages "
+                f"and {max_new} tokens for the completion. Please reduce the number of tokens in the input "
+                "messages or the completion to fit within the limit."
+            )
+        return None
+
+    async def _answer_one(
+        self, rid: str, input_ids: list[int], routing_key: str, params: dict[str, Any], started: float
+    ) -> dict[str, Any]:
         async with self._slot():
-            ids, log_probs, finish = await self._run(rid, input_ids, routing_key, sampling)
-        meta = {
+            ids, log_probs, finish, spans = await self._run(self._running[rid], input_ids, routing_key, params)
+        meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": finish,
             "prompt_tokens": len(input_ids),
             "completion_tokens": len(ids),
             "cached_tokens": 0,
-            "weight_version": self.weight_version,
+            "weight_version": spans[-1]["version"],
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(log_probs, ids)],
             "e2e_latency": time.monotonic() - started,
         }
+        if len(spans) > 1:
+            meta["weight_versions"] = spans
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        return web.Response(body=_json.encode({"text": text, "output_ids": ids, "meta_info": meta}),
-                            content_type="application/json")
+        return {"text": text, "output_ids": ids, "meta_info": meta}
 
     @contextlib.asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:
@@ -227,19 +330,13 @@ class SimEngine:
             yield
 
     async def _run(
-        self, rid: str, input_ids: list[int], routing_key: str, sampling: SamplingParams
-    ) -> tuple[list[int], list[float], dict[str, Any]]:
+        self, running: _Running, input_ids: list[int], routing_key: str, params: dict[str, Any]
+    ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
         plan_ids, plan_lps, done = self._plan(input_ids, routing_key)
-        budget = sampling.max_new_tokens if sampling.max_new_tokens is not None else 128
-        budget = min(budget, self.config.context_length - len(input_ids))
+        budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+        budget = len(plan_ids) if budget is None else budget
         ids, lps = plan_ids[done : done + budget], plan_lps[done : done + budget]
-        running = _Running(rid)
-        self._running[rid] = running
-        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
-        try:
-            produced = await self._emit(running, len(ids))
-        finally:
-            self._running.pop(rid, None)
+        produced = await self._emit(running, len(ids))
         if produced < len(ids):
             self.stats["aborted"] += 1
             finish: dict[str, Any] = {"type": "abort", "message": running.message}
@@ -247,23 +344,42 @@ class SimEngine:
             finish = {"type": "stop", "matched": self.eos_id}
         else:
             finish = {"type": "length", "length": len(ids)}
-        return ids[:produced], lps[:produced], finish
+        return ids[:produced], lps[:produced], finish, self._spans(running, produced)
+
+    def _spans(self, running: _Running, produced: int) -> list[dict[str, Any]]:
+        """SGLang's weight-version spans (utils/weight_versions.py): output tokens per label."""
+        spans: list[dict[str, Any]] = []
+        for version, end in [*running.version_events, (self.weight_version, produced)]:
+            end = min(end, produced)
+            if spans and end <= spans[-1]["end"]:
+                continue
+            if spans and spans[-1]["version"] == version:
+                spans[-1]["end"] = end
+                continue
+            spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+        return spans or [{"version": self.weight_version, "start": 0, "end": produced}]
 
     async def _emit(self, running: _Running, n_tokens: int) -> int:
-        """Spend the simulated decode time; returns how many tokens were produced before an abort."""
+        """Spend the simulated decode time; returns how many tokens were produced before an abort.
+        While paused in place, a running request holds its tokens and waits for continue."""
         if self.config.token_latency_s <= 0 or n_tokens == 0:
-            return 0 if running.aborted.is_set() else n_tokens
+            if not self._resumed.is_set() and self._paused_in_place:
+                await self._resumed.wait()
+            running.produced = 0 if running.aborted.is_set() else n_tokens
+            return running.produced
         rng = np.random.default_rng()
         per_token = self.config.token_latency_s * rng.lognormal(0.0, self.config.latency_sigma)
-        produced, step = 0, max(1, int(0.02 / per_token))  # wake up ~every 20 ms
-        while produced < n_tokens:
-            chunk = min(step, n_tokens - produced)
+        step = max(1, int(0.02 / per_token))  # wake up ~every 20 ms
+        while running.produced < n_tokens:
+            if self._paused_in_place and not self._resumed.is_set():
+                await self._resumed.wait()
+            chunk = min(step, n_tokens - running.produced)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(running.aborted.wait(), chunk * per_token)
             if running.aborted.is_set():
-                return produced
-            produced += chunk
-        return produced
+                return running.produced
+            running.produced += chunk
+        return running.produced
 
     # ------------------------------------------------------------ policy
 
@@ -379,6 +495,11 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"object": "error", "message": message, "code": status}, status=status)
 
 
+def _value_error(message: str) -> web.Response:
+    """How SGLang's HTTP server answers a ValueError from request handling (HTTP 400)."""
+    return web.json_response({"error": {"message": message}}, status=400)
+
+
 # ---------------------------------------------------------------- serving
 
 
@@ -429,6 +550,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("slots", "context_length", "seed", "max_filler_tokens"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     p.add_argument("--weight-version", default=defaults.weight_version)
+    p.add_argument("--startup-s", type=float, default=defaults.startup_s,
+                   help="answer /health with 503 (and refuse /generate) this long after start")
     p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the shared test tokenizer)")
     p.add_argument("--tasks", default="", help="tasks.jsonl whose labels the simulator may answer with")
     return p.parse_args(argv)
@@ -440,6 +563,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         length_mu=args.length_mu, length_sigma=args.length_sigma, max_filler_tokens=args.max_filler_tokens,
         token_latency_s=args.token_latency_s, latency_sigma=args.latency_sigma, slots=args.slots,
         context_length=args.context_length, weight_version=args.weight_version, seed=args.seed,
+        startup_s=args.startup_s,
         tokenizer_path=args.tokenizer, answers=load_answers(args.tasks) if args.tasks else {},
     )
 

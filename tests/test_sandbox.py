@@ -221,6 +221,11 @@ async def test_file_size_limit():
     assert not result.ok and "File too large" in result.stderr
 
 
+async def test_an_oversized_value_is_stopped():
+    result = await run_python("def f():\n    return 'x' * (4 << 20)", "", Limits(output_bytes=1 << 20), evaluate="f()")
+    assert not result.evaluated and "too large" in result.harness and not result.timed_out
+
+
 async def test_output_flood_is_stopped():
     result = await run_python("while True: print('x' * 1000)", "", Limits(output_bytes=10_000))
     assert result.output_exceeded and len(result.stdout) <= 10_000 and result.reason.startswith("output limit")

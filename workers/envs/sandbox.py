@@ -560,7 +560,10 @@ async def _converse(channel: socket.socket, sentinel: str, request: tuple[str, s
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
     sent = False
-    while len(said) < cap:
+    while True:
+        if len(said) >= cap:  # a reply this long is no answer: the harness's next write fails at once
+            channel.shutdown(socket.SHUT_RDWR)
+            return
         chunk = await loop.sock_recv(channel, 65536)
         if not chunk:
             return
@@ -583,6 +586,8 @@ def _read_value(said: bytes, returncode: int) -> tuple[Any, bool, str]:
     line, newline, extra = rest.partition(b"\n")
     if ready != b"ready":
         return None, False, (ready or b"the harness reported nothing").decode("utf-8", "replace")[:300]
+    if line.startswith(b"value ") and not newline:
+        return None, False, "the value is too large (limits.output_bytes)"
     if not line.startswith(b"value ") or not newline or extra or returncode != 0:
         return None, False, line.decode("utf-8", "replace")[:300] or "the harness reported nothing"
     try:

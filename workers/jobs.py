@@ -272,7 +272,7 @@ async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> Sample
     settings = EpisodeSettings.from_config(w.config, env.config, job.sampling)
     runner = EpisodeRunner(w.engine, w.chat, env, settings)
     started = time.time()
-    episodes = [runner.run(job.task, f"{job.job_id}/{i}/{job_try}") for i in range(job.n_samples)]
+    episodes = [runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i) for i in range(job.n_samples)]
     samples = list(await asyncio.gather(*episodes))
     failed = [s for s in samples if s.status is Status.FAILED]
     if refuses_group(env.config.on_failure, len(failed), len(samples)):

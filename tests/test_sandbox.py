@@ -117,6 +117,15 @@ async def test_the_init_is_the_sandboxs_not_the_hosts():
     assert "-I" in result.stdout and "worker" not in result.stdout  # our bootstrap, not the host's pid 1
 
 
+@needs_mounts
+async def test_network_and_ipc_namespaces_are_not_the_hosts():
+    program = "import os\nfor ns in ('net', 'ipc', 'pid', 'mnt'):\n    print(os.readlink('/proc/self/ns/' + ns))"
+    result = await run_python(program, "", FAST)
+    inside = result.stdout.split()
+    outside = [os.readlink(f"/proc/self/ns/{ns}") for ns in ("net", "ipc", "pid", "mnt")]
+    assert len(inside) == 4 and all(a != b for a, b in zip(inside, outside)), (inside, outside)
+
+
 # ------------------------------------------------------------------ network: no TCP, no host unix sockets
 
 _CONNECT = (
@@ -147,7 +156,7 @@ async def test_tcp_to_a_loopback_server_of_the_host_is_refused():
     server = await _serve(listener)
     try:
         port = listener.getsockname()[1]
-        assert socket.create_connection(("127.0.0.1", port), timeout=2)  # reachable from the host
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()  # reachable from the host
         result = await run_python(_CONNECT.format(family="socket.AF_INET", address=("127.0.0.1", port)), "", FAST)
         outside = await run_python(_CONNECT.format(family="socket.AF_INET", address=("1.1.1.1", 53)), "", FAST)
     finally:

@@ -8,7 +8,7 @@ isolation as the platform allows:
 
 | level (`Isolation.summary`) | when | what the program gets |
 |---|---|---|
-| `netns+pidns+mntns+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with private, size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` (= `/var/run`, `/var/lock`): nothing persists between runs, no run reads another's files, the host's unix sockets there are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs, nor connect to root's sockets) |
+| `netns+pidns+mntns+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new IPC namespace (no SysV IPC or POSIX message queues shared with the host or other runs) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with private, size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` (= `/var/run`, `/var/lock`): nothing persists between runs, no run reads another's files, the host's unix sockets there are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs, nor connect to root's sockets) |
 | `netns+pidns+mntns` | Linux, not root, unprivileged user namespaces allowed | the same namespaces via a user namespace (`--map-root-user`); the program runs as the worker's own uid mapped to root in the namespace, so it can write files the worker can write outside the masked paths. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
 | `netns+pidns(+uid)` | as above, but the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
 | `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's /tmp and /proc. Set `require_isolation: true` to refuse to run instead |
@@ -50,7 +50,7 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-_UNSHARE = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
+_UNSHARE = ["unshare", "--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
 _USERNS = ["--user", "--map-root-user"]
 # Masked with a fresh tmpfs in every run (symlinks such as /var/run -> /run follow their target).
 _TMPFS = ("/tmp", "/var/tmp", "/dev/shm", "/run")

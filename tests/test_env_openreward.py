@@ -73,8 +73,10 @@ class Arith(Environment):
 
 @pytest.fixture(scope="module")
 def or_server():
-    """The SDK's Server app under uvicorn on loopback, in a thread of this process."""
-    with serve_openreward(Arith) as url:
+    """The SDK's Server app under uvicorn on loopback, in a thread of this process, hosting
+    every environment of this file (one server: sse-starlette keeps process-wide state bound
+    to the first server's event loop, so a second server in another thread breaks streams)."""
+    with serve_openreward(Arith, Chat) as url:
         yield url
 
 
@@ -156,3 +158,173 @@ async def test_unreachable_server_and_bad_config():
         OpenRewardEnvironment("arith", EnvConfig(kind="openreward", options={"base_url": "x"}))
     with pytest.raises(ConfigError, match="ROLLOUT_TEST_MISSING"):
         _env("http://x", secrets=["ROLLOUT_TEST_MISSING"])
+
+
+# ------------------------------------------------------------------ conversations, at-most-once tool calls
+
+import asyncio  # noqa: E402
+
+from openreward.environments.types import Message as OrMessage  # noqa: E402
+from openreward.environments.types import ReasoningBlock, ToolCallBlock, ToolResultBlock  # noqa: E402
+
+from tests.nemo_gym_support import FaultProxy, serve_proxy  # noqa: E402
+from workers.envs import openreward_env  # noqa: E402
+
+
+class Pair(BaseModel):
+    a: int
+    b: int
+
+
+class Chat(Environment):
+    """A conversation-shaped environment (`get_messages`); `add` records every run it makes."""
+
+    RUNS: list[tuple[int, int]] = []
+
+    @classmethod
+    def list_splits(cls):
+        return ["train"]
+
+    @classmethod
+    def list_tasks(cls, split: str):
+        return [{"id": "c0"}, {"id": "c1"}]
+
+    def get_messages(self):
+        return [
+            OrMessage(role="system", blocks=[TextBlock(text="You add numbers.")]),
+            OrMessage(role="user", blocks=[TextBlock(text="Add 2 and 3.")]),
+            OrMessage(role="assistant", blocks=[ReasoningBlock(text="Use the tool."), ToolCallBlock(id="tc1", name="add", input={"a": 2, "b": 3})]),
+            OrMessage(role="user", blocks=[ToolResultBlock(tool_call_id="tc1", blocks=[TextBlock(text="5")]), TextBlock(text="Now add 5 and 6.")]),
+        ]
+
+    @tool
+    async def add(self, params: Pair) -> ToolOutput:
+        """Add two numbers (slowly when a is 99)."""
+        Chat.RUNS.append((params.a, params.b))
+        if params.a == 99:
+            await asyncio.sleep(2.0)
+        return ToolOutput(blocks=[TextBlock(text=str(params.a + params.b))], reward=0.5)
+
+    @tool
+    async def finish(self) -> ToolOutput:
+        """End the episode."""
+        return ToolOutput(blocks=[TextBlock(text="bye")], reward=1.0, finished=True)
+
+
+@pytest.fixture(scope="module")
+def chat_server(or_server):
+    return or_server
+
+
+def _chat(url: str, **config) -> OpenRewardEnvironment:
+    data = {"kind": "openreward", "options": {"environment": "chat", "variant": "chat", "base_url": url, "system_prompt": "Be brief."}, **config}
+    return OpenRewardEnvironment("chat", msgspec.convert(data, EnvConfig))
+
+
+CHAT_TASK = Task(id="c0", env="chat", prompt="{}", metadata={"split": "train", "index": 0})
+ONE_SHOT = {"step": {"timeout_s": 1.0, "retries": 2, "backoff_s": 0.01}}
+
+
+async def test_a_conversation_environment_gives_its_messages_not_one_flattened_turn(chat_server):
+    env = _chat(chat_server)
+    session = await env.start(CHAT_TASK)
+    try:
+        assert session.messages == [
+            {"role": "system", "content": "Be brief.\n\nYou add numbers."},
+            {"role": "user", "content": "Add 2 and 3."},
+            {"role": "assistant", "content": "", "reasoning_content": "Use the tool.",
+             "tool_calls": [{"id": "tc1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+            {"role": "tool", "content": "5", "tool_call_id": "tc1", "name": "add"},
+            {"role": "user", "content": "Now add 5 and 6."},
+        ]
+        from tests.env_helpers import chat_tokens
+
+        assert chat_tokens().prompt_ids(session.messages, session.tools)  # the chat template renders it
+        result = await session.step([ToolCall(id="a", name="add", arguments={"a": 5, "b": 6})])
+        assert result.messages[0]["content"] == "11" and result.reward == 0.5
+    finally:
+        await session.close()
+        await env.aclose()
+
+
+async def test_a_prompt_environment_still_gives_one_user_turn(or_server):
+    env = _env(or_server)
+    session = await env.start(TASK)
+    try:
+        assert session.messages == [{"role": "user", "content": "What is 6 * 7?"}]
+    finally:
+        await session.close()
+        await env.aclose()
+
+
+async def test_a_slow_tool_is_not_sent_again_and_fails_the_episode(chat_server):
+    Chat.RUNS.clear()
+    env = _chat(chat_server, timeouts=ONE_SHOT)
+    session = await env.start(CHAT_TASK)
+    try:
+        with pytest.raises(EnvError, match="no answer within 1s; not sent again"):
+            await session.step([ToolCall(id="a", name="add", arguments={"a": 99, "b": 1})])
+        await asyncio.sleep(1.5)
+        assert Chat.RUNS == [(99, 1)]  # ran once: its reward is unknown, so the episode fails
+    finally:
+        await session.close()
+        await env.aclose()
+
+
+async def test_an_answer_lost_before_its_task_id_is_not_sent_again(chat_server):
+    """The server ran the call, the answer never arrived: the SDK is told not to re-POST."""
+    Chat.RUNS.clear()
+    proxy = FaultProxy.to(chat_server, {"/chat/call": ["lose"]})
+    async with serve_proxy(proxy) as url:
+        env = _chat(url)
+        session = await env.start(CHAT_TASK)
+        try:
+            with pytest.raises(EnvError, match="tool add"):
+                await session.step([ToolCall(id="a", name="add", arguments={"a": 1, "b": 1})])
+        finally:
+            await session.close()
+            await env.aclose()
+    assert proxy.seen["/chat/call"] == 1 and Chat.RUNS == [(1, 1)]
+
+
+async def test_episode_finished_after_a_lost_answer_is_an_environment_failure(chat_server, monkeypatch):
+    """With the SDK's own call_tool (which re-POSTs a call whose answer was lost before its
+    task id), the re-sent `finish` is refused as "episode finished": not the model's mistake."""
+    monkeypatch.setattr(openreward_env, "_RESUMABLE_ONLY", False)
+    proxy = FaultProxy.to(chat_server, {"/chat/call": ["lose"]})
+    async with serve_proxy(proxy) as url:
+        env = _chat(url)
+        session = await env.start(CHAT_TASK)
+        try:
+            with pytest.raises(EnvError, match="an earlier answer was lost"):
+                await session.step([ToolCall(id="a", name="finish", arguments={})])
+        finally:
+            await session.close()
+            await env.aclose()
+    assert proxy.seen["/chat/call"] == 2
+
+
+async def test_a_call_that_never_left_is_retried_then_fails_as_unreachable(chat_server):
+    proxy = FaultProxy.to(chat_server)
+    async with serve_proxy(proxy) as url:
+        env = _chat(url, timeouts=ONE_SHOT)
+        session = await env.start(CHAT_TASK)
+    try:  # the proxy is gone: connections are refused, nothing was sent
+        with pytest.raises(EnvError, match=r"not sent after 3 attempt\(s\)"):
+            await session.step([ToolCall(id="a", name="add", arguments={"a": 1, "b": 2})])
+    finally:
+        await session.close()
+        await env.aclose()
+
+
+def test_duplicate_task_ids_across_two_openreward_environments_fail_prepare(or_server, tmp_path):
+    from pipeline.config import PipelineConfig
+    from producers.prepare_tasks import PrepareError, prepare_tasks
+
+    def environment(variant: str) -> dict:
+        return {"kind": "openreward", "options": {"environment": "arith", "base_url": or_server}, "dataset": {"source": "openreward", "fields": {"id": "task_spec.question"}}}
+
+    config = msgspec.convert({"environments": {"a": environment("a"), "b": environment("b")}}, PipelineConfig)
+    with pytest.raises(PrepareError, match=r"duplicate task id 'What is 6 \* 7\?' \(first at openreward:arith/train#0\) of environment 'a'"):
+        prepare_tasks(config, tmp_path / "tasks.jsonl")
+    assert not (tmp_path / "tasks.jsonl").exists()

@@ -3,35 +3,50 @@
 Optional extra (`pip install 'rollout-pipeline[openreward]'`); imported when the
 first environment of this kind is built. Per episode: one SDK session for the task
 (`task.metadata.task_spec`, or `split` + `index`, as producers/sources.py writes
-them), its prompt and tools, tool calls through `call_tool` (per-call `reward` and
+them); its prompt as the SDK's conversation (`get_messages(format="openai")`: system,
+user, assistant turns with tool calls and reasoning, tool results, as the environment
+wrote them; prompt-only environments and servers before SDK 0.1.157 answer a single
+user message) and its tools; tool calls through the SDK (per-call `reward` and
 `finished`), and in `verify`, when the model ended with a plain message and the
 environment has a `@terminal` tool, that message goes to the terminal tool (the
 SDK's `is_assistant_message_final` contract). The reward is then shaped as in
 OpenReward's train_config.yaml: rewards of every call, `nonterminal_reward`
 appended when the episode never finished, `reward_reduction`, clamp.
 
+A tool call runs at most once. The SDK's `/call` is a resumable SSE stream: once the
+server has named the call's task, a dropped stream is resumed (the server replays that
+one run); before that, this module asks the SDK not to re-POST (`resumable_only`, where
+the SDK has it) and sends again only a call whose connection never opened. An answer
+lost otherwise (a timeout, a stream that broke before its task id) fails the episode:
+the call may have run and its reward is unknown. A call refused with "episode finished"
+when no answer said so means an answer was lost (the SDK re-sent a call that had
+finished the episode): an environment failure, not the model's mistake. Other
+`ToolCallError`s (unknown tool, bad arguments) are the model's mistake and become its
+observation; a tool that crashed server-side (`ToolFailed`) fails the episode.
+
 `base_url` points at an environment server (a locally hosted
 `openreward.environments.Server` works); without it the SDK's platform URL is used.
 The API key comes from the env var named by `api_key_env`; the environment's own
 secrets are the env vars listed in `secrets`, sent with the session (never logged).
-A `ToolCallError` (unknown tool, bad arguments, episode over) is the model's
-mistake and becomes the observation; transport failures use the call budgets;
-a tool that crashed server-side (`ToolFailed`) fails the episode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import logging
 import os
 from typing import Any, Union
 
+import aiohttp
+
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
-    Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, opened,
+    Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, call_once, opened,
 )
-from workers.envs.convert import chat_tool
+from workers.envs.convert import chat_tool, content_text
 from workers.envs.math import final_answer_text
 from workers.envs.options import Options, parse_options, read_secrets
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
@@ -46,7 +61,7 @@ class OpenRewardOptions(Options):
     base_url: Union[str, None] = None  # environment server; None = the SDK's default
     variant: Union[str, None] = None
     api_key_env: str = "OPENREWARD_API_KEY"
-    system_prompt: str = ""  # prepended as a system message when set
+    system_prompt: str = ""  # the system message when set (before the environment's own system text)
     # Domains each secret may be sent to, for secrets the SDK does not know by name
     # (openreward's WELL_KNOWN_SECRETS covers e.g. OPENAI_API_KEY).
     secret_domains: dict[str, list[str]] = {}
@@ -125,11 +140,15 @@ class OpenRewardSession(EnvSession):
         budget = self.env.config.timeouts.start
         what = f"openreward {self.env.name!r}"
         await call_with_budget(self._enter, budget, f"{what}: create session")
-        prompt = await call_with_budget(self.session.get_prompt, budget, f"{what}: get_prompt")
+        if hasattr(self.session, "get_messages"):
+            conversation = await call_with_budget(lambda: self.session.get_messages(format="openai"), budget, f"{what}: get_messages")
+            messages = chat_conversation(conversation)
+        else:  # an SDK before 0.1.157
+            prompt = await call_with_budget(self.session.get_prompt, budget, f"{what}: get_prompt")
+            messages = [{"role": "user", "content": blocks_text(prompt)}]
         tools = await call_with_budget(lambda: self.session.list_tools(format="openai"), budget, f"{what}: list_tools")
         self.terminal_tool = await call_with_budget(self.session.terminal_tool, budget, f"{what}: terminal_tool")
-        system = [{"role": "system", "content": self.env.options.system_prompt}] if self.env.options.system_prompt else []
-        self.messages = [*system, {"role": "user", "content": blocks_text(prompt)}]
+        self.messages = with_system_prompt(messages, self.env.options.system_prompt)
         self.tools = [chat_tool(t) for t in tools]
 
     async def _enter(self) -> None:
@@ -142,16 +161,29 @@ class OpenRewardSession(EnvSession):
         from openreward.api.errors import ToolCallError
 
         try:
-            output = await self.session.call_tool(name, arguments)
-        except ToolCallError as exc:  # the model's mistake: tell it
-            self.tool_errors += 1
+            output = await call_tool_once(self.session, name, arguments)
+        except ToolCallError as exc:
+            if exc.reason == "episode_finished" and not self.finished:
+                raise EnvError(
+                    f"openreward {self.env.name!r}: tool {name}: the server says the episode finished, but no "
+                    "answer said so: an earlier answer was lost"
+                ) from exc
+            self.tool_errors += 1  # the model's mistake: tell it
             return f"error: {exc}", None, False
         return blocks_text(output.blocks), output.reward, bool(output.finished)
 
     async def _run_tool(self, name: str, arguments: dict[str, Any], budget: Any, deadline: Union[float, None] = None) -> tuple[str, Union[float, None]]:
-        text, reward, finished = await call_with_budget(
-            lambda: self._call(name, arguments), budget, f"openreward {self.env.name!r}: tool {name}", deadline=deadline
-        )
+        what = f"openreward {self.env.name!r}: tool {name}"
+        if deadline is not None:
+            budget = _within(budget, deadline)
+        try:
+            text, reward, finished = await call_once(lambda: self._call(name, arguments), budget, what, unsent=_unsent)
+        except EnvError:
+            raise
+        except asyncio.TimeoutError as exc:
+            raise EnvError(f"{what}: no answer within {budget.timeout_s:g}s; not sent again (it may have run)") from exc
+        except Exception as exc:  # noqa: BLE001 - SDK transport errors, ToolFailed, a dead session
+            raise EnvError(f"{what}: {type(exc).__name__}: {exc}"[:600]) from exc
         if reward is not None:
             self.rewards.append(float(reward))
         self.finished = self.finished or finished
@@ -188,3 +220,127 @@ class OpenRewardSession(EnvSession):
             await asyncio.wait_for(session.__aexit__(None, None, None), CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not fail the episode; the server reaps it
             log.warning("openreward %r: closing session failed: %r", self.env.name, exc)
+
+
+def chat_conversation(conversation: list[dict[str, Any]]) -> list[Message]:
+    """The SDK's OpenAI-format conversation as chat-template messages: text content (images
+    are not passed to a text model), tool-call arguments as objects, tool messages named."""
+    names: dict[str, str] = {}
+    messages: list[Message] = []
+    for entry in conversation:
+        message: Message = {"role": entry["role"], "content": _openai_text(entry.get("content"))}
+        if entry.get("reasoning_content"):
+            message["reasoning_content"] = entry["reasoning_content"]
+        calls = []
+        for call in entry.get("tool_calls") or []:
+            function = call.get("function") or {}
+            names[call.get("id", "")] = function.get("name", "")
+            calls.append({"id": call.get("id", ""), "type": "function", "function": {"name": function.get("name", ""), "arguments": _decoded(function.get("arguments"))}})
+        if calls:
+            message["tool_calls"] = calls
+        if entry["role"] == "tool":
+            message["tool_call_id"] = entry.get("tool_call_id", "")
+            if message["tool_call_id"] in names:
+                message["name"] = names[message["tool_call_id"]]
+        messages.append(message)
+    return messages
+
+
+def with_system_prompt(messages: list[Message], system_prompt: str) -> list[Message]:
+    """`system_prompt` as the system message, folded with the environment's own leading one
+    (chat templates take one system message, first)."""
+    if not system_prompt:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{system_prompt}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def _openai_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") if part.get("type") == "text" else "[image omitted]" for part in content if isinstance(part, dict))
+    return content_text(content)
+
+
+def _decoded(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        return value if isinstance(value, dict) else arguments
+    return arguments or {}
+
+
+def _unsent(exc: BaseException) -> bool:
+    """The call never reached the server: its connection was refused or did not open."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError))
+
+
+def _within(budget: Any, deadline: float) -> Any:
+    """`budget` with its timeout cut to what is left before `deadline` (loop time)."""
+    left = deadline - asyncio.get_running_loop().time()
+    if left <= 0:
+        raise EnvError("openreward: verification deadline passed")
+    return type(budget)(timeout_s=min(budget.timeout_s, left), retries=budget.retries, backoff_s=budget.backoff_s)
+
+
+def _resumable_only_supported() -> bool:
+    try:
+        from openreward.api._session.http import resumable_sse
+    except ImportError:
+        return False
+    return "resumable_only" in inspect.signature(resumable_sse).parameters
+
+
+_RESUMABLE_ONLY = None
+
+
+async def call_tool_once(session: Any, name: str, arguments: dict[str, Any]) -> Any:
+    """`session.call_tool(name, arguments)`, except that the SDK must not re-POST a call whose
+    stream broke before the server named its task (that could run the tool twice).
+
+    The SDK has the switch (`resumable_sse(..., resumable_only=True)`, meant for `/call`) but
+    its `call_tool` does not pass it yet; this is `AsyncSession.call_tool` with it passed. A
+    session of an SDK without it (or whose internals differ) uses `call_tool` as it is.
+    """
+    global _RESUMABLE_ONLY
+    if _RESUMABLE_ONLY is None:
+        _RESUMABLE_ONLY = _resumable_only_supported()
+    needed = ("_run_or_die", "_env_path", "_mark_dead", "client", "sid", "deployment", "api_key")
+    if not _RESUMABLE_ONLY or not all(hasattr(session, attr) for attr in needed):
+        return await session.call_tool(name, arguments)
+    from openreward.api._session.http import _RemoteSSEError, resumable_sse
+    from openreward.api._session.ping import ErrorResponse
+    from openreward.api.environments import client as sdk_client
+    from openreward.api.environments.types import ToolOutput
+    from openreward.api.errors import ToolCallError, ToolFailed
+
+    try:
+        res = await session._run_or_die(
+            resumable_sse(
+                session.client,
+                session._env_path("/call"),
+                sid=session.sid,
+                deployment=session.deployment,
+                token=session.api_key,
+                json={"name": name, "input": arguments},
+                max_retries=5,
+                resumable_only=True,
+            )
+        )
+    except _RemoteSSEError as exc:  # the tool raised server-side: the SDK marks the session dead
+        session._mark_dead(ErrorResponse(type="error", message=str(exc)))
+        raise ToolFailed(str(exc)) from exc
+    if res["ok"]:
+        output = res["output"]
+        return ToolOutput(
+            blocks=sdk_client._parse_blocks(output["blocks"]),
+            metadata=output.get("metadata"),
+            reward=output.get("reward"),
+            finished=bool(output.get("finished")),
+        )
+    reason = res.get("reason")
+    if reason not in getattr(sdk_client, "_VALID_REASONS", ()):
+        reason = sdk_client._infer_invalid_reason(res["error"])
+    raise ToolCallError(reason=reason, detail=res["error"])

@@ -286,11 +286,16 @@ def _within(budget: Any, deadline: float) -> Any:
 
 
 def _resumable_only_supported() -> bool:
+    """Whether the installed SDK has everything `call_tool_once` uses (else: `call_tool`)."""
     try:
-        from openreward.api._session.http import resumable_sse
+        from openreward.api._session.http import _RemoteSSEError, resumable_sse  # noqa: F401
+        from openreward.api._session.ping import ErrorResponse  # noqa: F401
+        from openreward.api.environments import client as sdk_client
+        from openreward.api.environments.types import ToolOutput  # noqa: F401
     except ImportError:
         return False
-    return "resumable_only" in inspect.signature(resumable_sse).parameters
+    has_helpers = all(hasattr(sdk_client, name) for name in ("_parse_blocks", "_infer_invalid_reason"))
+    return has_helpers and "resumable_only" in inspect.signature(resumable_sse).parameters
 
 
 _RESUMABLE_ONLY = None

@@ -17,7 +17,7 @@ from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import RedisUnavailable, connect
 from pipeline.schema import PromptJob, Task, encode
 from pipeline.slime import RedisDataSource, generate_rollout
-from pipeline.state import PipelineState, TrainerInfo
+from pipeline.state import PipelineState
 from pipeline.synthetic import make_group
 from producers.admission import Admission, Limits, job_envelope
 from tests.chaos_helpers import LossyProxy
@@ -88,9 +88,8 @@ async def test_fresh_admission_replayed_returns_its_result_not_cursor_moved(prox
 
 async def test_job_started_replayed_counts_running_once(proxy, lossy, redis, keys):
     live = Liveness(lossy, keys, "w", heartbeat_s=0.1, dead_after_s=1.0)
-    await live.beat()  # loads a script, so the next call is an EVALSHA
     await live.job_started("warm")
-    proxy.lose_reply_to(b"EVALSHA", times=2)
+    proxy.lose_reply_to(b"running", times=2)  # the requests that move the `running` counter
     await live.job_started(keys.arq_job_id("a:0"))
     await live.job_ended(keys.arq_job_id("a:0"))
     assert proxy.dropped == 2
@@ -192,7 +191,28 @@ async def test_a_half_open_connection_times_out_instead_of_hanging(proxy, keys):
         await client.aclose()
 
 
-async def test_trainer_info_fixture_is_not_needed_here(redis, keys):
-    # sanity: TrainerInfo round trip through the state helpers used above
-    await PipelineState(redis, keys).set_trainer_info(TrainerInfo(rollout_batch_size=2, n_samples_per_prompt=2, eta=1))
-    assert (await PipelineState(redis, keys).get_trainer_info()).eta == 1
+def test_producer_and_worker_exit_with_one_line_when_redis_stays_away(tmp_path):
+    """Past $ROLLOUT_REDIS_OUTAGE_S the long-lived processes stop with one line naming the cause
+    (exit status 3), instead of a traceback at the first refused connect or hanging forever."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.local_redis import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    cfg = tmp_path / "pipeline.yaml"
+    cfg.write_text(json.dumps({"redis": {"url": url, "namespace": "gone"}, "engine": {"url": "http://127.0.0.1:9"},
+                               "environments": {"a": {"kind": "math"}}}))
+    (tmp_path / "tasks.jsonl").write_text(json.dumps({"id": "t", "env": "a", "prompt": "p", "label": "1"}) + "\n")
+    env = {**os.environ, "ROLLOUT_REDIS_OUTAGE_S": "1"}
+    for argv in (["enqueue", "--tasks", str(tmp_path / "tasks.jsonl"), "--config", str(cfg)],
+                 ["workers", "--config", str(cfg)]):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], env=env, capture_output=True, text=True,
+                              timeout=50)
+        assert done.returncode == 3, (argv, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert "unreachable" in done.stderr, done.stderr[-2000:]
+        assert time.monotonic() - started < 40

@@ -73,6 +73,7 @@ def redis_settings(url: str, *, outage_s: float | None = None) -> RedisSettings:
 
     settings = RedisSettings.from_dsn(url)
     settings.conn_timeout = int(CONNECT_TIMEOUT_S)
+    settings.conn_retries = 0  # the first ping already retries for the whole outage budget
     settings.retry_on_timeout = True
     settings.retry_on_error = list(RETRY_ERRORS)
     settings.retry = OutageRetry(outage_budget_s() if outage_s is None else outage_s, redact(url))

@@ -328,3 +328,16 @@ def test_duplicate_task_ids_across_two_openreward_environments_fail_prepare(or_s
     with pytest.raises(PrepareError, match=r"duplicate task id 'What is 6 \* 7\?' \(first at openreward:arith/train#0\) of environment 'a'"):
         prepare_tasks(config, tmp_path / "tasks.jsonl")
     assert not (tmp_path / "tasks.jsonl").exists()
+
+
+async def test_the_terminal_tool_gets_the_answer_not_the_reasoning(or_server):
+    env = _env(or_server)
+    session = await env.start(TASK)
+    try:
+        final = {"role": "assistant", "content": "<think>Answer: 42 would be too easy.</think>Answer: 41"}
+        record = EpisodeRecord(task=TASK, messages=[*session.messages, final], response_text="", status=Status.COMPLETED)
+        verification = await session.verify(record)
+        assert verification.components["rewards"] == [0.0] and verification.terminal is True
+    finally:
+        await session.close()
+        await env.aclose()

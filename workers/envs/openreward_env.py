@@ -9,7 +9,8 @@ wrote them; prompt-only environments and servers before SDK 0.1.157 answer a sin
 user message) and its tools; tool calls through the SDK (per-call `reward` and
 `finished`), and in `verify`, when the model ended with a plain message and the
 environment has a `@terminal` tool, that message goes to the terminal tool (the
-SDK's `is_assistant_message_final` contract). The reward is then shaped as in
+SDK's `is_assistant_message_final` contract), its reasoning (`<think>...</think>`) cut
+off. The reward is then shaped as in
 OpenReward's train_config.yaml: rewards of every call, `nonterminal_reward`
 appended when the episode never finished, `reward_reduction`, clamp.
 
@@ -46,7 +47,7 @@ from pipeline.schema import Status, Task
 from workers.envs.base import (
     Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, call_once, opened,
 )
-from workers.envs.convert import chat_tool, content_text
+from workers.envs.convert import chat_tool, content_text, split_reasoning
 from workers.envs.math import final_answer_text
 from workers.envs.options import Options, parse_options, read_secrets
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
@@ -207,7 +208,8 @@ class OpenRewardSession(EnvSession):
         ended_with_message = episode.status == Status.COMPLETED
         if not self.finished and ended_with_message and self.terminal_tool is not None:
             term = self.terminal_tool
-            arguments = {} if term.arg is None else {term.arg: final_answer_text(episode)}
+            # the answer, not the reasoning before it (as a reasoning parser would hand it over)
+            arguments = {} if term.arg is None else {term.arg: split_reasoning(final_answer_text(episode))[1]}
             await self._run_tool(term.name, arguments, timeouts.verify, deadline_in(timeouts.verify_deadline_s))
         components = {"tool_errors": self.tool_errors, "finished": self.finished}
         return shaped(self.env.config, self.rewards, terminal=self.finished, components=components)

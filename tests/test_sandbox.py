@@ -27,6 +27,9 @@ ISOLATION = probe_isolation()
 needs_mounts = pytest.mark.skipif(
     not ISOLATION.mount_namespace, reason=f"no private mount namespace here (isolation: {ISOLATION.summary})"
 )
+needs_root = pytest.mark.skipif(
+    not ISOLATION.private_root, reason=f"no private root here (isolation: {ISOLATION.summary})"
+)
 needs_netns = pytest.mark.skipif(not ISOLATION.network, reason=f"no network namespace here (isolation: {ISOLATION.summary})")
 
 
@@ -64,7 +67,7 @@ async def test_tmp_var_tmp_and_dev_shm_are_private_to_each_run():
     first = await run_python(writer, "", FAST)
     assert first.stdout.strip() == "written", first
     second = await run_python(reader, "", FAST)
-    assert second.stdout.split() == ["blocked", "/tmp", "blocked", "/var/tmp", "blocked", "/dev/shm", "blocked", "/run"]
+    assert second.stdout.split() == ["blocked", "/tmp", "blocked", "/var/tmp", "blocked", "/dev/shm", "blocked", "/run"], second
     for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run"):  # nor did it land on the host
         assert not os.path.exists(f"{folder}/{name}")
 
@@ -91,6 +94,55 @@ async def test_private_tmpfs_is_size_capped():
     )
     result = await run_python(program, "", Limits(tmpfs_mb=4, file_size_mb=128))
     assert result.stdout.startswith("blocked"), result
+
+
+@needs_root
+async def test_the_hosts_other_files_are_not_in_the_sandbox():
+    # a data set left world-readable on the host (its expected outputs would be a reward hack)
+    folder = tempfile.mkdtemp(dir="/var/lib", prefix="sandbox-probe-")
+    data = os.path.join(folder, "tasks.jsonl")
+    with open(data, "w") as handle:
+        handle.write('{"input": "1", "output": "2"}\n')
+    os.chmod(folder, 0o755)
+    os.chmod(data, 0o644)
+    here = os.path.abspath(__file__)  # this repository
+    program = (
+        "import os\n"
+        f"for path in ({data!r}, {here!r}, '/home', '/opt', '/root', '/srv'):\n"
+        "    try:\n"
+        "        seen = bool(os.listdir(path)) if os.path.isdir(path) else os.path.exists(path)\n"
+        "    except OSError:\n"
+        "        seen = False\n"
+        "    print('ESCAPED' if seen else 'blocked', path)\n"
+        "print(sorted(os.listdir('/')))\n"
+    )
+    try:
+        result = await run_python(program, "", FAST)
+    finally:
+        os.unlink(data)
+        os.rmdir(folder)
+    lines = result.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["blocked"] * 6, result
+    assert set(eval(lines[-1])) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "tmp", "usr", "var"}
+
+
+@needs_root
+async def test_system_dirs_are_read_only_and_setuid_gives_nothing():
+    program = (
+        "import os\n"
+        "for path in ('/usr/sandbox-probe', '/etc/sandbox-probe'):\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('ESCAPED', path)\n"
+        "    except OSError as exc:\n"
+        "        print('blocked', exc.errno)\n"
+        "status = open('/proc/self/status').read()\n"
+        "print('blocked' if 'NoNewPrivs:\\t1' in status else 'ESCAPED', 'no_new_privs')\n"
+        "caps = [l.split()[1] for l in status.splitlines() if l.startswith(('CapEff', 'CapPrm', 'CapBnd'))]\n"
+        "print('blocked' if os.getuid() != 0 or set(caps) == {'0000000000000000'} else 'ESCAPED', 'capabilities', caps)\n"
+    )
+    result = await run_python(program, "", FAST)
+    assert [line.split()[0] for line in result.stdout.strip().splitlines()] == ["blocked"] * 4, result
 
 
 # ------------------------------------------------------------------ processes: its own /proc, nothing of the host

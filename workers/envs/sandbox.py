@@ -8,10 +8,11 @@ isolation as the platform allows:
 
 | level (`Isolation.summary`) | when | what the program gets |
 |---|---|---|
-| `netns+pidns+mntns+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new IPC namespace (no SysV IPC or POSIX message queues shared with the host or other runs) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with private, size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` (= `/var/run`, `/var/lock`): nothing persists between runs, no run reads another's files, the host's unix sockets there are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs, nor connect to root's sockets) |
-| `netns+pidns+mntns` | Linux, not root, unprivileged user namespaces allowed | the same namespaces via a user namespace (`--map-root-user`); the program runs as the worker's own uid mapped to root in the namespace, so it can write files the worker can write outside the masked paths. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
-| `netns+pidns(+uid)` | as above, but the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
-| `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's /tmp and /proc. Set `require_isolation: true` to refuse to run instead |
+| `netns+pidns+mntns+root+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new IPC namespace (no SysV IPC or POSIX message queues shared with the host or other runs) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with a **private root**: one size-capped tmpfs (`tmpfs_mb`) holding `/tmp`, `/var/tmp`, `/run`, `/dev/shm`, read-only binds of `/usr`, `/etc` (and the interpreter's prefix when elsewhere), `/dev/{null,zero,full,random,urandom}`, the run's work dir; the host's other files (the repository, /home, /opt, /work, data sets with expected outputs) are not there, nothing persists between runs, the host's unix sockets are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs) + no_new_privs (setuid binaries give nothing) |
+| `netns+pidns+mntns+root` | Linux, not root, unprivileged user namespaces allowed | the same via a user namespace (`--map-root-user`): the program is uid 0 of that namespace with every capability dropped (bounding set, locked securebits), so it cannot unmount its way out; as the worker's uid outside, it could write the worker's files if it could reach them, which the private root prevents. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
+| `netns+pidns+mntns(+uid)` | the private root fails (no pivot_root number for this machine, a bind refused) | private size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` and an own `/proc` only: the host's other world-readable files are visible (a warning is logged) |
+| `netns+pidns(+uid)` | the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
+| `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's files and /proc. Set `require_isolation: true` to refuse to run instead |
 
 `probe_isolation()` tells which one this host gets (cached; one trial run) and logs it once.
 
@@ -79,11 +80,53 @@ if cfg["mounts"]:
         if libc.mount(args[0], args[1], args[2], flags, args[3]) != 0:
             raise OSError(ctypes.get_errno(), "mount " + target)
     work = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
-    for target in cfg["tmpfs"]:
-        if os.path.isdir(target):
-            mount("tmpfs", os.path.realpath(target), "tmpfs", 2 | 4, "size=%dk,mode=1777" % cfg["tmpfs_kb"])
-    os.makedirs(cfg["workdir"], exist_ok=True)  # the work dir lived under a path now masked: bind it back
-    mount("/proc/self/fd/%d" % work, cfg["workdir"], None, 4096, None)
+    if cfg["root"]:
+        # A new root: one size-capped tmpfs holding /tmp, /var/tmp, /run, /dev/shm, read-only
+        # binds of what Python needs (/usr, /etc, the interpreter's prefix), a few device nodes,
+        # its own /proc and the work dir; the host's other files (/work, /home, /opt, data sets)
+        # are not in it. pivot_root, then the old root is detached: no way back to it.
+        new = "/tmp"  # any directory does as the mount point; this one also stops hiding the work dir
+        mount("tmpfs", new, "tmpfs", 2 | 4, "size=%dk,mode=755" % cfg["tmpfs_kb"])
+        def ro_bind(path):
+            os.makedirs(new + path, exist_ok=True)
+            mount(path, new + path, None, 4096 | 16384, None)
+            kept = os.statvfs(new + path).f_flag  # a user namespace may not clear the source's flags
+            flags = 4096 | 32 | 1 | (kept & (2 | 4 | 8 | 1024 | 2048)) | ((1 << 21) if kept & 4096 else 0)
+            mount(None, new + path, None, flags, None)
+        for path in cfg["root_dirs"]:
+            if os.path.isdir(path) and not os.path.exists(new + path):
+                ro_bind(path)
+        for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            if os.path.islink("/" + name):
+                os.symlink(os.readlink("/" + name), new + "/" + name)
+            elif os.path.isdir("/" + name):
+                ro_bind("/" + name)
+        for path in ("/tmp", "/var/tmp", "/run", "/dev/shm"):
+            os.makedirs(new + path, exist_ok=True)
+            os.chmod(new + path, 0o1777)
+        for node in ("null", "zero", "full", "random", "urandom"):
+            open(new + "/dev/" + node, "w").close()
+            mount("/dev/" + node, new + "/dev/" + node, None, 4096, None)
+        for link, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            os.symlink(target, new + "/dev/" + link)
+        os.makedirs(new + "/proc")
+        mount("proc", new + "/proc", "proc", 2 | 4 | 8, None)
+        os.makedirs(new + cfg["workdir"], exist_ok=True)
+        mount("/proc/self/fd/%d" % work, new + cfg["workdir"], None, 4096, None)
+        os.mkdir(new + "/.old")
+        os.chdir(new)
+        if cfg["pivot_root"] is None or libc.syscall(cfg["pivot_root"], b".", b".old") != 0:
+            raise OSError(ctypes.get_errno(), "pivot_root")
+        os.chdir("/")
+        if libc.umount2(b"/.old", 2) != 0:  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), "umount old root")
+        os.rmdir("/.old")
+    else:
+        for target in cfg["tmpfs"]:
+            if os.path.isdir(target):
+                mount("tmpfs", os.path.realpath(target), "tmpfs", 2 | 4, "size=%dk,mode=1777" % cfg["tmpfs_kb"])
+        os.makedirs(cfg["workdir"], exist_ok=True)  # the work dir lived under a path now masked: bind it back
+        mount("/proc/self/fd/%d" % work, cfg["workdir"], None, 4096, None)
     os.close(work)
     os.chdir(cfg["workdir"])
 pid = os.fork()
@@ -95,6 +138,12 @@ if pid == 0:
         os.setgroups([])
         os.setgid(cfg["uid"])
         os.setuid(cfg["uid"])
+    elif cfg["mounts"]:  # root of a user namespace: no capabilities past exec (no umount, chroot, mount)
+        for cap in range(64):
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last one)
+        libc.prctl(28, 0x2F, 0, 0, 0)  # PR_SET_SECUREBITS: NOROOT, NO_SETUID_FIXUP, KEEP_CAPS, all locked
+    if cfg["mounts"]:
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: setuid binaries stay unprivileged
     os.execve(cfg["python"], [cfg["python"], "-I", "-B", *cfg["argv"]], cfg["env"])
 for fd in cfg["program_fds"]:  # the program's alone (the harness channel)
     os.close(fd)
@@ -273,7 +322,7 @@ class Limits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=Tr
     file_size_mb: int = 16
     nproc: int = 32  # processes + threads of the run (see the table above for when it is set)
     output_bytes: int = 1 << 20  # per stream; more ends the run
-    tmpfs_mb: int = 16  # size of each private tmpfs (/tmp, /var/tmp, /dev/shm, /run)
+    tmpfs_mb: int = 16  # the private root (all of /tmp, /var/tmp, /dev/shm, /run), or each masking tmpfs
     # Interpreter for the program. Under a fresh uid it must be reachable by an unprivileged
     # user: the system python3, not a venv under /root. Empty = the system python3 if any.
     python: str = ""
@@ -285,6 +334,7 @@ class Isolation:
     pid_namespace: bool
     own_uid: bool
     mount_namespace: bool = False  # private /tmp, /var/tmp, /dev/shm, /run and /proc
+    private_root: bool = False  # a new root: only /usr, /etc and the interpreter of the host's files
     nproc: bool = False  # RLIMIT_NPROC bounds the run's own processes
 
     @property
@@ -295,6 +345,7 @@ class Isolation:
                 ("netns", self.network),
                 ("pidns", self.pid_namespace),
                 ("mntns", self.mount_namespace),
+                ("root", self.private_root),
                 ("uid", self.own_uid),
             )
             if on
@@ -345,8 +396,16 @@ def probe_isolation() -> Isolation:
     if shutil.which("unshare") is not None and sys.platform.startswith("linux"):
         root = os.geteuid() == 0
         nproc = root or _kernel_counts_nproc_per_userns()
-        for mounts in (True, False):  # without a mount namespace: the host's /tmp, /dev/shm, /run and /proc
-            candidate = Isolation(network=True, pid_namespace=True, own_uid=root, mount_namespace=mounts, nproc=nproc)
+        # best first: a private root; tmpfs over the host's writable places; no mount namespace
+        for mounts, private_root in ((True, True), (True, False), (False, False)):
+            candidate = Isolation(
+                network=True,
+                pid_namespace=True,
+                own_uid=root,
+                mount_namespace=mounts,
+                private_root=private_root,
+                nproc=nproc,
+            )
             if _trial(candidate):
                 isolation = candidate
                 break
@@ -361,6 +420,12 @@ def probe_isolation() -> Isolation:
             "/var/tmp, /dev/shm, /run and see its /proc",
             isolation.summary,
         )
+    elif not isolation.private_root:
+        log.warning(
+            "code sandbox: isolation level %s (no private root here): programs can read the host's "
+            "world-readable files (data sets included) outside /tmp, /var/tmp, /dev/shm and /run",
+            isolation.summary,
+        )
     else:
         log.info("code sandbox: isolation level %s", isolation.summary)
     return isolation
@@ -370,7 +435,7 @@ def _trial(isolation: Isolation) -> bool:
     workdir = Path(tempfile.mkdtemp(prefix="sandbox-probe-"))
     read_end, write_end = os.pipe()
     try:
-        (workdir / "main.py").write_text("import os\nprint(sorted(os.listdir('/tmp')))\n")
+        (workdir / "main.py").write_text("import os\nprint(os.getcwd(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n")
         uid = _UID_BASE + 999 if isolation.own_uid else None
         if uid is not None:
             for path in (workdir, workdir / "main.py"):
@@ -378,7 +443,7 @@ def _trial(isolation: Isolation) -> bool:
         config = _bootstrap_config(Limits(), uid, isolation, workdir, write_end, ["main.py"])
         command = [*_prefix(isolation), "--", sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
         done = subprocess.run(command, cwd=workdir, capture_output=True, timeout=20, env={}, pass_fds=(write_end,))
-        expected = f"[{workdir.name!r}]" if isolation.mount_namespace else None
+        expected = f"{workdir} [1, 2]" if isolation.mount_namespace else None  # its own /proc
         ok = done.returncode == 0 and (expected is None or done.stdout.decode().strip() == expected)
         if not ok:
             log.info("code sandbox: %s unavailable: %s", isolation.summary, done.stderr.decode(errors="replace")[-300:])
@@ -390,6 +455,21 @@ def _trial(isolation: Isolation) -> bool:
         os.close(read_end)
         os.close(write_end)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+# pivot_root(2) has no libc wrapper: its syscall number per machine.
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
+
+
+@functools.lru_cache(maxsize=8)
+def _root_dirs(python: str) -> list[str]:
+    """What the private root binds read-only: /usr, /etc, and the interpreter's prefix when elsewhere."""
+    dirs = ["/usr", "/etc"]
+    for path in (python, os.path.realpath(python)):
+        prefix = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        if prefix not in ("/", "") and not any(prefix == d or prefix.startswith(d + "/") for d in dirs):
+            dirs.append(prefix)
+    return dirs
 
 
 @functools.lru_cache(maxsize=8)
@@ -426,6 +506,9 @@ def _bootstrap_config(
         "status_fd": status_fd,
         "mounts": isolation.mount_namespace,
         "tmpfs": list(_TMPFS),
+        "root": isolation.private_root,
+        "root_dirs": _root_dirs(sandbox_python(limits.python)),
+        "pivot_root": _PIVOT_ROOT.get(platform.machine()),
         "tmpfs_kb": limits.tmpfs_mb << 10,
         "workdir": str(workdir),
         "env": dict(_PROGRAM_ENV),

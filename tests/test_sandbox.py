@@ -358,5 +358,5 @@ async def test_math_checks_default_to_the_process_pool_and_an_adversarial_answer
         ticking.cancel()
         await env.aclose()
     assert verification.reward == 0.0
-    assert took > 1.0  # the check really was slow ...
-    assert max(gaps) < 0.5, max(gaps)  # ... and the loop went on meanwhile
+    assert took > 1.0  # the check really was slow (inline, the loop would stall that whole time) ...
+    assert max(gaps) < took / 3, (max(gaps), took)  # ... and the loop went on meanwhile (loose: CI may be busy)

@@ -93,6 +93,8 @@ def test_which_asserts_are_judged_by_value():
         "assert x",
         "def check(c):\n    assert abs(c(1) - 0.5) < 1e-6\ncheck(f)",
         "import math\ndef check(c):\n    assert c(1) == 2\ncheck(f)",
+        "assert True",
+        "def check(c):\n    assert False\ncheck(f)",
     ):
         assert value_checks(other) is None, other
 
@@ -103,6 +105,7 @@ METADATA = {'author': 'jt', 'dataset': 'test'}
 
 
 def check(candidate):
+    assert True, "This prints if this assert fails 1 (good for debugging!)"
     assert candidate(1, 2) == 3
     assert candidate(-1, 1) == 0
 

@@ -20,7 +20,7 @@ from pipeline.config import EnvConfig
 from pipeline.schema import Task
 from workers.envs.base import EpisodeRecord
 from workers.envs.math import MathEnvironment, MathOptions
-from workers.envs.sandbox import Limits, probe_isolation, run_python
+from workers.envs.sandbox import _ETC, Limits, probe_isolation, run_python
 
 FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
 ISOLATION = probe_isolation()
@@ -115,6 +115,7 @@ async def test_the_hosts_other_files_are_not_in_the_sandbox():
         "        seen = False\n"
         "    print('ESCAPED' if seen else 'blocked', path)\n"
         "print(sorted(os.listdir('/')))\n"
+        "print(sorted(os.listdir('/etc')))\n"
     )
     try:
         result = await run_python(program, "", FAST)
@@ -122,8 +123,10 @@ async def test_the_hosts_other_files_are_not_in_the_sandbox():
         os.unlink(data)
         os.rmdir(folder)
     lines = result.stdout.strip().splitlines()
-    assert [line.split()[0] for line in lines[:-1]] == ["blocked"] * 6, result
-    assert set(eval(lines[-1])) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "tmp", "usr", "var"}
+    assert [line.split()[0] for line in lines[:-2]] == ["blocked"] * 6, result
+    assert set(eval(lines[-2])) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "tmp", "usr", "var"}
+    etc = set(eval(lines[-1]))  # what an interpreter needs, not the host's configuration
+    assert "shadow" not in etc and etc - {name for name in etc if name.startswith("python3")} <= set(_ETC)
 
 
 @needs_root

@@ -8,7 +8,7 @@ isolation as the platform allows:
 
 | level (`Isolation.summary`) | when | what the program gets |
 |---|---|---|
-| `netns+pidns+mntns+root+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new IPC namespace (no SysV IPC or POSIX message queues shared with the host or other runs) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with a **private root**: one size-capped tmpfs (`tmpfs_mb`) holding `/tmp`, `/var/tmp`, `/run`, `/dev/shm`, read-only binds of `/usr`, `/etc` (and the interpreter's prefix when elsewhere), `/dev/{null,zero,full,random,urandom}`, the run's work dir; the host's other files (the repository, /home, /opt, /work, data sets with expected outputs) are not there, nothing persists between runs, the host's unix sockets are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs) + no_new_privs (setuid binaries give nothing) |
+| `netns+pidns+mntns+root+uid` | Linux, root (or CAP_SYS_ADMIN), `unshare` on PATH | new network namespace (loopback only, down: no TCP/UDP, no abstract unix sockets of the host) + new IPC namespace (no SysV IPC or POSIX message queues shared with the host or other runs) + new PID namespace with its own `/proc` (it sees its own processes only; the whole tree dies with the sandbox's init) + new mount namespace with a **private root**: one size-capped tmpfs (`tmpfs_mb`) holding `/tmp`, `/var/tmp`, `/run`, `/dev/shm`, read-only binds of `/usr` (and the interpreter's prefix when elsewhere), of the few files of `/etc` an interpreter reads (`_ETC`), `/dev/{null,zero,full,random,urandom}`, the run's work dir; the host's other files (the repository, /home, /opt, /work, data sets with expected outputs) are not there, nothing persists between runs, the host's unix sockets are gone + a fresh unprivileged uid per run (RLIMIT_NPROC then bounds that run alone; it cannot signal, trace or read other runs) + no_new_privs (setuid binaries give nothing) |
 | `netns+pidns+mntns+root` | Linux, not root, unprivileged user namespaces allowed | the same via a user namespace (`--map-root-user`): the program is uid 0 of that namespace with every capability dropped (bounding set, locked securebits), so it cannot unmount its way out; as the worker's uid outside, it could write the worker's files if it could reach them, which the private root prevents. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
 | `netns+pidns+mntns(+uid)` | the private root fails (no pivot_root number for this machine, a bind refused) | private size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` and an own `/proc` only: the host's other world-readable files are visible (a warning is logged) |
 | `netns+pidns(+uid)` | the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
@@ -82,13 +82,17 @@ if cfg["mounts"]:
     work = os.open(cfg["workdir"], os.O_RDONLY | os.O_DIRECTORY)
     if cfg["root"]:
         # A new root: one size-capped tmpfs holding /tmp, /var/tmp, /run, /dev/shm, read-only
-        # binds of what Python needs (/usr, /etc, the interpreter's prefix), a few device nodes,
+        # binds of what Python needs (/usr, the interpreter's prefix, some of /etc), a few device nodes,
         # its own /proc and the work dir; the host's other files (/work, /home, /opt, data sets)
         # are not in it. pivot_root, then the old root is detached: no way back to it.
         new = "/tmp"  # any directory does as the mount point; this one also stops hiding the work dir
         mount("tmpfs", new, "tmpfs", 2 | 4, "size=%dk,mode=755" % cfg["tmpfs_kb"])
         def ro_bind(path):
-            os.makedirs(new + path, exist_ok=True)
+            if os.path.isdir(path):
+                os.makedirs(new + path, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(new + path), exist_ok=True)
+                open(new + path, "w").close()
             mount(path, new + path, None, 4096 | 16384, None)
             kept = os.statvfs(new + path).f_flag  # a user namespace may not clear the source's flags
             flags = 4096 | 32 | 1 | (kept & (2 | 4 | 8 | 1024 | 2048)) | ((1 << 21) if kept & 4096 else 0)
@@ -96,6 +100,14 @@ if cfg["mounts"]:
         for path in cfg["root_dirs"]:
             if os.path.isdir(path) and not os.path.exists(new + path):
                 ro_bind(path)
+        os.makedirs(new + "/etc", exist_ok=True)
+        for name in sorted(os.listdir("/etc")):  # what an interpreter reads there; not the rest (configs, keys)
+            if name in cfg["etc"] or name.startswith("python3"):
+                path = "/etc/" + name
+                if os.path.islink(path):
+                    os.symlink(os.readlink(path), new + path)
+                elif os.path.exists(path):
+                    ro_bind(path)
         for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
             if os.path.islink("/" + name):
                 os.symlink(os.readlink("/" + name), new + "/" + name)
@@ -457,14 +469,19 @@ def _trial(isolation: Isolation) -> bool:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# The private root's /etc: what the loader, the interpreter and time/user look-ups read (plus /etc/python3*).
+_ETC = (
+    "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "alternatives",
+    "passwd", "group", "nsswitch.conf", "hosts", "host.conf", "os-release", "mime.types",
+)
 # pivot_root(2) has no libc wrapper: its syscall number per machine.
 _PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "arm64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 
 
 @functools.lru_cache(maxsize=8)
 def _root_dirs(python: str) -> list[str]:
-    """What the private root binds read-only: /usr, /etc, and the interpreter's prefix when elsewhere."""
-    dirs = ["/usr", "/etc"]
+    """What the private root binds read-only: /usr and the interpreter's prefix when elsewhere (/etc: `_ETC`)."""
+    dirs = ["/usr"]
     for path in (python, os.path.realpath(python)):
         prefix = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         if prefix not in ("/", "") and not any(prefix == d or prefix.startswith(d + "/") for d in dirs):
@@ -508,6 +525,7 @@ def _bootstrap_config(
         "tmpfs": list(_TMPFS),
         "root": isolation.private_root,
         "root_dirs": _root_dirs(sandbox_python(limits.python)),
+        "etc": list(_ETC),
         "pivot_root": _PIVOT_ROOT.get(platform.machine()),
         "tmpfs_kb": limits.tmpfs_mb << 10,
         "workdir": str(workdir),

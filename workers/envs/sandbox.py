@@ -85,7 +85,8 @@ if cfg["mounts"]:
         # binds of what Python needs (/usr, the interpreter's prefix, some of /etc), a few device nodes,
         # its own /proc and the work dir; the host's other files (/work, /home, /opt, data sets)
         # are not in it. pivot_root, then the old root is detached: no way back to it.
-        new = "/tmp"  # any directory does as the mount point; this one also stops hiding the work dir
+        new = cfg["workdir"]  # the mount point (its files stay reachable through `work`): the host's /tmp stays
+        # visible to this process until pivot_root, so an interpreter prefix under /tmp binds too
         mount("tmpfs", new, "tmpfs", 2 | 4, "size=%dk,mode=755" % cfg["tmpfs_kb"])
         def ro_bind(path):
             if os.path.isdir(path):

@@ -452,6 +452,12 @@ def test_transient_faults_are_not_bugs():
 
     for exc in (TypeError("x"), KeyError("k"), AttributeError("a"), ValueError("v"), ZeroDivisionError()):
         assert is_bug(exc), exc
+    wrapped = EnvError("POST /verify: TypeError: unsupported operand")  # the env call budget's wrapper
+    wrapped.__cause__ = TypeError("unsupported operand")
+    assert is_bug(wrapped)
+    transient = EnvError("POST /verify: failed 3 time(s)")
+    transient.__cause__ = aiohttp.ClientConnectionError()
+    assert not is_bug(transient)
     for exc in (ConnectionError(), TimeoutError(), asyncio.TimeoutError(), OSError(), RedisConnectionError(),
                 aiohttp.ClientConnectionError(), EngineError("HTTP 503"), EnvError("HTTP 500")):
         assert not is_bug(exc), exc

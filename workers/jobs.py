@@ -272,8 +272,16 @@ async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> Sample
     settings = EpisodeSettings.from_config(w.config, env.config, job.sampling)
     runner = EpisodeRunner(w.engine, w.chat, env, settings)
     started = time.time()
-    episodes = [runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i) for i in range(job.n_samples)]
-    samples = list(await asyncio.gather(*episodes))
+    episodes = [asyncio.ensure_future(runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i))
+                for i in range(job.n_samples)]
+    try:
+        samples = list(await asyncio.gather(*episodes))
+    except BaseException:
+        # one episode raised (a bug): stop its siblings instead of letting them run on unowned
+        for episode in episodes:
+            episode.cancel()
+        await asyncio.gather(*episodes, return_exceptions=True)
+        raise
     failed = [s for s in samples if s.status is Status.FAILED]
     if refuses_group(env.config.on_failure, len(failed), len(samples)):
         raise GroupFailed(f"{len(failed)}/{len(samples)} episodes failed: {failed[0].metadata.get('error', '?')}")

@@ -91,9 +91,15 @@ def is_bug(exc: BaseException) -> bool:
     """A programming error (TypeError in an environment, KeyError, ...), not a transient fault
     (connection, timeout, HTTP 5xx, which the engine and environment clients raise as their own
     RuntimeErrors): retrying it only burns tries, so it fails loudly once."""
-    if isinstance(exc, TRANSIENT_ERRORS) or type(exc).__module__.split(".")[0] in ("aiohttp", "redis", "httpx"):
-        return False
-    return isinstance(exc, BUG_ERRORS)
+    seen = 0
+    cause: BaseException | None = exc
+    while cause is not None and seen < 5:  # a wrapper (EnvError from the env call budget) names its cause
+        if isinstance(cause, TRANSIENT_ERRORS) or type(cause).__module__.split(".")[0] in ("aiohttp", "redis", "httpx"):
+            return False
+        if isinstance(cause, BUG_ERRORS):
+            return True
+        cause, seen = cause.__cause__, seen + 1
+    return False
 
 
 async def create_arq_pool(url: str, keys: Keys) -> ArqRedis:

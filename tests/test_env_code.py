@@ -58,6 +58,14 @@ async def test_no_code_block_scores_zero_and_bad_tests_fail_the_episode():
         await env.start(Task(id="c3", env="code", prompt="x", metadata={"tests": [42]}))
 
 
+@pytest.mark.skipif(not ISOLATION.pid_namespace, reason="a sandbox failure is told apart only with a protected init")
+async def test_a_broken_sandbox_fails_the_episode_instead_of_scoring_it():
+    env = CodeEnvironment("code", EnvConfig(kind="code", options={"limits": {"python": "/nonexistent/python3"}}))
+    session = await env.start(ASSERT_TASK)
+    with pytest.raises(EnvError, match="sandbox failed: FileNotFoundError"):
+        await session.verify(_episode(ASSERT_TASK, "```python\ndef add(a, b):\n    return a + b\n```"))
+
+
 def test_extract_program_takes_the_last_python_block():
     text = "```bash\nls\n```\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```"
     assert extract_program(text) == "print(2)\n"

@@ -312,6 +312,8 @@ class CodeEnvironment(Environment):
                 else:
                     result = await run_python(program, test.input, self.options.limits)
                     verdict = judge(test, result)
+                if result.sandbox_error:  # not the program's doing: fail the episode, do not score it
+                    raise EnvError(f"code env {self.name!r}: sandbox failed: {result.sandbox_error}")
                 if not verdict[0]:
                     failed.set()
                 return verdict

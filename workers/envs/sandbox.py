@@ -72,6 +72,10 @@ _BOOTSTRAP = r"""
 import json, os, resource, sys
 cfg = json.loads(sys.argv[1])
 status = cfg["status_fd"]
+def report(kind, value, tb):  # the sandbox itself failed (a mount, the uid drop, exec): say so, not "exit 1"
+    os.write(status, (json.dumps({"error": "%s: %s" % (kind.__name__, value)}) + "\n").encode())
+    os._exit(125)
+sys.excepthook = report
 if cfg["mounts"]:
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
@@ -144,7 +148,7 @@ if cfg["mounts"]:
     os.chdir(cfg["workdir"])
 pid = os.fork()
 if pid == 0:
-    os.close(status)
+    os.set_inheritable(status, False)  # gone once exec succeeds; open until then to report a failure
     for name, value in cfg["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value + cfg["grace"].get(name, 0)))
     if cfg["uid"] is not None:
@@ -172,7 +176,7 @@ if os.WIFSIGNALED(code):
     fate["signal"] = os.WTERMSIG(code)
 else:
     fate["exit"] = os.WEXITSTATUS(code)
-os.write(status, json.dumps(fate).encode())
+os.write(status, (json.dumps(fate) + "\n").encode())
 os._exit(fate.get("exit", 128 + fate.get("signal", 0)))
 """
 
@@ -378,6 +382,7 @@ class RunResult:
     harness: str = ""  # harness runs: what the harness said when it did not pass ("fail AssertionError", ...)
     value: Any = None  # `evaluate` runs: the expression's value (plain data)
     evaluated: bool = False  # `evaluate` runs: a value came back
+    sandbox_error: str = ""  # the sandbox failed (not the program): the run says nothing about it
 
     @property
     def ok(self) -> bool:
@@ -579,7 +584,17 @@ async def run_python(
         command = [*_prefix(isolation), *(["--"] if isolation.network else []), sys.executable, "-I", "-S", "-c", _BOOTSTRAP]
         command.append(json.dumps(config))
         return await _run(
-            command, workdir, stdin if request is None else "", limits, uid, list(pending), release, status_read, channel, request
+            command,
+            workdir,
+            stdin if request is None else "",
+            limits,
+            uid,
+            list(pending),
+            release,
+            status_read,
+            channel,
+            request,
+            init_protected=isolation.pid_namespace,
         )
     finally:
         release()
@@ -600,6 +615,7 @@ async def _run(
     status_read: int,
     channel: Union[socket.socket, None],
     request: Union[tuple[str, str], None],
+    init_protected: bool = False,
 ) -> RunResult:
     proc = await asyncio.create_subprocess_exec(
         *command,
@@ -629,6 +645,11 @@ async def _run(
         outer = await proc.wait()
     fate = _read_fate(status_read)
     returncode, reason = _explain(fate, outer, limits)
+    # (without a protected init the program could forge that account: then it is the program's failure)
+    sandbox_error = str(fate.get("error", ""))[:500] if init_protected else ""
+    if not fate and init_protected and not timed_out and not (stdout.exceeded or stderr.exceeded):
+        # a PID namespace's init cannot be killed from inside: no account means the sandbox broke
+        sandbox_error = f"the sandbox's init reported nothing (exit {outer}): {stderr.text().strip()[-300:]}"
     if timed_out:
         reason = f"wall time limit ({limits.wall_s:g}s)"
     elif stdout.exceeded or stderr.exceeded:
@@ -654,6 +675,7 @@ async def _run(
         harness=harness or "",
         value=value,
         evaluated=evaluated,
+        sandbox_error=sandbox_error,
     )
 
 
@@ -728,13 +750,16 @@ def _decode(node: Any, depth: int) -> Any:
 
 
 def _read_fate(status_read: int) -> dict:
-    """The init's account of how the program ended ({} when there is none: it never started, or no init)."""
+    """The init's account of how the program ended, and `error` when the sandbox itself failed
+    ({} when there is none: the init was killed, or never ran)."""
     os.set_blocking(status_read, False)
+    fate: dict = {}
     try:
-        data = os.read(status_read, 4096)
-        return json.loads(data) if data else {}
-    except (OSError, ValueError):
-        return {}
+        for line in os.read(status_read, 65536).splitlines():
+            fate.update(json.loads(line))
+    except (OSError, ValueError, TypeError):
+        pass
+    return fate
 
 
 def _explain(fate: dict, outer: int, limits: Limits) -> tuple[int, str]:

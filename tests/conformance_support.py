@@ -1,0 +1,217 @@
+"""Conformance tests run upstream code (slime, SGLang, NeMo-RL, NeMo-Skills) against this pipeline.
+
+The upstream packages are test-only: slime, NeMo-RL and NeMo-Skills come from the pinned
+snapshots in `<repo>/../shared/third_party/` (or `$SLIME_PATH`, `$NEMO_RL_PATH`,
+`$NEMO_SKILLS_PATH`), put on `sys.path` here and nowhere else; SGLang, torch, ray and
+megatron-core are installed by `.ci/run` (`pip install torch==2.13.0` then `-e ".[test,conformance]"`).
+
+Each `require_*()` imports what a test needs and skips the test with the reason when it
+cannot. With `ROLLOUT_REQUIRE_CONFORMANCE=1` (set by `.ci/run`) a missing upstream FAILS the
+test instead: CI must never pass because conformance silently did not run.
+
+One stub, in `require_sglang()` only: importing `sglang.srt.managers.io_struct` (where
+`GenerateReqInput` lives) drags in sglang's model configs, and one of them
+(`sglang/srt/multimodal/internvl_utils.py`, an image-preprocessing helper) does
+`import torchvision.transforms` at module level. The PyPI torchvision wheels are CUDA builds
+that do not load against the CPU torch wheel, and no CPU build is reachable, so `torchvision`
+is stubbed by an import hook *only while that import runs*: the request classes never touch
+it. The hook is removed and the stub modules are dropped from `sys.modules` afterwards, and
+transformers' `is_torchvision_available()` is evaluated (and cached, False) before the hook
+goes in, so no other code sees a fake torchvision.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+import warnings
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+THIRD_PARTY = REPO.parent / "shared" / "third_party"
+REQUIRE_ENV = "ROLLOUT_REQUIRE_CONFORMANCE"
+
+
+def conformance_required() -> bool:
+    return os.environ.get(REQUIRE_ENV, "").strip() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip (locally) or fail (CI, ROLLOUT_REQUIRE_CONFORMANCE=1) with the reason."""
+    if conformance_required():
+        pytest.fail(f"conformance dependency missing ({REQUIRE_ENV}=1): {reason}", pytrace=False)
+    pytest.skip(f"conformance: {reason}")
+
+
+def snapshot_path(env_var: str, name: str) -> Path:
+    return Path(os.environ.get(env_var) or THIRD_PARTY / name).resolve()
+
+
+def _on_path(env_var: str, name: str) -> Path:
+    path = snapshot_path(env_var, name)
+    if not (path / name).is_dir():
+        unavailable(f"no {name} snapshot at {path} (set ${env_var} to a checkout holding {name}/)")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    return path
+
+
+def _import_all(what: str, modules: tuple[str, ...], hint: str) -> list[types.ModuleType]:
+    out = []
+    for name in modules:
+        try:
+            out.append(importlib.import_module(name))
+        except Exception as exc:  # noqa: BLE001 - ImportError, or an upstream module failing at import
+            unavailable(f"cannot import {name} ({what}): {exc.__class__.__name__}: {exc}; {hint}")
+    return out
+
+
+_CONFORMANCE_HINT = 'install with: pip install torch==2.13.0 && pip install -e ".[test,conformance]" (see .ci/run)'
+
+SLIME_MODULES = (
+    "torch",
+    "slime.utils.types",
+    "slime.rollout.data_source",
+    "slime.rollout.base_types",
+)
+
+
+def require_slime(*modules: str) -> types.SimpleNamespace:
+    """The pinned slime snapshot on sys.path; imports `SLIME_MODULES` and `modules`.
+
+    Returns a namespace with the path, `Sample`, `DataSource`, `RolloutFnTrainOutput` and each
+    extra module under its dotted name (`ns.modules["slime.ray.rollout"]`).
+    """
+    path = _on_path("SLIME_PATH", "slime")
+    _import_all("slime", SLIME_MODULES, _CONFORMANCE_HINT)
+    extra = _import_all("slime", modules, _CONFORMANCE_HINT)
+    from slime.rollout.base_types import RolloutFnTrainOutput
+    from slime.rollout.data_source import DataSource
+    from slime.utils.types import Sample
+
+    return types.SimpleNamespace(
+        path=path, Sample=Sample, DataSource=DataSource, RolloutFnTrainOutput=RolloutFnTrainOutput,
+        modules=dict(zip(modules, extra)),
+    )
+
+
+def require_nemo_rl(*modules: str) -> types.SimpleNamespace:
+    path = _on_path("NEMO_RL_PATH", "nemo_rl")
+    mods = _import_all("nemo_rl", ("nemo_rl", *modules), _CONFORMANCE_HINT)
+    return types.SimpleNamespace(path=path, modules=dict(zip(("nemo_rl", *modules), mods)))
+
+
+def require_nemo_skills(*modules: str) -> types.SimpleNamespace:
+    path = _on_path("NEMO_SKILLS_PATH", "nemo_skills")
+    mods = _import_all("nemo_skills", ("nemo_skills", *modules), _CONFORMANCE_HINT)
+    return types.SimpleNamespace(path=path, modules=dict(zip(("nemo_skills", *modules), mods)))
+
+
+# ------------------------------------------------------------------------------ SGLang
+
+SGLANG_VERSION = "0.5.23"
+
+
+class _StubType(type):
+    """Any attribute of a stubbed class is another stub class (`InterpolationMode.BICUBIC`)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubType(name, (), {})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StubType(name, (), {})
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots: tuple[str, ...]):
+        self.roots = roots
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.partition(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
+def _import_with_stubs(name: str, roots: tuple[str, ...]) -> types.ModuleType:
+    """Import `name` with the top-level packages `roots` stubbed while it runs (see the module
+    docstring). Environment variables and warning filters that the import sets (sglang sets its
+    cache directories and a dozen filters) are put back, so the rest of the session is unchanged."""
+    environ = dict(os.environ)
+    try:  # cache transformers' verdict on the real environment before the hook exists
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+    except Exception:  # noqa: BLE001
+        pass
+    real = [r for r in roots if importlib.util.find_spec(r) is not None]
+    roots = tuple(r for r in roots if r not in real)  # never shadow a real installation
+    finder = _StubFinder(roots)
+    sys.meta_path.insert(0, finder)
+    try:
+        with warnings.catch_warnings():  # restores the filters the import adds
+            return importlib.import_module(name)
+    finally:
+        sys.meta_path.remove(finder)
+        for key in [k for k in sys.modules if k.partition(".")[0] in roots]:
+            del sys.modules[key]
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        for key, value in environ.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+_SGLANG: types.SimpleNamespace | None = None
+
+
+def require_sglang() -> types.SimpleNamespace:
+    """SGLang's own request classes: `GenerateReqInput`, `SamplingParams`, the HTTP contract gate
+    (`generate_contract_error`) and `TokenizerManager` (for its validation methods)."""
+    global _SGLANG
+    if _SGLANG is not None:
+        return _SGLANG
+    try:
+        from importlib.metadata import version
+
+        found = version("sglang")
+    except Exception:  # noqa: BLE001
+        unavailable(f"sglang is not installed; {_CONFORMANCE_HINT}")
+    if found != SGLANG_VERSION:
+        unavailable(f"sglang {found} is installed, the conformance tests are written against {SGLANG_VERSION}")
+    try:
+        io_struct = _import_with_stubs("sglang.srt.managers.io_struct", ("torchvision",))
+    except Exception as exc:  # noqa: BLE001
+        unavailable(f"cannot import sglang.srt.managers.io_struct: {exc.__class__.__name__}: {exc}; {_CONFORMANCE_HINT}")
+    sampling, contract = _import_all(
+        "sglang", ("sglang.srt.sampling.sampling_params", "sglang.srt.entrypoints.api_contract"), _CONFORMANCE_HINT
+    )
+    _SGLANG = types.SimpleNamespace(
+        version=found,
+        io_struct=io_struct,
+        GenerateReqInput=io_struct.GenerateReqInput,
+        SamplingParams=sampling.SamplingParams,
+        generate_contract_error=contract.generate_contract_error,
+    )
+    return _SGLANG

@@ -1,0 +1,463 @@
+"""Conformance with slime: slime's REAL code (the pinned snapshot, tests/conformance_support.py)
+runs on what this pipeline hands it, through a real redis-server.
+
+- the rollout function's samples are slime's own `Sample`, and `call_rollout_fn` /
+  `validate_rollout_id_annotated` accept its output;
+- `RolloutManager._convert_samples_to_train_data`, `_post_process_rewards` (ours through
+  `--custom-reward-post-process-path`, and slime's default) and `_split_train_data_by_dp` take
+  the batch (called unbound on a light object with the attributes they read);
+- `_build_shifted_tokens` (the log-prob target builder of slime/backends/megatron_utils/loss.py)
+  takes every sample, a failed episode's included: an episode whose environment failed in
+  `start()` is run through `workers.episode.EpisodeRunner`, not built by hand;
+- the weight-version law of slime's updaters, executed;
+- the data-source calls of slime's train_async.py on a resume, with the engines' weight
+  versions restarting at "1".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import sys
+from argparse import Namespace
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+
+from conformance_support import require_slime
+
+pytestmark = pytest.mark.conformance
+
+N = 4
+B = 2
+
+SLIME_EXTRA = (
+    "slime.ray.rollout",
+    "slime.backends.megatron_utils.loss",
+    "slime.observability.rollout_data_utils",
+    "slime.backends.megatron_utils.update_weight.update_weight_from_distributed",
+)
+
+
+@pytest.fixture(scope="module")
+def slime():
+    """slime on sys.path and a pipeline.slime imported AFTER it (so its samples are slime's).
+
+    pipeline.slime binds slime's classes at import; other test modules imported it without slime
+    (LocalSample), so this module imports its own copy and puts the original back afterwards.
+    """
+    ns = require_slime(*SLIME_EXTRA)
+    import pipeline
+
+    original = sys.modules.get("pipeline.slime")
+    original_attr = getattr(pipeline, "slime", None)
+    sys.modules.pop("pipeline.slime", None)
+    try:
+        ns.pipeline = importlib.import_module("pipeline.slime")
+        assert ns.pipeline.SampleClass is ns.Sample, "pipeline.slime did not pick up slime's Sample"
+        yield ns
+    finally:
+        if original is not None:
+            sys.modules["pipeline.slime"] = original
+            pipeline.slime = original_attr
+        else:
+            sys.modules.pop("pipeline.slime", None)
+
+
+# ------------------------------------------------------------------ helpers
+
+def _args(redis_url, ns, **extra) -> Namespace:
+    """What slime's argument parser would hand the data source and RolloutManager."""
+    base = dict(
+        # the pipeline's flags
+        pipeline_redis_url=redis_url, pipeline_namespace=ns, pipeline_eta=2, pipeline_wait_log_s=0.2,
+        pipeline_wait_timeout_s=20,
+        # slime's
+        rollout_batch_size=B, n_samples_per_prompt=N, global_batch_size=B * N, micro_batch_size=1,
+        advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None,
+        use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False,
+        update_weights_interval=1, rollout_global_dataset=True, allgather_cp=False,
+        custom_reward_post_process_path="pipeline.slime.post_process_rewards",
+        custom_convert_samples_to_train_data_path=None,
+    )
+    base.update(extra)
+    return Namespace(**base)
+
+
+def _push(redis_url, ns, groups):
+    from pipeline.buffer import GroupBuffer
+    from pipeline.keys import Keys
+    from pipeline.redis_conn import connect
+
+    async def go():
+        client = connect(redis_url)
+        buf = GroupBuffer(client, Keys(ns))
+        await buf.ensure_group()
+        for g in groups:
+            await buf.push(g)
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def _counters(redis_url, ns) -> dict[str, int]:
+    from pipeline.keys import Keys
+    from pipeline.redis_conn import connect
+
+    async def go():
+        client = connect(redis_url)
+        raw = await client.hgetall(Keys(ns).counters)
+        await client.aclose()
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    return asyncio.run(go())
+
+
+def _manager(slime, args):
+    """A RolloutManager without Ray or engines: the conversion methods read only `args`,
+    the two hooks `__init__` loads with slime's own `load_function`, and the train parallel
+    config the actor sends (`set_train_parallel_config`)."""
+    rollout = slime.modules["slime.ray.rollout"]
+    from slime.utils.misc import load_function
+
+    manager = SimpleNamespace(args=args)
+    manager.custom_reward_post_process_func = (
+        load_function(args.custom_reward_post_process_path) if args.custom_reward_post_process_path else None
+    )
+    manager.custom_convert_samples_to_train_data_func = None
+    manager.train_parallel_config = {"dp_size": 1, "cp_size": 1, "vpp_size": 1, "microbatch_group_size_per_vp_stage": 1}
+    cls = rollout.RolloutManager.__ray_actor_class__  # @ray.remote wraps it; this is slime's class
+    for name in ("_post_process_rewards", "_convert_samples_to_train_data", "_split_train_data_by_dp"):
+        setattr(manager, name, getattr(cls, name).__get__(manager))
+    return manager
+
+
+def _rollout(slime, args, rid, ds):
+    """slime's RolloutManager._get_rollout_data: call_rollout_fn, validate, flatten."""
+    from slime.rollout.base_types import call_rollout_fn
+
+    utils = slime.modules["slime.observability.rollout_data_utils"]
+    out = call_rollout_fn(slime.pipeline.generate_rollout, args, rid, ds, evaluation=False)
+    assert isinstance(out, slime.RolloutFnTrainOutput)
+    utils.validate_rollout_id_annotated(out.samples)
+    return out, [s for group in out.samples for s in group]
+
+
+def _shifted_tokens(slime, samples):
+    """slime's loss.py target builder on each sample as its own micro-batch (the first
+    sample of a micro-batch is where a short sample breaks it), then on all of them packed."""
+    import torch
+
+    loss = slime.modules["slime.backends.megatron_utils.loss"]
+    for s in samples:
+        tokens = torch.tensor(s.tokens, dtype=torch.long)
+        total = len(s.tokens)
+        T = total + 3  # packed + padded logits are at least as long as the sample
+        out = loss._build_shifted_tokens(T, torch.device("cpu"), [tokens], [total], [s.response_length], False)
+        assert out.shape == (T,)
+        assert out[: max(total - 1, 0)].tolist() == list(s.tokens[1:])
+    lengths = [len(s.tokens) for s in samples]
+    out = loss._build_shifted_tokens(
+        sum(lengths), torch.device("cpu"), [torch.tensor(s.tokens, dtype=torch.long) for s in samples], lengths,
+        [s.response_length for s in samples], False,
+    )
+    assert out.shape == (sum(lengths),)
+
+
+def _group(group_id, *, admission_version, weight_versions, rewards=(1.0, 0.0, 1.0, 0.0), seed=0, prompt_len=12,
+           response_len=6):
+    from pipeline.schema import Sample, SampleGroup, Status, Task
+
+    rng = np.random.default_rng(seed)
+    samples = [
+        Sample.build(
+            tokens=rng.integers(0, 1000, size=prompt_len + response_len), response_length=response_len,
+            loss_mask=np.ones(response_len, dtype=np.uint8), rollout_log_probs=-rng.random(response_len),
+            reward=float(r), status=Status.COMPLETED, weight_versions=list(weight_versions),
+            prompt="p", response="r", label="1",
+        )
+        for r in rewards
+    ]
+    task = Task(id=group_id.rsplit(":", 1)[0], env="synthetic", prompt="p", label="1")
+    return SampleGroup(group_id=group_id, task=task, admission_version=admission_version, n_samples=len(samples),
+                       samples=samples, worker_id="conformance")
+
+
+# ------------------------------------------------------------------ (a) + (b)
+
+def test_rollout_samples_are_slimes_and_rollout_manager_converts_them(slime, redis_url, namespace):
+    from pipeline.synthetic import make_group
+
+    rollout = slime.modules["slime.ray.rollout"]
+    _push(redis_url, namespace, [make_group(f"g{i}:0", n=N, seed=i, prompt_len=16, response_len=8) for i in range(B)])
+    args = _args(redis_url, namespace)
+    ds = slime.pipeline.RedisDataSource(args)
+    try:
+        assert isinstance(ds, slime.DataSource)
+        out, samples = _rollout(slime, args, 0, ds)
+        assert all(type(s) is slime.Sample for s in samples)
+        assert all(s.status is slime.Sample.Status.COMPLETED for s in samples)
+
+        manager = _manager(slime, args)
+        data = manager._convert_samples_to_train_data(samples)
+        assert len(data["tokens"]) == B * N
+        assert data["loss_masks"] == [s.loss_mask for s in samples]
+        assert data["rollout_log_probs"] == [s.rollout_log_probs for s in samples]
+        assert set(data["source_names"]) == {"synthetic"}
+        # ours, through --custom-reward-post-process-path, agrees with slime's own GRPO
+        # normalisation when no sample is removed
+        ours = data["rewards"]
+        manager.custom_reward_post_process_func = None
+        raw, theirs = manager._post_process_rewards(samples)
+        assert ours == pytest.approx(theirs, abs=1e-4)
+        assert raw == [s.reward for s in samples]
+
+        # the Ray object store is not what is under test: put() hands the dict back
+        boxes = []
+        real_ray = rollout.ray
+        rollout.ray = SimpleNamespace(put=lambda value, **_: value)
+        try:
+            boxes = manager._split_train_data_by_dp(data)
+        finally:
+            rollout.ray = real_ray
+        assert len(boxes) == 1
+        per_rank = boxes[0].inner
+        assert sorted(per_rank["partition"]) == list(range(B * N))
+        assert [t.tolist() for t in per_rank["tokens"]] == [data["tokens"][i] for i in per_rank["partition"]]
+        _shifted_tokens(slime, samples)
+    finally:
+        ds.close()
+
+
+# ------------------------------------------------------------------ (c) a failed episode
+
+class _StartFails(Exception):
+    pass
+
+
+def _runner(client, chat, kind="calculator"):
+    from pipeline.config import EnvConfig, parse_config
+    from pipeline.schema import SamplingParams
+    from workers.envs.registry import build_environment
+    from workers.episode import EpisodeRunner, EpisodeSettings
+
+    config = parse_config({})
+    env_config = EnvConfig(kind=kind)
+    env = build_environment("calc", env_config)
+    return EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
+
+
+def test_a_group_with_an_episode_whose_env_failed_to_start_trains_in_slime(slime, redis_url, namespace):
+    """An environment that raises in start(): the episode is FAILED; slime hands it over with
+    remove_sample=True (loss mask zeroed) but still builds log-prob targets from its tokens,
+    so a sample with no tokens crashes the training step ("The expanded size of the tensor (N)
+    must match the existing size (0)") even though it is masked out."""
+    from pipeline.schema import SampleGroup, Status, Task
+    from workers.chat import ChatTokens
+    from workers.engine import EngineClient
+    from workers.sim.engine import SimConfig, serve_sim_engine
+    from workers.sim.tokenizer import load_test_tokenizer
+
+    task = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
+    chat = ChatTokens(load_test_tokenizer())
+
+    async def episodes():
+        async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, weight_version="1")) as sim:
+            async with EngineClient(sim.url) as client:
+                ok = [await _runner(client, chat).run(task, f"calc-1:0/0/{j}", j) for j in range(N - 1)]
+                broken = _runner(client, chat)
+
+                async def start(_task):
+                    raise _StartFails("environment server refused the session")
+
+                broken.env.start = start
+                failed = await broken.run(task, f"calc-1:0/0/{N - 1}", N - 1)
+        return ok, failed
+
+    ok, failed = asyncio.run(episodes())
+    assert failed.status is Status.FAILED
+    assert "environment server refused the session" in str(failed.metadata)
+    group = SampleGroup(group_id="calc-1:0", task=task, admission_version=0, n_samples=N, samples=[*ok, failed],
+                        worker_id="conformance")
+    _push(redis_url, namespace, [group, _group("other:0", admission_version=0, weight_versions=["1"])])
+
+    args = _args(redis_url, namespace)
+    ds = slime.pipeline.RedisDataSource(args)
+    try:
+        _, samples = _rollout(slime, args, 0, ds)
+        by_group = [s for s in samples if s.metadata["pipeline"]["group_id"] == "calc-1:0"]
+        handed_over = by_group[N - 1]
+        assert handed_over.remove_sample and handed_over.status is slime.Sample.Status.FAILED
+        manager = _manager(slime, args)
+        data = manager._convert_samples_to_train_data(samples)
+        index = samples.index(handed_over)
+        assert data["loss_masks"][index] == [0] * handed_over.response_length
+        assert data["rewards"][index] == 0.0  # pipeline.slime.post_process_rewards: no advantage
+        real_ray = slime.modules["slime.ray.rollout"].ray
+        slime.modules["slime.ray.rollout"].ray = SimpleNamespace(put=lambda value, **_: value)
+        try:
+            (box,) = manager._split_train_data_by_dp(data)
+        finally:
+            slime.modules["slime.ray.rollout"].ray = real_ray
+        assert sorted(box.inner["partition"]) == list(range(len(samples)))
+        # the failed sample first in its micro-batch, as slime's packing may place it
+        _shifted_tokens(slime, [handed_over, *[s for s in samples if s is not handed_over]])
+    finally:
+        ds.close()
+
+
+# ------------------------------------------------------------------ (d) weight versions
+
+class _Remote:
+    """A Ray actor method stand-in: `.remote(**kw)` records the call and returns it."""
+
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def remote(self, *args, **kwargs):
+        self.log.append((self.name, kwargs))
+        return (self.name, kwargs)
+
+
+class _Engine:
+    def __init__(self):
+        self.calls = []
+        for name in ("pause_generation", "flush_cache", "continue_generation", "update_weights_from_distributed"):
+            setattr(self, name, _Remote(self.calls, name))
+
+
+def test_weight_version_law_of_slimes_updaters(slime, monkeypatch):
+    """slime's weight updaters label the engines' weights with a per-process counter: it
+    starts at 0 in __init__, update_weights() adds 1 before sending, and the engines get
+    str(counter) (`weight_version=str(weight_version)`). So the first push of every trainer
+    process -- the one train_async.py makes before its loop, a resume included -- is "1":
+    the labels restart after a resume and say nothing about the policy version.
+
+    Executed on UpdateWeightFromDistributed with one in-process stand-in engine (Ray calls
+    recorded, torch.distributed collectives no-ops, no tensors to send); the tensor
+    (colocated) updater keeps the same counter, checked on its source.
+    """
+    mod = slime.modules["slime.backends.megatron_utils.update_weight.update_weight_from_distributed"]
+    monkeypatch.setattr(mod, "ray", SimpleNamespace(get=lambda refs: refs))
+    monkeypatch.setattr(mod, "dist", SimpleNamespace(get_rank=lambda: 0, barrier=lambda group=None: None))
+    monkeypatch.setattr(mod, "get_gloo_group", lambda: None)
+
+    class Lock:
+        acquire = release = _Remote([], "lock")
+
+    engine = _Engine()
+
+    class OneBucket(mod.UpdateWeightFromDistributed):
+        def _send_weights(self, pbar):  # one (empty) bucket through slime's real transfer path
+            self._update_bucket_weights_from_distributed([], pbar=SimpleNamespace(update=lambda n: None))
+
+    updater = OneBucket(Namespace(), [], lambda: {}, model_name="m", quantization_config=None)
+    assert updater.weight_version == 0
+    updater.rollout_engines, updater.rollout_engine_lock = [engine], Lock()
+    updater._group_name, updater._model_update_groups, updater._is_pp_src_rank = "slime-pp_0", None, True
+    sent = []
+    for _ in range(3):
+        updater.update_weights()
+        sent += [kw["weight_version"] for name, kw in engine.calls if name == "update_weights_from_distributed"]
+        engine.calls.clear()
+    assert sent == ["1", "2", "3"]
+    assert updater.weight_version == 3
+
+    # a new process (a resume) starts over
+    assert OneBucket(Namespace(), [], lambda: {}, model_name="m", quantization_config=None).weight_version == 0
+
+    tensor_path = slime.path / "slime/backends/megatron_utils/update_weight/update_weight_from_tensor.py"
+    source = tensor_path.read_text()
+    init = source[source.index("class UpdateWeightFromTensor"):]
+    assert "self.weight_version = 0" in init[: init.index("def update_weights")]
+    body = init[init.index("def update_weights") :]
+    assert body.index("self.weight_version += 1") < body.index("ray.get(")
+    assert '"weight_version": str(weight_version)' in source
+
+
+# ------------------------------------------------------------------ train_async.py on a resume
+
+def test_resume_sequence_of_train_async_with_engine_versions_restarting(slime, redis_url, namespace):
+    """What slime's train_async.py (the pinned snapshot) does with the data source on a resume
+    from the checkpoint of rollout k (read from train_async.py, slime/ray/placement_group.py,
+    slime/ray/rollout.py and slime/backends/megatron_utils/actor.py):
+
+    1. `create_rollout_manager` -> `RolloutManager.__init__` builds the data source:
+       `RedisDataSource(args)` (a new object in a new process; nothing of the old one survives).
+       With `--num-rollout` unset it would also call `len(data_source)`.
+    2. `create_training_models` -> the actor loads the checkpoint and returns
+       `start_rollout_id = loaded_rollout_id + 1` = k + 1; then, only with
+       `--rollout-global-dataset`, `rollout_manager.load(start_rollout_id - 1)` ->
+       `data_source.load(k)`.
+    3. `actor_model.update_weights()` BEFORE the loop: the engines get the checkpoint's
+       weights labelled "1" (the updater's counter is per process, see the weight-version test),
+       i.e. policy version k + 1 carries engine label "1".
+    4. `rollout_manager.generate.remote(k + 1)` -> `generate_rollout(args, k + 1, data_source,
+       evaluation=False)` (through `call_rollout_fn`); in the loop, `generate(rid + 1)` is
+       started before step rid trains, `data_source.save(rid)` runs with each checkpoint
+       (`--rollout-global-dataset`), and after every `--update-weights-interval` steps it waits
+       for the pending generate, then `update_weights()` -> labels "2", "3", ...
+
+    So after the resume, groups generated by the restarted engines carry engine weight
+    versions ["1"] although the policy is k + 1: generate_rollout(k + 1) must take them, not
+    reject them as k steps stale.
+    """
+    from pipeline.keys import Counter
+
+    k = 5
+    eta = 1
+    # the run before the crash: steps 0..k trained, checkpoint k saved (acks everything <= k)
+    _push(redis_url, namespace, [
+        _group(f"old{i}:0", admission_version=i // B, weight_versions=[str(i // B + 1)], seed=i)
+        for i in range(B * (k + 1))
+    ])
+    args = _args(redis_url, namespace, pipeline_eta=eta)
+    ds = slime.pipeline.RedisDataSource(args)
+    for rid in range(k + 1):
+        _rollout(slime, args, rid, ds)
+    ds.save(k)
+    ds._loop.close()  # the trainer dies: no close()
+
+    # the resumed process, step by step as train_async.py drives it
+    args = _args(redis_url, namespace, pipeline_eta=eta, start_rollout_id=None)
+    ds = slime.pipeline.RedisDataSource(args)  # 1.
+    try:
+        start_rollout_id = k + 1  # 2. loaded_rollout_id + 1
+        ds.load(start_rollout_id - 1)
+        # 3. the weight push labels the engines "1"; workers produce groups of policy k + 1
+        _push(redis_url, namespace, [
+            _group(f"new{i}:0", admission_version=k + 1, weight_versions=["1"], seed=100 + i) for i in range(B)
+        ])
+        out, samples = _rollout(slime, args, start_rollout_id, ds)  # 4.
+        assert [g[0].metadata["pipeline"]["group_id"] for g in out.samples] == ["new0:0", "new1:0"]
+        assert all(type(s) is slime.Sample for s in samples)
+        counters = _counters(redis_url, namespace)
+        assert counters.get(Counter.STALE, 0) == 0, counters
+        # next step: generated while k + 1 trains (label still "1"), then label "2"
+        _push(redis_url, namespace, [
+            _group(f"next{i}:0", admission_version=k + 1, weight_versions=["1", "2"], seed=200 + i) for i in range(B)
+        ])
+        out, _ = _rollout(slime, args, start_rollout_id + 1, ds)
+        assert [g[0].metadata["pipeline"]["group_id"] for g in out.samples] == ["next0:0", "next1:0"]
+        assert _counters(redis_url, namespace).get(Counter.STALE, 0) == 0
+    finally:
+        ds.close()
+
+
+def test_train_async_calls_are_the_ones_documented_above(slime):
+    """Keeps the docstring above honest against the pinned snapshot."""
+    train_async = (slime.path / "train_async.py").read_text()
+    placement = (slime.path / "slime/ray/placement_group.py").read_text()
+    actor = (slime.path / "slime/backends/megatron_utils/actor.py").read_text()
+    rollout = inspect.getsource(slime.modules["slime.ray.rollout"])
+    assert train_async.index("actor_model.update_weights()") < train_async.index(
+        "rollout_manager.generate.remote(args.start_rollout_id)"
+    ) < train_async.index("for rollout_id in range(args.start_rollout_id, args.num_rollout)")
+    assert "rollout_manager.save.remote(rollout_id)" in train_async
+    assert "rollout_manager.load.remote(args.start_rollout_id - 1)" in placement
+    assert "start_rollout_id = loaded_rollout_id + 1" in actor
+    assert "self.data_source = data_source_cls(args)" in rollout
+    assert "call_rollout_fn(self.generate_rollout, self.args, rollout_id, self.data_source, evaluation=False)" in rollout

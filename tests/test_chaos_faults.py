@@ -129,8 +129,9 @@ class FaultProxy:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         rid = str(msgspec.json.decode(body)["rid"])
-        action = engine_action(engine_fault(rid), len(self.ledger[rid]))
-        self.ledger[rid].append(action)
+        base = rid.split("~", 1)[0]  # a retry is `{rid}~{k}` (workers/engine.py): one ledger per request
+        action = engine_action(engine_fault(base), len(self.ledger[base]))
+        self.ledger[base].append(action)
         if action == "503":
             return web.json_response({"object": "error", "message": "injected overload", "code": 503}, status=503)
         if action == "garbage":

@@ -211,18 +211,26 @@ def _wait_ready(process: subprocess.Popen, log: Path) -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """SIGTERM lets the CLI stop its servers and Ray; only if it hangs does the process group
-    this fixture started (start_new_session) get SIGKILL."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=90)
-    except subprocess.TimeoutExpired:
+    """SIGTERM lets the CLI stop its servers and Ray, which finish a few seconds after it.
+    What is still running 15 s later in the process group this fixture started
+    (start_new_session; Ray's dashboard and runtime-env agents outlive their raylet)
+    gets SIGKILL."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=90)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(process.pid, 0)  # anyone left in the group?
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.5)
+    else:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from pipeline.config import ConfigError, TrainerSettings
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect, new_op_id, redact, run_once
 from pipeline.schema import Requeue, RequeueReason, Sample, SampleGroup, Status, Task, encode
-from pipeline.staleness import StalePolicy, engine_policy_version, lag_floor, staleness
+from pipeline.staleness import StalePolicy, engine_policy_version, label_versions, lag_floor, staleness
 from pipeline.state import PipelineState, TrainerInfo
 
 log = logging.getLogger(__name__)
@@ -284,6 +284,8 @@ class RedisDataSource(_DataSourceBase):
                 f"{floor} version(s) behind the step being trained, so nothing could be admitted; set eta >= {floor}"
             )
         self.first_rollout_id: int | None = None  # this process's start_rollout_id, once generate_rollout runs
+        # slime labels the k-th weight push of a trainer process str(start_version + k)
+        self.first_label = int(getattr(args, "update_weight_start_version", None) or 0) + 1
         self._run_starts: dict[int, int] = {}
         try:
             self._run(self.buffer.ensure_group())
@@ -457,12 +459,12 @@ class RedisDataSource(_DataSourceBase):
         workers' stamp), from slime's loop law (pipeline/staleness.py), and the settings."""
         if self.first_rollout_id is None:
             self.first_rollout_id = rollout_id
-        engine_version = engine_policy_version(
-            rollout_id, start=self.first_rollout_id, interval=self.update_interval, loop=self.settings.trainer_loop
-        )
+        law = {"start": self.first_rollout_id, "interval": self.update_interval, "loop": self.settings.trainer_loop}
+        labels = label_versions(rollout_id, **law, first_label=self.first_label)
         self._publish_settings()
         self._run(self.state.publish_policy(
-            run=self.run_id, start=self.first_rollout_id, engine_version=engine_version, rollout_id=rollout_id
+            run=self.run_id, start=self.first_rollout_id, engine_version=engine_policy_version(rollout_id, **law),
+            rollout_id=rollout_id, labels=dict(list(labels.items())[-3:]),  # current, previous and next push
         ))
 
     def _publish_settings(self) -> None:

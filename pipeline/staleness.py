@@ -53,8 +53,9 @@ class TrainerLoop(str, enum.Enum):
     SYNC = "sync"  # train.py or a loop that pushes before each generate: engines hold version r at generate(r)
 
 
-def engine_policy_version(rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> int:
-    """The policy version the engines hold when slime calls the rollout function for `rollout_id`.
+def pushed_versions(rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> list[int]:
+    """The policy versions slime has pushed to the engines, in order, when it calls the rollout
+    function for `rollout_id` (the last one is what the engines hold).
 
     `start` is the first rollout id of this trainer process (slime's start_rollout_id), whose
     weights it pushes once before its loop: they hold `start` steps. After training step r
@@ -66,9 +67,36 @@ def engine_policy_version(rollout_id: int, *, start: int, interval: int = 1, loo
         raise ValueError(f"update interval must be >= 1, got {interval}")
     if rollout_id < start:
         raise ValueError(f"rollout {rollout_id} precedes this trainer's first rollout {start}")
-    last_trained = rollout_id - (2 if loop is TrainerLoop.ASYNC else 1)  # latest step pushed before this call
-    pushed = [r + 1 for r in range(start, last_trained + 1) if (r + 1) % interval == 0]
-    return max([start, *pushed])
+    last_trained = _last_trained(rollout_id, loop)
+    return [start, *(r + 1 for r in range(start, last_trained + 1) if (r + 1) % interval == 0)]
+
+
+def engine_policy_version(rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> int:
+    """The policy version the engines hold when slime calls the rollout function for `rollout_id`."""
+    return pushed_versions(rollout_id, start=start, interval=interval, loop=loop)[-1]
+
+
+def label_versions(
+    rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC, first_label: int = 1
+) -> dict[str, int]:
+    """slime's engine labels -> policy versions, for the weights now on the engines and the next push.
+
+    slime's updaters label the k-th push of a trainer process str(k) (counting from
+    `--update-weight-start-version` + 1): the label of an answer then tells its version
+    exactly, including for tokens generated after a push the trainer has not published yet.
+    """
+    pushed = pushed_versions(rollout_id, start=start, interval=interval, loop=loop)
+    next_step = max(start, _last_trained(rollout_id, loop) + 1)  # the next push follows the first such step
+    while (next_step + 1) % interval:
+        next_step += 1
+    labels = {str(first_label + k): version for k, version in enumerate(pushed)}
+    labels[str(first_label + len(pushed))] = next_step + 1
+    return labels
+
+
+def _last_trained(rollout_id: int, loop: TrainerLoop) -> int:
+    """The latest step whose weights slime may have pushed before it calls generate(rollout_id)."""
+    return rollout_id - (2 if loop is TrainerLoop.ASYNC else 1)
 
 
 def lag_floor(*, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> int:

@@ -79,10 +79,11 @@ class PipelineState:
 
     # policy clock (pipeline/staleness.py "policy versions") ---------------------
     async def get_policy(self) -> "PolicyStamp | None":
-        raw = await self.redis.hmget(self.keys.policy, "run", "version")
+        raw = await self.redis.hmget(self.keys.policy, "run", "version", "labels")
         if raw[0] is None or raw[1] is None:
             return None
-        return PolicyStamp(run=int(raw[0]), version=int(raw[1]))
+        labels = msgspec.json.decode(raw[2], type=dict[str, int]) if raw[2] else {}
+        return PolicyStamp(run=int(raw[0]), version=int(raw[1]), labels=labels)
 
     async def begin_run(self) -> int:
         """A new trainer process: a new run number, and no published version until its first rollout."""
@@ -93,11 +94,15 @@ class PipelineState:
         await pipe.execute()
         return run
 
-    async def publish_policy(self, *, run: int, start: int, engine_version: int, rollout_id: int) -> None:
+    async def publish_policy(
+        self, *, run: int, start: int, engine_version: int, rollout_id: int, labels: dict[str, int] | None = None
+    ) -> None:
         """At each rollout: the run's branch point, the engines' version, and the admission clock."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(self.keys.runs, str(run), start)
-        pipe.hset(self.keys.policy, mapping={"run": run, "version": engine_version, "rollout": rollout_id})
+        pipe.hset(self.keys.policy, mapping={
+            "run": run, "version": engine_version, "rollout": rollout_id, "labels": msgspec.json.encode(labels or {}),
+        })
         pipe.set(self.keys.version, engine_version)
         await pipe.execute()
 
@@ -107,10 +112,17 @@ class PipelineState:
 
 
 class PolicyStamp(msgspec.Struct, frozen=True):
-    """What a worker records per generate call: trainer run and the engines' policy version."""
+    """What a worker reads before each generate call: the trainer run, the policy version the
+    engines hold (a lower bound for the call's tokens), and slime's labels of the current and
+    next weight pushes with their versions (exact, when the answer carries one of them)."""
 
     run: int
     version: int
+    labels: dict[str, int] = {}
+
+    def version_of(self, engine_labels: "tuple[str, ...] | list[str]") -> int:
+        """The oldest version behind an answer's labels; an unknown label gets the lower bound."""
+        return min((self.labels.get(label, self.version) for label in engine_labels), default=self.version)
 
 
 class PolicyClock:
@@ -122,7 +134,7 @@ class PolicyClock:
     is still starting, or resuming): generating then would use weights nobody trains.
     """
 
-    def __init__(self, state: PipelineState, *, refresh_s: float = 0.5, log_every_s: float = 10.0):
+    def __init__(self, state: PipelineState, *, refresh_s: float = 0.2, log_every_s: float = 10.0):
         self.state = state
         self.refresh_s = refresh_s
         self.log_every_s = log_every_s

@@ -25,7 +25,6 @@ import msgspec
 from pipeline.config import EnvConfig, PipelineConfig
 from pipeline.schema import SamplingParams, Sample, Status, Task
 from workers.chat import ChatTokens
-from pipeline.state import PolicyStamp
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
@@ -72,12 +71,12 @@ class _Trace:
     policy_versions: list[int] = field(default_factory=list)
     policy_run: int = 0
 
-    def stamp(self, stamps: list[PolicyStamp]) -> None:
-        """Record each call's policy stamp; the run is the first call's (a trainer restart
+    def stamp(self, stamps: list[tuple[int, int]]) -> None:
+        """Record each call's (run, version); the run is the first call's (a trainer restart
         mid-episode leaves later calls on a newer run, whose versions are not older)."""
-        for stamp in stamps:
-            self.policy_run = self.policy_run or stamp.run
-            self.policy_versions.append(stamp.version)
+        for run, version in stamps:
+            self.policy_run = self.policy_run or run
+            self.policy_versions.append(version)
 
     def add_model(self, ids: list[int], log_probs: list[float]) -> None:
         self.tokens += ids
@@ -101,7 +100,7 @@ class _Turn:
     finish: str = "stop"
     aborts: int = 0
     versions: list[str] = field(default_factory=list)
-    policy: list[PolicyStamp] = field(default_factory=list)  # one per generate call that answered
+    policy: list[tuple[int, int]] = field(default_factory=list)  # (run, version) per generate call that answered
 
 
 class EpisodeRunner:
@@ -231,7 +230,7 @@ class EpisodeRunner:
             turn.log_probs += gen.log_probs
             turn.versions += gen.weight_versions
             if gen.policy is not None:
-                turn.policy.append(gen.policy)
+                turn.policy.append((gen.policy.run, gen.policy.version_of(gen.weight_versions)))
             turn.finish = gen.finish
             if gen.finish != "abort":
                 return turn

@@ -84,6 +84,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     ignore_eos: Union[bool, None] = None
     skip_special_tokens: Union[bool, None] = None
     no_stop_trim: Union[bool, None] = None
+    spaces_between_special_tokens: Union[bool, None] = None  # slime always sends it; SGLang accepts it
     min_new_tokens: Union[int, None] = None
     n: Union[int, None] = None
     sampling_seed: Union[int, None] = None
@@ -99,6 +100,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     def to_dict(self) -> dict[str, Any]:
         """Only the keys that were set, ready for the `sampling_params` body field."""
         return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+def validate_sampling(params: dict[str, Any]) -> list[str]:
+    """SGLang's verdict on raw sampling params, plus the pipeline's n == 1 (pipeline/sampling.py)."""
+    return sampling_errors(params)
 
 
 class PromptJob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -71,6 +71,7 @@ _SAMPLING_KEYS = frozenset(
     "ignore_eos skip_special_tokens spaces_between_special_tokens no_stop_trim stream_interval logit_bias "
     "sampling_seed custom_params watermark".split()
 )
+_INT_KEYS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "n", "sampling_seed", "beam_width", "stream_interval"})
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not say
 
 
@@ -280,8 +281,13 @@ class SimEngine:
         if not isinstance(params, dict):
             return web.json_response({"error": "sampling_params must be an object"}, status=400)
         unknown = sorted(set(params) - _SAMPLING_KEYS)
-        if unknown:
-            return web.json_response({"error": f"sampling_params: unknown field {unknown[0]!r}"}, status=400)
+        if unknown:  # SGLang's contract gate (entrypoints/api_contract.py): a plain-string error
+            expected = ", ".join(f"`{k}`" for k in sorted(_SAMPLING_KEYS))
+            return web.json_response({"error": f"unknown field `{unknown[0]}`, expected one of {expected}"}, status=400)
+        for key in _INT_KEYS & set(params):
+            if isinstance(params[key], float):
+                return web.json_response(
+                    {"error": f"invalid type: floating point `{params[key]}`, expected i64"}, status=400)
         errors = sampling_errors(params, pipeline=False)
         if errors:
             return _value_error(errors[0])

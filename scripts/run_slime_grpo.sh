@@ -135,6 +135,7 @@ write_pipeline_config() {
     echo "pipeline_wait_log_s: 30.0"
     echo "pipeline_wait_timeout_s: 0.0   # 0 = wait for workers forever"
     echo "pipeline_publish_engine: true  # workers with engine 'auto' follow slime's router"
+    echo "pipeline_trainer_loop: async   # train_async.py: engines hold step r-1's weights while r is generated"
   } >"${PIPELINE_YAML}"
 }
 
@@ -165,7 +166,8 @@ build_command() {
     --n-samples-per-prompt "${N_SAMPLES}"             # = rollout.n_samples_per_prompt of the workers
     --global-batch-size "$((ROLLOUT_BATCH_SIZE * N_SAMPLES))"  # one optimizer step per rollout
     --rollout-max-response-len "${MAX_RESPONSE_LEN}"
-    --update-weights-interval 1                       # push weights every step: version v+1 live soon
+    --update-weights-interval 1                       # push weights every step (eta must be >= the interval)
+    --rollout-top-p 1.0                               # slime asserts top-p replay ids below 1.0; workers sample
     # GRPO with off-policy correction from the engines' per-token log-probs
     --advantage-estimator grpo
     # group mean/std over the kept samples: a failed episode (remove_sample) shifts no baseline
@@ -206,7 +208,7 @@ if (( CHECK_ONLY )); then
   exit 0
 fi
 
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 ROLLOUT_NAMESPACE
 export PYTHONPATH="${REPO_DIR}:${SLIME_DIR}:${MEGATRON_DIR}:${PYTHONPATH:-}"
 if [[ -z "${RAY_ADDRESS:-}" ]]; then
   # Actors inherit this environment (ROLLOUT_REDIS_URL included) from the local head.
@@ -214,5 +216,11 @@ if [[ -z "${RAY_ADDRESS:-}" ]]; then
     --disable-usage-stats
   RAY_ADDRESS="http://127.0.0.1:8265"
 fi
-RUNTIME_ENV="{\"env_vars\": {\"PYTHONPATH\": \"${PYTHONPATH}\", \"CUDA_DEVICE_MAX_CONNECTIONS\": \"1\"}}"
+# The job's actors on an existing cluster do not inherit this shell: ROLLOUT_REDIS_URL (and the
+# namespace) travel in the job's runtime env, never in the YAML above (a password stays out of
+# files). Ray keeps a job's runtime env in its job record: use a Redis user with only the rights
+# the pipeline needs. JSON built by Python, so no character of the URL breaks the quoting.
+RUNTIME_ENV=$("${PYTHON}" -c 'import json, os
+keys = ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE")
+print(json.dumps({"env_vars": {k: os.environ[k] for k in keys if k in os.environ}}))')
 exec ray job submit --address="${RAY_ADDRESS}" --runtime-env-json="${RUNTIME_ENV}" -- "${CMD[@]}"

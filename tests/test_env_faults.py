@@ -74,7 +74,9 @@ async def test_faults_become_counted_failed_episodes_and_the_pipeline_goes_on(re
     assert [results[name]["status"] for name in ("hang", "refused", "drop", "ok")] == ["pushed", "pushed", "dead", "pushed"]
     entries = await redis.xrange(keys.groups)
     groups = {g.task.env: g for g in (decode_group(fields[b"g"]) for _, fields in entries)}
-    for name, reason in (("hang", "POST /evaluate"), ("refused", "POST /seed_session")):
+    # a hung tool call is sent once and its timeout becomes the model's observation (NeMo Gym's
+    # simple_agent does the same); that episode then fails where the server fails it, at /verify
+    for name, reason in (("hang", "POST /verify"), ("refused", "POST /seed_session")):
         for sample in groups[name].samples:
             assert sample.status is Status.FAILED and sample.reward == 0.0
             assert reason in sample.metadata["error"], sample.metadata["error"]

@@ -48,8 +48,13 @@ class ChatTokens:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Display/parsing text of model tokens (special tokens dropped, tool tags kept)."""
+        """Display text of model tokens (special tokens dropped)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def decode_for_tools(self, ids: Sequence[int]) -> str:
+        """The text tool parsers read: special tokens kept, because several formats mark their
+        calls with them (gpt-oss `<|call|>`, Mistral `[TOOL_CALLS]`, Kimi-K2's sections)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None) -> list[int]:
         return list(self._prompt_cached(_json.encode([list(messages), list(tools or [])])))

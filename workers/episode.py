@@ -28,7 +28,7 @@ from workers.chat import ChatTokens
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
-from workers.tools import ParsedTurn, ToolParser, get_parser
+from workers.tools import ParsedTurn, ToolParser, get_parser, run_parser
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class EpisodeRunner:
             trace.weight_versions += turn.versions
             trace.stamp(turn.policy)
             text = self.chat.decode(turn.ids)
-            parsed = s.tool_parser(text)
+            parsed = run_parser(s.tool_parser, self.chat.decode_for_tools(turn.ids), session.tools)
             meta = _turn_meta(turn, text, parsed, time.monotonic() - gen_started)
             trace.turns.append(meta)
             trace.messages.append(_assistant_message(parsed))

@@ -41,6 +41,7 @@ from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, mak
 from pipeline.state import PipelineState, PolicyClock
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
+from workers.envs.options import check_tool_parsers
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
 from workers.queue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
@@ -61,6 +62,7 @@ def build_worker(
     worker_id: str | None = None,
     handle_signals: bool = True,
 ) -> Worker:
+    check_tool_parsers(config)  # a typo'd parser fails here, not in every episode
     keys = Keys(config.redis.namespace)
     wcfg = config.workers
     worker_id = worker_id or new_worker_id()

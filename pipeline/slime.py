@@ -287,6 +287,7 @@ class RedisDataSource(_DataSourceBase):
         # slime labels the k-th weight push of a trainer process str(start_version + k)
         self.first_label = int(getattr(args, "update_weight_start_version", None) or 0) + 1
         self._run_starts: dict[int, int] = {}
+        self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
             self._run(self.buffer.ensure_group())
             self._recorded: dict[int, list[str]] = self._run(self._load_recorded())
@@ -319,6 +320,8 @@ class RedisDataSource(_DataSourceBase):
                 self._run(self.buffer.requeue(from_trainer_group(group)))
 
     def save(self, rollout_id: int) -> None:
+        """Checkpoint: acknowledge every recorded step <= `rollout_id` (each written to the
+        ledger first, when one is configured)."""
         self._run(self._release_through(rollout_id))
 
     def load(self, rollout_id: int | None = None) -> None:
@@ -350,6 +353,10 @@ class RedisDataSource(_DataSourceBase):
 
     async def _release_through(self, rollout_id: int) -> None:
         for rid in [r for r in self._recorded if r <= rollout_id]:
+            if self.ledger is not None:  # the ledger before the ack: a crash in between rewrites it identically
+                self._run_starts = await self.state.run_starts()
+                ids = self._recorded[rid]
+                self.ledger.record_step(rid, ids, await self.buffer.fetch(ids), oldest=self._oldest)
             await self.buffer.ack(self._recorded.pop(rid))
             await self._redis.delete(self.keys.consumed(rid))
 
@@ -404,13 +411,15 @@ class RedisDataSource(_DataSourceBase):
         group = entry.group
         expected = self.settings.n_samples_per_prompt
         if group.n_samples != expected:
-            pipe = self._redis.pipeline(transaction=True)
-            self.buffer.stage_dead_letter(
-                pipe, source="groups", reason=f"group has {group.n_samples} samples, trainer expects {expected}",
-                payload=encode(group), ref=entry.stream_id,
-            )
-            self.buffer.stage_ack(pipe, [entry.stream_id])
-            await pipe.execute()
+            def stage(pipe: Any) -> None:
+                self.buffer.stage_dead_letter(
+                    pipe, source="groups", reason=f"group has {group.n_samples} samples, trainer expects {expected}",
+                    payload=encode(group), ref=entry.stream_id,
+                )
+                self.buffer.stage_ack(pipe, [entry.stream_id])
+
+            # once, whatever replies are lost (the key the buffer's own dead letters use)
+            await run_once(self._redis, self.keys.op(f"dead:{self.keys.groups}:{entry.stream_id}"), stage)
             raise ConfigError(
                 f"group {group.group_id!r} (stream id {entry.stream_id}) has {group.n_samples} samples but "
                 f"n_samples_per_prompt is {expected}: workers and trainer disagree on n "
@@ -480,6 +489,18 @@ class RedisDataSource(_DataSourceBase):
         ready, pending = self._run(self.buffer.depth())
         counters = self._run(self.state.counters())
         return self.last_stats.metrics(ready, pending, counters)
+
+
+def _open_ledger(directory: str) -> Any:
+    if not directory:
+        return None
+    from pipeline.ledger import Ledger, LedgerError, require_pyarrow
+
+    try:
+        require_pyarrow()
+    except LedgerError as exc:
+        raise ConfigError(f"pipeline_ledger_dir {directory!r}: {exc}") from None
+    return Ledger(directory)
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:

@@ -75,13 +75,15 @@ ENV_PLAN = {
     2: ("gym", "seed_burst"),  # /seed_session 503 x retries per task, then served
     4: ("gym", "seed_dead"),  # /seed_session 503 always: both episodes fail
     6: ("gym", "evaluate_hang_once"),  # the first /evaluate of each session hangs past the timeout
-    8: ("gym", "evaluate_hang"),  # every /evaluate hangs: both episodes fail
+    8: ("gym", "evaluate_hang"),  # every /evaluate hangs: sent once, the timeout is the model's observation
     10: ("gym", "verify_burst"),  # /verify 503 x retries per session, then served
     12: ("gym", "verify_dead"),  # /verify 503 always: both episodes fail
     14: ("strict", "seed_dead"),  # drop_group: the group fails every try -> dead letter
     16: ("strict", None),  # drop_group without faults: trained
 }
-ENV_FAILS = {"seed_dead", "evaluate_hang", "verify_dead"}
+# A tool call is never re-sent (the server may have run it): a hung /evaluate becomes the tool's
+# answer the model sees, and the episode goes on, as NeMo Gym's simple_agent does.
+ENV_FAILS = {"seed_dead", "verify_dead"}
 # What an episode that met the refused window (or its closing connections) fails with.
 REFUSED = re.compile(r"Cannot connect|Connect call failed|ServerDisconnected|Connection reset|ClientOSError")
 
@@ -426,7 +428,7 @@ async def test_engine_and_env_faults_are_bounded_counted_and_the_run_completes(
 
 FAILURE_CAUSES = {  # planned fault -> what the failed episode's error says
     "burst_dead": "gave up after 3 attempts: HTTP 503", "garbage_dead": "gave up after 3 attempts: undecodable",
-    "hang": f"within {REQUEST_TIMEOUT_S}s", "seed_dead": "POST /seed_session", "evaluate_hang": "POST /evaluate",
+    "hang": f"within {REQUEST_TIMEOUT_S}s", "seed_dead": "POST /seed_session",
     "verify_dead": "POST /verify",
 }
 
@@ -488,7 +490,9 @@ async def _pushed_samples(redis, keys: Keys, trainer: Trainer) -> dict[str, list
     pushed: dict[str, list[Episode]] = {}
     for group in trainer.groups:
         gid = group[0].metadata["pipeline"]["group_id"]
-        pushed[gid] = [_episode(gid, j, s.status.value, s.metadata, s.weight_versions) for j, s in enumerate(group)]
+        # the engine's labels: slime's `weight_versions` carries the policy versions (docs/architecture.md)
+        pushed[gid] = [_episode(gid, j, s.status.value, s.metadata, s.metadata["engine_weight_versions"])
+                       for j, s in enumerate(group)]
     for _stream_id, fields in await redis.xrange(keys.groups):
         g = decode_group(fields[b"g"])
         pushed.setdefault(g.group_id, [_episode(g.group_id, j, s.status.value, s.metadata, s.weight_versions)

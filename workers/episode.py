@@ -28,6 +28,7 @@ from workers.chat import ChatTokens
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
+from workers.queue import is_bug
 from workers.tools import ParsedTurn, ToolParser, get_parser, run_parser
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class EpisodeRunner:
         try:
             session = await self.env.start(task)
         except Exception as exc:  # noqa: BLE001 - any env failure ends this episode, not the group
+            if is_bug(exc):
+                raise  # a bug fails the job once, loudly (workers/jobs.py), not every episode quietly
             log.warning("episode %s: env %s start failed: %s", episode_id, self.env.name, exc)
             # The task's own prompt: slime builds log-prob targets from every sample's tokens,
             # and an empty one crashes its training step even with the loss masked out.
@@ -140,7 +143,9 @@ class EpisodeRunner:
         except EngineError as exc:
             log.warning("episode %s failed: %s", episode_id, exc)
             return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=str(exc))
-        except Exception as exc:  # noqa: BLE001 - env step errors and bugs fail one episode
+        except Exception as exc:  # noqa: BLE001 - env step errors fail one episode; bugs fail the job
+            if is_bug(exc):
+                raise
             log.warning("episode %s failed in env step: %r", episode_id, exc, exc_info=True)
             return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"env step: {exc!r}")
         record = EpisodeRecord(
@@ -154,7 +159,9 @@ class EpisodeRunner:
         )
         try:
             verification = await session.verify(record)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a verifier outage fails the episode; bugs fail the job
+            if is_bug(exc):
+                raise
             log.warning("episode %s: verify failed: %r", episode_id, exc)
             return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"verify: {exc!r}")
         reward = final_reward(self.env.config, verification, finished=trace.finished)
@@ -284,7 +291,14 @@ class EpisodeRunner:
             "step_rewards": trace.step_rewards,
             "finished": trace.finished,
             "episode_s": round(time.monotonic() - started, 6),
+            # the conversation verify saw (prompt, assistant turns with tool calls, observations):
+            # what `rollout ledger rescore` verifies again and `rollout show` renders
+            "messages": trace.messages,
         }
+        response = self.chat.decode(response_ids)
+        response_text = " ".join(t.get("text", "") for t in trace.turns)
+        if response_text != response:  # multi-turn: verify's response_text is the model's turns alone
+            metadata["response_text"] = response_text
         if error:
             metadata["error"] = error[:2000]
         return Sample.build(
@@ -299,7 +313,7 @@ class EpisodeRunner:
             policy_versions=trace.policy_versions,
             policy_run=trace.policy_run,
             prompt=task.prompt,
-            response=self.chat.decode(response_ids),
+            response=response,
             label=task.label,
             metadata=metadata,
         )

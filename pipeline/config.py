@@ -9,19 +9,48 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Mapping, Union
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
 
 from pipeline.keys import DEFAULT_NAMESPACE
-from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL
+from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, redact
 from pipeline.schema import SamplingParams
 from pipeline.staleness import StalePolicy, TrainerLoop
 
 
+ENV_NAMESPACE = "ROLLOUT_NAMESPACE"
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+# Bounds of numeric settings: a value outside is an error naming the key ("Expected `int` >= 1 -
+# at `$.rollout.rollout_batch_size`"), not a pipeline that stalls or spins.
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
 class ConfigError(ValueError):
     """A configuration value is missing or wrong; the message names the file and key."""
+
+
+def check_redis_url(url: str, where: str = "redis.url") -> None:
+    """ValueError naming `where` unless `url` is a redis://, rediss:// or unix:// URL."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in REDIS_SCHEMES:
+        raise ValueError(f"{where} {redact(url)!r} is not a Redis URL (redis://host:6379/0, rediss://..., unix://...)")
+    if scheme != "unix":
+        try:
+            urlsplit(url).port  # noqa: B018 - raises on a bad port
+        except ValueError as exc:
+            raise ValueError(f"{where} {redact(url)!r}: {exc}") from None
+
+
+def check_namespace(ns: str, where: str = "redis.namespace") -> None:
+    if not ns or any(c.isspace() for c in ns):
+        raise ValueError(f"{where} {ns!r} must be a non-empty string without spaces")
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -32,6 +61,11 @@ class RedisSection(_Section):
     url: str = ""  # empty = $ROLLOUT_REDIS_URL or redis://127.0.0.1:6379/0
     namespace: str = DEFAULT_NAMESPACE
 
+    def __post_init__(self) -> None:
+        if self.url:
+            check_redis_url(self.url)
+        check_namespace(self.namespace)
+
     def resolved_url(self) -> str:
         return self.url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
 
@@ -39,44 +73,49 @@ class RedisSection(_Section):
 class EngineSection(_Section):
     url: str = "auto"  # "auto" = follow `{ns}:engine` published by the slime side
     tokenizer: str = ""  # path or name loadable by transformers.AutoTokenizer
-    request_timeout_s: float = 600.0
-    max_retries: int = 5
-    retry_backoff_s: float = 0.5
-    max_context_tokens: int = 32768
+    request_timeout_s: PosFloat = 600.0
+    max_retries: NonNegInt = 5
+    retry_backoff_s: NonNegFloat = 0.5
+    max_context_tokens: PosInt = 32768
 
 
 class RolloutSection(_Section):
-    n_samples_per_prompt: int = 8
-    rollout_batch_size: int = 32  # groups per training step (B)
-    eta: int = 2  # staleness bound
-    max_response_tokens: int = 4096  # budget over all turns of one episode
-    max_turns: int = 8  # default; an environment may override
+    n_samples_per_prompt: PosInt = 8
+    rollout_batch_size: PosInt = 32  # groups per training step (B)
+    eta: NonNegInt = 2  # staleness bound
+    max_response_tokens: PosInt = 4096  # budget over all turns of one episode
+    max_turns: PosInt = 8  # default; an environment may override
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0)
 
 
 class WorkersSection(_Section):
-    concurrency: int = 32  # groups run at once per process (arq max_jobs)
-    job_timeout_s: float = 3600.0
-    max_tries: int = 3
-    poll_delay_s: float = 0.05
-    heartbeat_s: float = 5.0
-    dead_after_s: float = 20.0  # a worker silent this long has its jobs released
-    drain_grace_s: float = 30.0  # SIGTERM: finish running groups within this, then hand back
+    concurrency: PosInt = 32  # groups run at once per process (arq max_jobs)
+    job_timeout_s: PosFloat = 3600.0
+    max_tries: PosInt = 3
+    poll_delay_s: PosFloat = 0.05
+    heartbeat_s: PosFloat = 5.0
+    dead_after_s: PosFloat = 20.0  # a worker silent this long has its jobs released
+    drain_grace_s: NonNegFloat = 30.0  # SIGTERM: finish running groups within this, then hand back
+
+    def __post_init__(self) -> None:
+        if self.dead_after_s <= 2 * self.heartbeat_s:
+            raise ValueError(f"workers.dead_after_s ({self.dead_after_s}) must exceed two heartbeats "
+                             f"(2 x workers.heartbeat_s = {2 * self.heartbeat_s}): live workers would be reaped")
 
 
 class CallBudget(_Section):
     """Timeout and retry budget of one kind of environment call."""
 
-    timeout_s: float = 30.0
-    retries: int = 3
-    backoff_s: float = 0.5
+    timeout_s: PosFloat = 30.0
+    retries: NonNegInt = 3
+    backoff_s: NonNegFloat = 0.5
 
 
 class EnvTimeouts(_Section):
     start: CallBudget = CallBudget()
     step: CallBudget = CallBudget()
     verify: CallBudget = CallBudget(timeout_s=60.0)
-    verify_deadline_s: float = 300.0  # aggregate deadline for one episode's verification
+    verify_deadline_s: PosFloat = 300.0  # aggregate deadline for one episode's verification
 
 
 class EnvConfig(_Section):
@@ -84,13 +123,13 @@ class EnvConfig(_Section):
 
     kind: str  # registered kind ("math", "code", "nemo_gym", "openreward", ...) or a dotted path
     weight: float = 1.0  # mixing weight for producers
-    max_turns: Union[int, None] = None  # None = rollout.max_turns
+    max_turns: Union[PosInt, None] = None  # None = rollout.max_turns
     nonterminal_reward: Union[float, None] = None  # reward when the episode never reached a terminal state
     reward_reduction: Literal["sum", "mean", "max", "min"] = "sum"
     min_reward: Union[float, None] = None
     max_reward: Union[float, None] = None
     splits: list[str] = []
-    num_samples: Union[int, None] = None
+    num_samples: Union[NonNegInt, None] = None
     secrets: list[str] = []  # names of env vars; values are read at start and never logged or stored
     # zero: failed episodes get reward 0 (and no loss), the group goes on; retry_all_failed:
     # the same, but a group whose every episode failed (an outage) is retried, not pushed;
@@ -122,8 +161,18 @@ class PipelineConfig(_Section):
             raise ConfigError(f"environment {name!r} is not configured (configured: {known})") from None
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PipelineConfig:
-    """Load and validate a pipeline YAML; `None` gives the embedded defaults."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> PipelineConfig:
+    """Load and validate a pipeline YAML; `None` gives the embedded defaults.
+
+    Precedence, the same for every command: `overrides` (command-line flags) > environment
+    (`$ROLLOUT_REDIS_URL` -> redis.url, `$ROLLOUT_NAMESPACE` -> redis.namespace) > the file >
+    the defaults. `environ=None` reads `os.environ`; pass `{}` to ignore the environment.
+    """
     data: dict[str, Any] = {}
     where = "<defaults>"
     if path is not None:
@@ -134,9 +183,21 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"config {where}: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"config {where}: top level must be a mapping, got {type(data).__name__}")
+    for dotted, value in env_overrides(environ).items():
+        _set_dotted(data, dotted, value)
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
     return parse_config(data, where)
+
+
+# pipeline YAML key <- environment variable (flag > env var > file > default)
+ENV_KEYS: dict[str, str] = {"redis.url": ENV_REDIS_URL, "redis.namespace": ENV_NAMESPACE}
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """{dotted key: value} of the ROLLOUT_* variables that name the pipeline and are set (non-empty)."""
+    env = os.environ if environ is None else environ
+    return {dotted: env[var] for dotted, var in ENV_KEYS.items() if env.get(var)}
 
 
 def parse_config(data: dict[str, Any], where: str = "<dict>") -> PipelineConfig:
@@ -157,7 +218,10 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = data
     for part in parents:
-        node = node.setdefault(part, {})
+        child = node.get(part)
+        if not isinstance(child, dict):  # absent or null ("redis:" with nothing under it)
+            child = node[part] = {}
+        node = child
     node[leaf] = value
 
 
@@ -177,6 +241,7 @@ _TRAINER_SOURCES = {
     "wait_timeout_s": ("pipeline_wait_timeout_s", "ROLLOUT_WAIT_TIMEOUT_S"),
     "publish_engine": ("pipeline_publish_engine", "ROLLOUT_PUBLISH_ENGINE"),
     "trainer_loop": ("pipeline_trainer_loop", "ROLLOUT_TRAINER_LOOP"),
+    "ledger_dir": ("pipeline_ledger_dir", "ROLLOUT_LEDGER_DIR"),
 }
 
 
@@ -190,17 +255,23 @@ class TrainerSettings(_Section):
     redis_url: str = DEFAULT_REDIS_URL
     namespace: str = DEFAULT_NAMESPACE
     consumer: str = "trainer"  # stable name: a restarted trainer finds its pending entries
-    rollout_batch_size: int = 1
-    n_samples_per_prompt: int = 1
-    eta: int = 2
+    rollout_batch_size: PosInt = 1
+    n_samples_per_prompt: PosInt = 1
+    eta: NonNegInt = 2
     stale_policy: StalePolicy = StalePolicy.REQUEUE
     filter_zero_variance: bool = False
-    wait_log_s: float = 30.0  # log while blocked waiting for groups
-    wait_timeout_s: float = 0.0  # 0 = wait forever
+    wait_log_s: PosFloat = 30.0  # log while blocked waiting for groups
+    wait_timeout_s: NonNegFloat = 0.0  # 0 = wait forever
     publish_engine: bool = True  # publish slime's router URL as `{ns}:engine`
     # which loop calls the rollout function: train_async.py (engines one push behind the batch
     # being generated) or train.py / a loop that pushes weights before each generate
     trainer_loop: TrainerLoop = TrainerLoop.ASYNC
+
+    def __post_init__(self) -> None:
+        check_redis_url(self.redis_url, "pipeline_redis_url / $ROLLOUT_REDIS_URL")
+        check_namespace(self.namespace, "pipeline_namespace / $ROLLOUT_NAMESPACE")
+    # directory of the ledger of trained groups (one Parquet file per step, pipeline/ledger.py); "" = off
+    ledger_dir: str = ""
 
     @classmethod
     def from_args(cls, args: Any) -> "TrainerSettings":

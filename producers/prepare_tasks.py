@@ -35,6 +35,7 @@ from producers.sources import (
     NEMO_GYM_FIELDS, DatasetOptions, FieldMap, Row, RowError, dataset_options, nemo_gym_prompt, openreward_target,
     read_files, read_openreward, resolve_files,
 )
+from workers.validate import check_environments, task_problem
 
 DEFAULT_MAX_ROW_BYTES = 16 * 1024 * 1024
 MAX_ERRORS_SHOWN = 20
@@ -184,8 +185,10 @@ def env_sources(config: PipelineConfig, base_dir: Path, output: Path) -> list[En
 class _Writer:
     """Validates, de-duplicates and writes rows; records what happened per environment."""
 
-    def __init__(self, out: IO[bytes], *, max_row_bytes: int, skip_invalid: bool):
+    def __init__(self, out: IO[bytes], *, max_row_bytes: int, skip_invalid: bool, config: PipelineConfig | None = None):
         self.out = out
+        self.config = config
+        self.checks: dict[str, Any] = {}  # env name -> its kind's per-task check (workers/validate.py)
         self.max_row_bytes = max_row_bytes
         self.skip_invalid = skip_invalid
         self.seen: dict[str, tuple[str, str]] = {}  # task id -> (environment, where) it first appeared
@@ -204,6 +207,10 @@ class _Writer:
                 if fields.prompt != NEMO_GYM_FIELDS.prompt:
                     prompt = _MISSING  # a mapping of the user's own picks the prompt
             task = row_to_task(item.data, source.name, fields, prompt)
+            if self.config is not None:  # what the environment's `start` requires (a math row's label)
+                problem = task_problem(task, self.config, self.checks)
+                if problem:
+                    raise SchemaError(problem)
             # Keyed by environment too: two environments may read rows with the same `where`
             # (two OpenReward environments of one name on different servers or variants).
             first = self.seen.setdefault(task.id, (source.name, item.where))
@@ -238,12 +245,13 @@ def prepare_tasks(
     unless `skip_invalid`; ConfigError on a bad dataset configuration."""
     output = Path(output)
     sources = env_sources(config, Path(base_dir), output)
+    check_environments(config)  # kinds, options: a typo fails before any row is read
     console = console or Console(stderr=True)
     report = PrepareReport(output, {s.name: EnvSummary() for s in sources}, [])
     fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent or ".")
     try:
         with os.fdopen(fd, "wb") as out:
-            writer = _Writer(out, max_row_bytes=max_row_bytes, skip_invalid=skip_invalid)
+            writer = _Writer(out, max_row_bytes=max_row_bytes, skip_invalid=skip_invalid, config=config)
             for source, item in _with_progress(sources, console):
                 writer.take(item, source, report.envs[source.name])
             report.errors = writer.errors
@@ -298,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             config, args.output, base_dir=Path(args.config).resolve().parent,
             skip_invalid=args.skip_invalid, max_row_bytes=args.max_row_bytes, console=console,
         )
-    except (ConfigError, PrepareError) as exc:
+    except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (pipeline/cli.py)
         console.print(f"rollout prepare: {exc}", style="red", markup=False, highlight=False)
-        return 1
+        return 2
     console.print(summary_table(report))
     for line in report.errors:
         console.print(f"skipped {line}", highlight=False, markup=False)

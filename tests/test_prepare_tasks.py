@@ -18,11 +18,23 @@ from pipeline.config import ConfigError, parse_config
 from pipeline.schema import decode_task_json
 from producers.prepare_tasks import PrepareError, main, prepare_tasks
 from tests.env_helpers import serve_openreward
+from workers.envs.base import Environment as PipelineEnvironment
+
+
+class RowsOnly(PipelineEnvironment):
+    """A kind that requires nothing of a task: these tests are about reading rows (a math kind
+    would also require each row's label, see workers/validate.py)."""
+
+    async def start(self, task):  # pragma: no cover - never run
+        raise NotImplementedError
+
+
+ROWS_ONLY = f"{__name__}:RowsOnly"
 
 
 def config_for(**datasets):
     return parse_config({"environments": {
-        name: {"kind": "openreward" if ds.get("source") == "openreward" else "math", "dataset": ds,
+        name: {"kind": "openreward" if ds.get("source") == "openreward" else ROWS_ONLY, "dataset": ds,
                **({"options": ds.pop("_options")} if "_options" in ds else {}),
                **ds.pop("_env", {})}
         for name, ds in datasets.items()
@@ -193,12 +205,12 @@ def test_bad_dataset_settings_name_the_key(tmp_path, dataset, env_extra, message
 
 
 def test_cli_writes_summary_and_fails_cleanly(tmp_path, capsys):
-    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one", "label": "1"}, {"prompt": "two", "label": "2"}])
     cfg = tmp_path / "train_config.yaml"
     cfg.write_text("environments:\n  e:\n    kind: math\n    dataset: {source: jsonl, files: [d.jsonl]}\n")
     assert main(["--config", str(cfg), "--output", str(tmp_path / "t.jsonl")]) == 0
     assert len(read_tasks(tmp_path / "t.jsonl")) == 2
     assert "wrote 2 tasks" in capsys.readouterr().err
-    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one"}, {"prompt": ""}])
-    assert main(["--config", str(cfg), "--output", str(tmp_path / "t2.jsonl")]) == 1
+    write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one", "label": "1"}, {"prompt": "", "label": "2"}])
+    assert main(["--config", str(cfg), "--output", str(tmp_path / "t2.jsonl")]) == 2  # usage/config class
     assert "d.jsonl:2: task" in capsys.readouterr().err and not (tmp_path / "t2.jsonl").exists()

@@ -331,3 +331,101 @@ def test_size_per_thousand_groups(tmp_path, capsys):
     with capsys.disabled():
         print(f"\nledger: {total / 1e6:.1f} MB per 1,000 groups of 8 x (512 + 1024) tokens (raw arrays {raw / 1e6:.1f} MB)")
     assert total < raw
+
+
+# ------------------------------------------------------------------ rollout show
+
+def _tool_group(gid="calc-1:0"):
+    task = Task(id=gid.split(":")[0], env="tools", prompt="Use the calculator. What is 6 * 7?", label="42")
+    messages = [
+        {"role": "user", "content": task.prompt},
+        {"role": "assistant", "content": "Let me compute.",
+         "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "6 * 7"}}}]},
+        {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "42"},
+        {"role": "assistant", "content": "Answer: 42"},
+    ]
+    mask = [1] * 6 + [0] * 4 + [1] * 5
+    sample = Sample.build(
+        tokens=list(range(20)), response_length=15, loss_mask=mask, rollout_log_probs=[-0.5 * m for m in mask],
+        reward=1.0, status=Status.COMPLETED, reward_components={"answer": "42", "correct": True},
+        weight_versions=["7", "8"], policy_versions=[3, 4], policy_run=2, prompt=task.prompt, response="...",
+        label="42", metadata={"messages": messages, "turns": 2, "finished": False, "step_rewards": [],
+                              "turn_log": [{"tokens": 6, "finish": "stop", "weight_versions": ["7"]},
+                                           {"tokens": 5, "finish": "stop", "weight_versions": ["8"]}]},
+    )
+    return SampleGroup(group_id=gid, task=task, admission_version=3, n_samples=1, samples=[sample], worker_id="w-9",
+                       timings={"run_s": 1.25})
+
+
+def _console():
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    return buf, Console(file=buf, width=120, force_terminal=True, color_system="standard")
+
+
+def test_show_renders_a_trained_episode_with_mask_colours(tmp_path):
+    import re
+
+    from pipeline.show import main as show
+
+    d = tmp_path / "led"
+    _write_steps(d, {4: [make_group("other:0", n=1), _tool_group()]})
+    buf, console = _console()
+    assert show(["--dir", str(d), "--group", "calc-1:0"], console=console) == 0
+    out = buf.getvalue()
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    for expected in ("trained in step    4", "position           1", "staleness 1", "policy versions    [3, 4] (run 2)",
+                     'engine labels      ["7", "8"]', "worker             w-9", "Use the calculator. What is 6 * 7?",
+                     'calculator({"expression": "6 * 7"})', "tool calculator · observation · not trained (mask 0)",
+                     "assistant · turn 2 · trained (mask 1)", "11/15 response tokens trained; runs 1×6 0×4 1×5",
+                     "correct", "True"):
+        assert expected in plain, expected
+    assert "\x1b[32mAnswer: 42" in out  # assistant text in green (trained)
+    assert re.search(r"\x1b\[33m42\s*\x1b\[0m", out) or "\x1b[33m42" in out  # tool output in yellow (mask 0)
+    assert "\x1b[32m█" in out and "\x1b[33m░" in out  # the mask bar
+    # by position in the last step, and a clear error for a bad position
+    buf, console = _console()
+    assert show(["--dir", str(d), "--position", "0"], console=console) == 0
+    assert "other:0" in buf.getvalue() and "did not record the conversation" in buf.getvalue()
+    assert show(["--dir", str(d), "--position", "5"], console=console) == 2
+
+
+def test_show_renders_dead_letters(redis_url, namespace):
+    from pipeline.config import ConfigError
+    from pipeline.schema import PromptJob
+    from pipeline.show import main as show
+
+    # a group of the wrong size, dead-lettered by the trainer
+    _push(redis_url, namespace, [_tool_group("calc-2:0")])
+    ds = RedisDataSource(_args(redis_url, namespace))
+    with pytest.raises(ConfigError):
+        ds.get_samples(1)
+    ds.close()
+    where = ["--redis-url", redis_url, "--namespace", namespace]
+    buf, console = _console()
+    assert show(["--dead", *where], console=console) == 0
+    out = buf.getvalue()
+    assert "group has 1 samples, trainer expects 4" in out and "Answer: 42" in out and "calc-2:0" in out
+
+    async def more():
+        client = connect(redis_url)
+        buf_ = GroupBuffer(client, Keys(namespace))
+        job = PromptJob(task=Task(id="j1", env="math", prompt="2+2?", label="4"), epoch=1, n_samples=4, attempt=2)
+        await buf_.dead_letter(source="jobs", reason="job j1: out of tries", payload=encode(job), ref="x")
+        await buf_.dead_letter(source="groups", reason="undecodable", payload=b"\x01junk", ref="y")
+        rows = await client.xrange(Keys(namespace).dead)
+        await client.aclose()
+        return [r[0].decode() for r in rows]
+
+    ids = asyncio.run(more())
+    buf, console = _console()
+    assert show(["--dead", ids[1], *where], console=console) == 0
+    out = buf.getvalue()
+    assert "out of tries" in out and "j1:1r2" in out and "2+2?" in out and "no episode was kept" in out
+    buf, console = _console()
+    assert show(["--dead", ids[2], *where], console=console) == 0
+    assert "undecodable SampleGroup" in buf.getvalue() and "01 6a 75 6e 6b" in buf.getvalue()
+    assert show(["--dead", "1-1", *where], console=console) == 2

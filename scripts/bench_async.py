@@ -179,6 +179,7 @@ class Pipeline:
         args = SimpleNamespace(
             pipeline_redis_url=self.redis_url, pipeline_namespace=self.keys.ns, rollout_batch_size=self.setup.batch_groups,
             n_samples_per_prompt=self.setup.n_samples, pipeline_eta=self.eta, pipeline_stale_policy="requeue",
+            pipeline_trainer_loop="sync",  # this loop's "weights" move right after each step (eta 0 = synchronous)
         )
         source = RedisDataSource(args)
         try:

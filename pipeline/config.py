@@ -184,10 +184,26 @@ def load_config(
         if not isinstance(data, dict):
             raise ConfigError(f"config {where}: top level must be a mapping, got {type(data).__name__}")
     for dotted, value in env_overrides(environ).items():
+        _check_named(dotted, value, f"${ENV_KEYS[dotted]}")
         _set_dotted(data, dotted, value)
     for dotted, value in (overrides or {}).items():
+        _check_named(dotted, value, _FLAGS.get(dotted, dotted))
         _set_dotted(data, dotted, value)
     return parse_config(data, where)
+
+
+_FLAGS = {"redis.url": "--redis-url", "redis.namespace": "--namespace"}
+
+
+def _check_named(dotted: str, value: Any, source: str) -> None:
+    """A Redis URL or namespace from a flag or env var: the error names where it came from."""
+    try:
+        if dotted == "redis.url" and value:
+            check_redis_url(str(value), f"{dotted} from {source}")
+        elif dotted == "redis.namespace":
+            check_namespace(str(value), f"{dotted} from {source}")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 # pipeline YAML key <- environment variable (flag > env var > file > default)

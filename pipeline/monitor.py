@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections import Counter as Tally
@@ -38,13 +37,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
-from pipeline.keys import DEFAULT_NAMESPACE, Counter, Keys
-from pipeline.redis_conn import connect, redact, redis_url_from_env
+from pipeline.keys import Counter, Keys
+from pipeline.redis_conn import connect, redact
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
 
 ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"  # arq 0.28 constants.in_progress_key_prefix
-ENV_NAMESPACE = "ROLLOUT_NAMESPACE"  # as the slime side reads it (config._TRAINER_SOURCES)
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_RECENT_N = 500
 DEFAULT_DEAD_AFTER_S = 20.0  # WorkersSection.dead_after_s
@@ -269,9 +267,9 @@ def to_json(snap: MonitorSnapshot) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout monitor", description="Watch one pipeline's queue, buffer and workers.")
-    p.add_argument("--redis-url", default=None, help="default: the config's redis.url, $ROLLOUT_REDIS_URL or local")
+    p.add_argument("--redis-url", default=None, help="default: $ROLLOUT_REDIS_URL, else the config's redis.url, else local")
     p.add_argument("--namespace", "-n", default=None,
-                   help="key prefix of the pipeline (default: config, $ROLLOUT_NAMESPACE or 'rollout')")
+                   help="key prefix of the pipeline (default: $ROLLOUT_NAMESPACE, else the config's, else 'rollout')")
     p.add_argument("--config", default=None, help="pipeline YAML: redis url, namespace and dead_after_s from it")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S, help="seconds of recent groups for rates")
@@ -280,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     mode.add_argument("--once", action="store_true", help="print the table once and exit")
     mode.add_argument("--serve", type=int, metavar="PORT", help="serve Prometheus text on PORT (/metrics)")
-    p.add_argument("--host", default="0.0.0.0", help="address for --serve")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address for --serve (default 127.0.0.1: this machine only; 0.0.0.0 for a Prometheus elsewhere)")
     p.add_argument("--wandb", action="store_true", help="log every refresh to a wandb run (pip install '.[wandb]')")
     p.add_argument("--wandb-project", default="rollout-pipeline")
     p.add_argument("--wandb-mode", choices=["online", "offline"], default=None, help="default: $WANDB_MODE or online")
@@ -304,14 +303,18 @@ class Target:
 
 
 def resolve_target(args: argparse.Namespace) -> Target:
-    url, ns, dead_after = redis_url_from_env(), os.environ.get(ENV_NAMESPACE, DEFAULT_NAMESPACE), DEFAULT_DEAD_AFTER_S
-    if args.config:
-        from pipeline.config import load_config
+    """Flags > $ROLLOUT_REDIS_URL / $ROLLOUT_NAMESPACE > --config > defaults, as every command."""
+    from pipeline.config import load_config
 
-        cfg = load_config(args.config)
-        url, ns, dead_after = cfg.redis.resolved_url(), cfg.redis.namespace, cfg.workers.dead_after_s
+    overrides = {}
+    if args.redis_url:
+        overrides["redis.url"] = args.redis_url
+    if args.namespace:
+        overrides["redis.namespace"] = args.namespace
+    cfg = load_config(args.config, overrides)  # ConfigError: exit 2 at the CLI boundary
     return Target(
-        redis_url=args.redis_url or url, keys=Keys(args.namespace or ns), dead_after_s=dead_after,
+        redis_url=cfg.redis.resolved_url(), keys=Keys(cfg.redis.namespace),
+        dead_after_s=cfg.workers.dead_after_s if args.config else DEFAULT_DEAD_AFTER_S,
         window_s=args.window, recent_n=args.recent,
     )
 
@@ -339,9 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         snap = asyncio.run(_one_snapshot(target))
     except KeyboardInterrupt:
         return 130
-    except (RedisError, OSError) as exc:
-        print(f"rollout monitor: cannot read {redact(target.redis_url)}: {exc}", file=sys.stderr)
-        return 1
+    except (RedisError, OSError) as exc:  # exit 3: connection (pipeline/cli.py)
+        print(f"rollout monitor: cannot read {redact(target.redis_url)} (namespace {target.keys.ns}): {exc}",
+              file=sys.stderr)
+        return 3
     if args.json:
         print(to_json(snap))
     else:

@@ -31,13 +31,14 @@ import argparse
 import asyncio
 import dataclasses
 import hashlib
+import json
 import logging
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -54,6 +55,7 @@ from pipeline.state import PipelineState
 from pipeline.staleness import admission_headroom
 from producers.admission import Admission, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
+from workers.validate import check_environments, check_tasks
 
 log = logging.getLogger("rollout.enqueue")
 
@@ -83,6 +85,7 @@ class ProducerOptions:
     reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed
     wait_for_trainer: bool = True  # admit nothing until the trainer has published {ns}:trainer
     wait_log_s: float = 5.0  # how often to say that it waits for the trainer
+    progress_s: float = 10.0  # how often to log progress (admitted so far; what it waits for)
 
 
 class Producer:
@@ -100,6 +103,10 @@ class Producer:
         self.stats = ProducerStats()
         self.limits = Limits(1, 0, 1)
         self.epoch = 0
+        self._started = time.monotonic()
+        self._last_progress = time.monotonic()
+        self._position_now = 0
+        self._blocked = False  # the last batch found no headroom (logged at once when it starts)
 
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event) -> ProducerStats:
@@ -117,6 +124,8 @@ class Producer:
                 if not self._epoch_wanted():
                     break
                 progress = await self._admit_batch(order)
+                self._position_now = order.position
+                await self._log_progress(blocked=progress == "blocked")
                 if progress == "epoch-done":
                     self.stats.epochs_done += 1
                     self.epoch += 1
@@ -126,6 +135,27 @@ class Producer:
         finally:
             self.reader.close()
         return self.stats
+
+    async def _log_progress(self, *, blocked: bool) -> None:
+        """Every `progress_s`: what was admitted, and when blocked, which policy version it waits for."""
+        now = time.monotonic()
+        first_block = blocked and not self._blocked
+        self._blocked = blocked
+        if now - self._last_progress < self.options.progress_s and not first_block:
+            return
+        self._last_progress = now
+        size = self.index.epoch_size(self.weights)
+        line = (f"admitted {self.stats.admitted} fresh + {self.stats.requeued} requeued in {now - self._started:.0f}s; "
+                f"epoch {self.epoch}: {self._position_now}/{size}")
+        if blocked:
+            counters = await self.state.counters()
+            live = counters.get(Counter.ENQUEUED, 0) - counters.get(Counter.DISCARDED, 0)
+            version = await self.state.get_version()
+            B, eta = self.limits.batch_size, self.limits.eta
+            needed = max(version + 1, live // max(1, B) - eta)
+            line += (f"; waiting for the trainer to reach policy version {needed} (now {version}): "
+                     f"{live} groups admitted and not discarded = (eta {eta} + v {version} + 1) x B {B} or more")
+        log.info(line)
 
     async def _await_trainer(self, stop: asyncio.Event) -> bool:
         """Wait until the trainer has published its settings (False: stopped while waiting)."""
@@ -352,39 +382,93 @@ def _warn_unmixed(index: TaskIndex, weights: dict[str, float]) -> None:
 # ------------------------------------------------------------------ CLI
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout enqueue", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="rollout enqueue", description=__doc__.split("\n\n")[0],
+                                     epilog="Exit codes: 0 done, 2 usage or configuration, 3 Redis unreachable.")
     parser.add_argument("--tasks", required=True, help="tasks.jsonl written by `rollout prepare`")
     parser.add_argument("--config", default=None, help="pipeline YAML (default: embedded defaults)")
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--redis-url", default=None,
+                        help="overrides $ROLLOUT_REDIS_URL and redis.url (keep passwords in the env var)")
+    parser.add_argument("--namespace", default=None, help="overrides $ROLLOUT_NAMESPACE and redis.namespace")
+    parser.add_argument("--epochs", type=_positive_int, default=1)
     parser.add_argument("--follow", action="store_true", help="keep running: more epochs, keep draining requeues")
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (part of the cursor's fingerprint)")
-    parser.add_argument("--batch", type=int, default=64, help="jobs offered per admission call")
-    parser.add_argument("--poll", type=float, default=0.1, help="seconds between looks at the version while waiting")
-    parser.add_argument("--max-requeues", type=int, default=3)
+    parser.add_argument("--batch", type=_positive_int, default=64, help="jobs offered per admission call")
+    parser.add_argument("--poll", type=_positive_float, default=0.1,
+                        help="seconds between looks at the version while waiting")
+    parser.add_argument("--max-requeues", type=_non_negative_int, default=3)
     parser.add_argument("--reset-cursor", action="store_true", help="start the epochs over (counters are kept)")
     parser.add_argument("--without-trainer", action="store_true",
                         help="admit on this config's B and eta without waiting for the trainer to publish {ns}:trainer")
+    parser.add_argument("--progress", type=_positive_float, default=10.0, metavar="SECONDS",
+                        help="log progress (and what it waits for) this often (default 10)")
+    parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object on stdout")
+    parser.add_argument("--quiet", "-q", action="store_true", help="log warnings only (the summary is still printed)")
     return parser
+
+
+def _number(kind: type, low: float, inclusive: bool) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>=' if inclusive else '>'} {low:g}")
+        return value
+    return parse
+
+
+_positive_int = _number(int, 1, True)
+_non_negative_int = _number(int, 0, True)
+_positive_float = _number(float, 0.0, False)
+
+
+def summary_dict(stats: ProducerStats, elapsed_s: float, *, tasks: str, namespace: str) -> dict[str, Any]:
+    data = dataclasses.asdict(stats)
+    data["wait_s"] = round(stats.wait_s, 3)
+    return {"tasks": tasks, "namespace": namespace, "elapsed_s": round(elapsed_s, 3), **data}
+
+
+def format_summary(stats: ProducerStats, elapsed_s: float, *, tasks: str, namespace: str) -> str:
+    """What a person reads at the end of `rollout enqueue`."""
+    lines = [
+        f"rollout enqueue: {tasks} -> namespace {namespace}, {elapsed_s:.1f}s",
+        f"  admitted      {stats.admitted} fresh task(s), {stats.requeued} requeued; epochs finished: {stats.epochs_done}",
+        f"  refused       {stats.refused} (already queued or finished: duplicate id, another producer, repeated hand-back)",
+        f"  dead-lettered {stats.dead} requeue entries (past --max-requeues or undecodable)",
+        f"  waited        {stats.wait_s:.1f}s for admission headroom or the trainer ({stats.waits} polls)",
+    ]
+    lines += [f"  warning       {w}" for w in stats.warnings]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     options = ProducerOptions(
         seed=args.seed, batch=args.batch, poll_s=args.poll, max_requeues=args.max_requeues,
-        reset_cursor=args.reset_cursor, wait_for_trainer=not args.without_trainer,
+        reset_cursor=args.reset_cursor, wait_for_trainer=not args.without_trainer, progress_s=args.progress,
     )
+    overrides = {k: v for k, v in (("redis.url", args.redis_url), ("redis.namespace", args.namespace)) if v}
+    started = time.monotonic()
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, overrides)
+        check_environments(config)  # kinds and options, before anything is admitted
+        check_tasks(args.tasks, config)  # every task runnable by its environment (a math row's label)
         log.info("enqueue %s -> %s ns=%s", args.tasks, redact(config.redis.resolved_url()), config.redis.namespace)
         stats = asyncio.run(_run_until_signal(config, args.tasks, args.epochs, args.follow, options))
-    except ConfigError as exc:
+    except ConfigError as exc:  # exit 2: usage/config (pipeline/cli.py)
         print(f"rollout enqueue: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except RedisConnectionError as exc:  # RedisUnavailable: past the outage budget
         print(f"rollout enqueue: redis unreachable: {exc}", file=sys.stderr)
         return 3
-    log.info("done: %s", stats)
+    elapsed = time.monotonic() - started
+    if args.json:
+        print(json.dumps(summary_dict(stats, elapsed, tasks=args.tasks, namespace=config.redis.namespace)))
+    else:
+        print(format_summary(stats, elapsed, tasks=args.tasks, namespace=config.redis.namespace))
     return 0
 
 

@@ -44,12 +44,12 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pipeline.config import parse_config
+from pipeline.config import ENV_NAMESPACE, check_redis_url, parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.fake_redis import FakeRedisServer
 from pipeline.local_redis import LocalRedis
 from pipeline.monitor import MonitorSnapshot, snapshot
-from pipeline.redis_conn import connect, redact
+from pipeline.redis_conn import ENV_REDIS_URL, connect, redact
 
 TASKS_FILE = Path(__file__).with_name("demo_tasks.jsonl")
 DEFAULT_NAMESPACE = "demo"
@@ -266,12 +266,14 @@ def _live_view(progress: Progress, snap: MonitorSnapshot | None) -> Group:
     return Group(progress, line)
 
 
-def start_pool(config_path: Path, profile: Profile, log_path: Path) -> subprocess.Popen:
-    """`rollout workers` in its own session: the demo decides when it drains."""
+def start_pool(config_path: Path, profile: Profile, log_path: Path, redis_url: str, ns: str) -> subprocess.Popen:
+    """`rollout workers` in its own session: the demo decides when it drains. The Redis URL (maybe
+    with a password) travels in the child's environment, never in a file or on its command line."""
     cmd = [sys.executable, "-m", "pipeline.cli", "workers", "--config", str(config_path),
            "--processes", str(profile.worker_processes)]
+    env = {**os.environ, ENV_REDIS_URL: redis_url, ENV_NAMESPACE: ns}
     with open(log_path, "ab") as log:
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
 
 def stop_pool(pool: subprocess.Popen, grace_s: float) -> None:
@@ -298,9 +300,11 @@ async def run_demo(
     async with serve_sim_engine(sim) as engine:
         data = pipeline_config(profile, redis_url, ns, engine.url, tokenizer)
         config_path = workdir / "pipeline.yaml"
-        config_path.write_text(yaml.safe_dump(data, sort_keys=False))
+        # The file carries no Redis URL (it may hold a password): the pool gets it in its environment.
+        on_disk = {**data, "redis": {"url": "", "namespace": ns}}
+        config_path.write_text(yaml.safe_dump(on_disk, sort_keys=False))
         config = parse_config(data, str(config_path))
-        pool = start_pool(config_path, profile, workdir / "workers.log")
+        pool = start_pool(config_path, profile, workdir / "workers.log", redis_url, ns)
         stop = asyncio.Event()
         producer = asyncio.create_task(run_producer(config, TASKS_FILE, follow=True, stop_event=stop))
         trainer = Trainer(profile, trainer_args(profile, redis_url, ns), engine.url)
@@ -351,15 +355,29 @@ def _private_redis(choice: str, console: Console) -> LocalRedis | FakeRedisServe
     return FakeRedisServer(detached=True)
 
 
+async def _ping(url: str) -> None:
+    redis = connect(url, retries=1)
+    try:
+        await redis.ping()
+    finally:
+        await redis.aclose()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout demo", description="Run the whole pipeline on this machine.")
     p.add_argument("--short", action="store_true", help="a few seconds of work (the tests' profile)")
     p.add_argument("--steps", type=int, default=None, help="training steps (default: the profile's)")
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    p.add_argument("--redis-url", default=None,
+                   help="use this Redis instead of a private one (default: $ROLLOUT_REDIS_URL when set; "
+                        "a password is kept in memory and the environment, never written to disk)")
     p.add_argument("--private-redis", choices=["auto", "server", "fake"], default="auto",
                    help="the private Redis: a redis-server on a free port, fakeredis's TCP server in a "
                         "subprocess, or auto = redis-server when on PATH, else fakeredis (default)")
-    p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="key prefix (use a fresh one on a shared Redis)")
+    p.add_argument("--namespace", default=None,
+                   help=f"key prefix (default: {DEFAULT_NAMESPACE!r} on the private Redis, a fresh demo-<hex> on yours)")
+    p.add_argument("--eta", type=int, default=None,
+                   help="staleness bound (default: the profile's, 2); compare --eta 0 (synchronous: the trainer "
+                        "waits for every batch) with --eta 2 in the summary's wait ratio and staleness max")
     p.add_argument("--summary-json", default=None, help="also write the summary to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, worker log)")
     args = p.parse_args(argv)
@@ -367,7 +385,20 @@ def main(argv: list[str] | None = None) -> int:
     profile = PROFILES[name]
     if args.steps is not None:
         profile = Profile(**{**asdict(profile), "steps": args.steps})
-    if args.redis_url is None and args.private_redis == "server" and shutil.which("redis-server") is None:
+    if args.eta is not None:
+        if args.eta < 0:
+            p.error("--eta must be >= 0")
+        profile = Profile(**{**asdict(profile), "eta": args.eta})
+    external_url = args.redis_url or os.environ.get(ENV_REDIS_URL) or None
+    if external_url:
+        try:
+            check_redis_url(external_url, "--redis-url" if args.redis_url else f"${ENV_REDIS_URL}")
+        except ValueError as exc:
+            print(f"rollout demo: {exc}", file=sys.stderr)
+            return 2
+    # never the pipeline's own namespace of a shared Redis unless asked for by name
+    namespace = args.namespace or (f"demo-{os.urandom(3).hex()}" if external_url else DEFAULT_NAMESPACE)
+    if external_url is None and args.private_redis == "server" and shutil.which("redis-server") is None:
         print("rollout demo: redis-server not found on PATH (Debian/Ubuntu: apt-get install redis-server); "
               "use --private-redis fake or --redis-url", file=sys.stderr)
         return 2
@@ -375,16 +406,22 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="rollout-demo-"))
     try:
         with contextlib.ExitStack() as stack:
-            redis_url = args.redis_url or stack.enter_context(_private_redis(args.private_redis, console)).url
+            redis_url = external_url or stack.enter_context(_private_redis(args.private_redis, console)).url
+            if external_url:  # a wrong URL or password: one line (exit 3) before anything starts
+                asyncio.run(_ping(redis_url))
             console.print(f"[bold]rollout demo[/bold] ({name}): {profile.steps} steps x {profile.batch} groups x "
                           f"{profile.n} samples, eta={profile.eta}, {profile.worker_processes} worker process(es)\n"
-                          f"redis {redact(redis_url)} namespace {args.namespace}; run directory {workdir}")
-            summary = asyncio.run(run_demo(name, profile, redis_url, args.namespace, workdir, console))
+                          f"redis {redact(redis_url)} namespace {namespace}; run directory {workdir}")
+            summary = asyncio.run(run_demo(name, profile, redis_url, namespace, workdir, console))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: producer, workers, engine and redis were shut down[/yellow]")
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
         return 130
+    except BaseException:  # reported by the CLI's error boundary (a connection error: exit 3)
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        raise
     console.print(summary_table(summary))
     if args.summary_json:
         Path(args.summary_json).write_text(json.dumps(asdict(summary), indent=2))

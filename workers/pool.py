@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.verbose)
     try:
         config = config_from_args(args)
+        from workers.validate import check_environments
+
+        check_environments(config)  # kinds and options: a typo fails here, not in every job
     except ConfigError as exc:
         print(f"rollout workers: {exc}", file=sys.stderr)
         return 2

@@ -313,6 +313,8 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
     from pipeline.ledger import Ledger, LedgerError
 
     ledger = Ledger(args.dir)
+    if not ledger.dir.is_dir():
+        raise ShowError(f"ledger {args.dir} is not a directory")
     try:
         if args.group:
             lg = ledger.find(args.group, args.step)
@@ -339,6 +341,7 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
 def _dead(args: argparse.Namespace, tokenizer: Any) -> RenderableType:
     from pipeline.keys import Keys
     from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, connect, redact
+    from redis.exceptions import RedisError
 
     url = args.redis_url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
     keys = Keys(args.namespace)
@@ -354,8 +357,8 @@ def _dead(args: argparse.Namespace, tokenizer: Any) -> RenderableType:
 
     try:
         rows = asyncio.run(fetch())
-    except Exception as exc:  # noqa: BLE001
-        raise ShowError(f"cannot read {keys.dead} at {redact(url)}: {type(exc).__name__}: {exc}") from None
+    except (OSError, RedisError) as exc:  # unreachable, refused, auth: the CLI's connection class (exit 3)
+        raise ConnectionError(f"cannot read {keys.dead} at {redact(url)}: {type(exc).__name__}: {exc}") from None
     if not rows:
         raise ShowError(f"{keys.dead} at {redact(url)} has no entry {'' if args.dead == 'last' else args.dead}".rstrip())
     raw_id, raw_fields = rows[0]

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 LEDGER_FORMAT = "1"
 FILE_PATTERN = re.compile(r"^step-(\d+)\.parquet$")
 COMPRESSION = "zstd"
+PLAIN_CONVERSATION = "prompt+response"  # = workers.episode.PLAIN_CONVERSATION (no import of workers here)
 
 # columns without the per-token arrays: what list/summary read (fast, small)
 LIGHT_COLUMNS = [
@@ -435,18 +436,19 @@ def export(ledger: Ledger, output: str | os.PathLike[str], *, start: int | None 
 def episode_record(task: Task, sample: Sample) -> tuple[Any, bool]:
     """The `EpisodeRecord` verify saw, rebuilt from the stored sample, and whether it is exact.
 
-    Exact when the worker recorded the conversation (`metadata.messages`); otherwise (groups
-    from older workers or built elsewhere) the prompt plus the whole response as one
-    assistant message, which is what a single-turn episode's record is."""
+    Exact when the worker recorded the conversation (`metadata.messages`: the messages, or
+    "prompt+response" for a plain single-turn episode); otherwise (groups from older workers
+    or built elsewhere) the same prompt + response reconstruction, which is exact for a plain
+    single-turn episode only."""
     from workers.envs.base import EpisodeRecord
 
     meta = sample.metadata
     messages = meta.get("messages")
-    exact = isinstance(messages, list)
-    if not exact:
+    exact = isinstance(messages, list) or messages == PLAIN_CONVERSATION
+    if not isinstance(messages, list):
         prompt = task.prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        messages.append({"role": "assistant", "content": sample.response})
+        messages.append({"role": "assistant", "content": sample.response.strip()})
     record = EpisodeRecord(
         task=task,
         messages=messages,

@@ -190,8 +190,11 @@ def render_sample(group: SampleGroup, j: int, *, context: list[tuple[str, Any]] 
     else:
         prompt = s.prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        parts += conversation(messages + [{"role": "assistant", "content": s.response}], list(meta.get("turn_log") or []))
-        parts.append(Text("(the worker did not record the conversation: prompt and decoded response shown)", style="dim"))
+        parts += conversation(messages + [{"role": "assistant", "content": s.response.strip()}],
+                              list(meta.get("turn_log") or []))
+        if meta.get("messages") != "prompt+response":  # the worker's marker of a plain single-turn episode
+            parts.append(Text("(the worker did not record the conversation: prompt and decoded response shown)",
+                              style="dim"))
     mask = list(s.loss_mask_array().tolist())
     if tokenizer is not None:
         parts.append(Panel(token_text(s.token_array().tolist(), s.response_length, mask, tokenizer),

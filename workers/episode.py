@@ -33,6 +33,9 @@ from workers.tools import ParsedTurn, ToolParser, get_parser, run_parser
 
 log = logging.getLogger(__name__)
 
+# metadata["messages"] of a plain single-turn episode: the task's prompt, then the response (stripped)
+PLAIN_CONVERSATION = "prompt+response"
+
 
 @dataclass(frozen=True)
 class EpisodeSettings:
@@ -291,11 +294,14 @@ class EpisodeRunner:
             "step_rewards": trace.step_rewards,
             "finished": trace.finished,
             "episode_s": round(time.monotonic() - started, 6),
-            # the conversation verify saw (prompt, assistant turns with tool calls, observations):
-            # what `rollout ledger rescore` verifies again and `rollout show` renders
-            "messages": trace.messages,
         }
         response = self.chat.decode(response_ids)
+        # The conversation verify saw (prompt, assistant turns with tool calls, observations): what
+        # `rollout ledger rescore` verifies again and `rollout show` renders. When it is just the
+        # task's prompt and the response (a plain single-turn episode), a marker says so instead
+        # of repeating both on the wire (pipeline/ledger.py rebuilds it).
+        plain = _task_messages(task) + [{"role": "assistant", "content": response.strip()}]
+        metadata["messages"] = PLAIN_CONVERSATION if trace.messages == plain else trace.messages
         response_text = " ".join(t.get("text", "") for t in trace.turns)
         if response_text != response:  # multi-turn: verify's response_text is the model's turns alone
             metadata["response_text"] = response_text

@@ -482,3 +482,16 @@ async def test_demo_ledger_holds_every_trained_group_once_and_rescores_identical
     assert await asyncio.to_thread(show, ["--dir", str(d), "--group", tool_group.group.group_id, "--all"],
                                    console=console) == 0
     assert "→ calculator(" in buf.getvalue() and "tool calculator · observation · not trained" in buf.getvalue()
+
+
+def test_show_with_a_tokenizer_colours_the_decoded_tokens_by_mask(tmp_path):
+    from pipeline.show import token_text
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(f"<{i}>" for i in ids)
+
+    text = token_text(list(range(10)), 6, [1, 1, 0, 0, 1, 1], Tok())
+    assert text.plain == "<4><5><6><7><8><9>"
+    spans = [(text.plain[s.start:s.end], str(s.style)) for s in text.spans]
+    assert spans == [("<4><5>", "green"), ("<6><7>", "yellow dim"), ("<8><9>", "green")]

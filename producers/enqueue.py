@@ -53,7 +53,7 @@ from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.state import PipelineState
 from pipeline.staleness import admission_headroom
-from producers.admission import Admission, Limits, job_envelope, resolve_limits
+from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
 from workers.validate import check_environments, check_tasks
 
@@ -464,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
     except RedisConnectionError as exc:  # RedisUnavailable: past the outage budget
         print(f"rollout enqueue: redis unreachable: {exc}", file=sys.stderr)
         return 3
+    except CursorMoved as exc:  # exit 2: a usage error (one producer per namespace)
+        print(f"rollout enqueue: another producer is admitting in namespace {config.redis.namespace} ({exc}); "
+              "run one producer per namespace", file=sys.stderr)
+        return 2
     elapsed = time.monotonic() - started
     if args.json:
         print(json.dumps(summary_dict(stats, elapsed, tasks=args.tasks, namespace=config.redis.namespace)))

@@ -365,6 +365,53 @@ def test_no_pytorch_warning_on_commands():
     assert os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS") == "1"
 
 
-def test_quickstart_local_exists_and_names_the_weight_version_push():
-    text = (REPO / "docs" / "quickstart-local.md").read_text()
-    assert "update_weight_version" in text and "generate_rollout" in text and "source.save" in text
+QUICKSTART = REPO / "docs" / "quickstart-local.md"
+
+
+def test_quickstart_local_trainer_loop_moves_the_engine_version():
+    import re
+
+    text = QUICKSTART.read_text()
+    loop = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    compile(loop, "trainer.py", "exec")
+    assert len(loop.strip().splitlines()) <= 32
+    for needed in ("RedisDataSource(args)", "generate_rollout(args, step, source)", "source.save(step)",
+                   "/update_weight_version", 'pipeline_trainer_loop="sync"'):
+        assert needed in loop, needed
+    assert "waiting for the trainer to publish the engines' policy version" in text
+
+
+def _recorded_session() -> list[tuple[str, list[str], int]]:
+    text = QUICKSTART.read_text()
+    block = text.split("A session of the first hour, recorded", 1)[1].split("```console\n", 1)[1].split("```", 1)[0]
+    steps: list[tuple[str, list[str], int]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], [], -1))
+        elif line.startswith("[exit ") and steps:
+            command, expected, _ = steps[-1]
+            steps[-1] = (command, expected, int(line[6:-1]))
+        elif line.strip() and steps:
+            steps[-1][1].append(line)
+    return steps
+
+
+def test_quickstart_recorded_session_replays(tmp_path):
+    """Each `$ command` of the recorded session prints lines starting with the recorded ones
+    and exits with the recorded code."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "rollout").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pipeline.cli "$@"\n')
+    (shim / "rollout").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env.update(PATH=f"{shim}:{env['PATH']}", PYTHONPATH=str(REPO), ROLLOUT_REDIS_OUTAGE_S="1")
+    steps = _recorded_session()
+    assert len(steps) >= 6
+    for command, expected, code in steps:
+        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, text=True, capture_output=True,
+                                timeout=60)
+        lines = [line.strip() for line in (result.stdout + result.stderr).splitlines()]
+        assert "Traceback" not in result.stderr, command
+        assert result.returncode == code, (command, result.returncode, result.stderr)
+        for want in expected:
+            assert any(line.startswith(want.strip()) for line in lines), (command, want, lines)

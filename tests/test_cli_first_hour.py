@@ -277,7 +277,7 @@ def test_enqueue_and_workers_take_namespace_and_redis_url_flags():
 def test_demo_never_writes_the_password_and_honours_the_env_var(tmp_path, password_redis):
     url = f"redis://:{PASSWORD}@127.0.0.1:{password_redis}/0"
     summary = tmp_path / "s.json"
-    result = rollout("demo", "--short", "--keep", "--summary-json", str(summary), env={
+    result = rollout("demo", "--short", "--eta", "2", "--keep", "--summary-json", str(summary), env={
         "ROLLOUT_REDIS_URL": url, "TMPDIR": str(tmp_path)}, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert PASSWORD not in result.stdout + result.stderr
@@ -286,7 +286,8 @@ def test_demo_never_writes_the_password_and_honours_the_env_var(tmp_path, passwo
     for path in [p for d in run_dirs for p in d.rglob("*") if p.is_file()] + [summary]:
         assert PASSWORD.encode() not in path.read_bytes(), path
     assert "namespace demo-" in result.stdout  # a fresh namespace on a Redis that is not the demo's own
-    assert json.loads(summary.read_text())["steps"] == 3
+    figures = json.loads(summary.read_text())
+    assert figures["steps"] == 3 and figures["eta"] == 2 and figures["staleness_max"] <= 2  # --eta is the run's bound
 
 
 def test_demo_wrong_password_is_one_line_exit_3(tmp_path, password_redis):

@@ -496,7 +496,7 @@ def _run_pool(pool, *, sigterm_after: float | None = None, timeout: float = 30.0
 
 
 def test_pool_gives_up_on_a_crash_loop():
-    from tests.chaos_helpers import child_exit
+    from tests.pool_children import child_exit
 
     pool = _pool(child_exit, 3, backoff_s=0.05, max_restarts=2, window_s=60)
     status, _ = _run_pool(pool)
@@ -504,7 +504,7 @@ def test_pool_gives_up_on_a_crash_loop():
 
 
 def test_pool_told_to_stop_during_a_restart_backoff_starts_nothing():
-    from tests.chaos_helpers import child_exit
+    from tests.pool_children import child_exit
 
     pool = _pool(child_exit, 1, backoff_s=5.0)
     status, seconds = _run_pool(pool, sigterm_after=1.0)
@@ -513,7 +513,7 @@ def test_pool_told_to_stop_during_a_restart_backoff_starts_nothing():
 
 
 def test_pool_does_not_restart_a_child_that_drained_and_exited_cleanly():
-    from tests.chaos_helpers import child_exit
+    from tests.pool_children import child_exit
 
     pool = _pool(child_exit, 0, 0.2, processes=2)
     status, seconds = _run_pool(pool)
@@ -521,7 +521,7 @@ def test_pool_does_not_restart_a_child_that_drained_and_exited_cleanly():
 
 
 def test_pool_sigkills_a_child_that_does_not_drain():
-    from tests.chaos_helpers import child_drains, child_ignores_sigterm
+    from tests.pool_children import child_drains, child_ignores_sigterm
 
     pool = _pool(child_ignores_sigterm, 0, kill_after_s=0.5)
     status, seconds = _run_pool(pool, sigterm_after=1.5)

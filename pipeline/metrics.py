@@ -40,6 +40,7 @@ def figures(snap: "MonitorSnapshot") -> dict[str, float]:
         "buffer/pending": snap.buffer_pending,
         "dead_letters": snap.dead_letters,
         "requeue_waiting": snap.requeue_waiting,
+        "stale/share": snap.stale_share,
         "workers/live": snap.workers_live,
         "workers/known": len(snap.workers),
         "policy_version": snap.policy_version,
@@ -101,6 +102,7 @@ def prometheus_families(snap: "MonitorSnapshot") -> list[Metric]:
                {"ready": snap.buffer_ready, "pending": snap.buffer_pending})
     m.gauge("dead_letters", "entries in the dead-letter stream", snap.dead_letters)
     m.gauge("requeue_waiting", "tasks handed back by the trainer, not yet re-admitted", snap.requeue_waiting)
+    m.gauge("stale_share", "share of groups the trainer read that were rejected as stale (all time)", snap.stale_share)
     m.labelled("workers", "workers by liveness", "state",
                {"live": snap.workers_live, "dead": len(snap.workers) - snap.workers_live})
     m.labelled("worker_heartbeat_age_seconds", "seconds since each worker's last heartbeat", "worker",

@@ -102,6 +102,10 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     staleness_hist: dict[int, int]  # policy_version - admission_version -> groups
     staleness_max: int | None
     envs: dict[str, EnvStats]
+    # groups the trainer rejected as older than eta, and their share of all it read (all time):
+    # near 1 is a stale storm (the engines' weights behind the policy version, or eta too small)
+    stale_rejected: int = 0
+    stale_share: float = 0.0
 
 
 async def snapshot(
@@ -154,7 +158,13 @@ async def snapshot(
         staleness_hist=staleness_histogram(recent, version),
         staleness_max=max((version - s.admission_version for s in recent), default=None),
         envs=env_stats(recent),
+        stale_rejected=counters.get(Counter.STALE, 0),
+        stale_share=_share(counters.get(Counter.STALE, 0), counters.get(Counter.ACCEPTED, 0)),
     )
+
+
+def _share(part: int, rest: int) -> float:
+    return round(part / (part + rest), 4) if part + rest else 0.0
 
 
 async def _count_in_progress(redis: aioredis.Redis, job_ids: Sequence[bytes]) -> int:

@@ -33,6 +33,7 @@ def _overview(snap: MonitorSnapshot) -> Table:
         ("buffer pending", snap.buffer_pending, "admission headroom", headroom),
         ("dead letters", snap.dead_letters, "eta", eta),
         ("requeue waiting", snap.requeue_waiting, "workers live", f"{snap.workers_live}/{len(snap.workers)}"),
+        ("stale rejected", f"{snap.stale_rejected} ({snap.stale_share:.0%} of groups read)", "", ""),
     ]
     for row in rows:
         t.add_row(*(str(cell) for cell in row))

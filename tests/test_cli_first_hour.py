@@ -416,3 +416,16 @@ def test_quickstart_recorded_session_replays(tmp_path):
         assert result.returncode == code, (command, result.returncode, result.stderr)
         for want in expected:
             assert any(line.startswith(want.strip()) for line in lines), (command, want, lines)
+
+
+def test_monitor_shows_the_stale_rejection_share(redis_url, namespace):
+    import redis as redis_sync
+
+    client = redis_sync.Redis.from_url(redis_url)
+    client.hset(f"{namespace}:counters", mapping={"stale": 30, "accepted": 10})
+    result = rollout("monitor", "--json", env={"ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_NAMESPACE": namespace})
+    assert result.returncode == 0, result.stderr
+    snap = json.loads(result.stdout)
+    assert snap["stale_rejected"] == 30 and snap["stale_share"] == 0.75
+    table = rollout("monitor", "--once", env={"ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_NAMESPACE": namespace})
+    assert table.returncode == 0 and "30 (75% of groups read)" in table.stdout

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-import msgspec
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-from pipeline.monitor import MonitorSnapshot, Target, counter_throughput
+from pipeline.monitor import MonitorSnapshot, Target
 from pipeline.redis_conn import connect, redact
 
 MAX_WORKER_ROWS = 12
@@ -26,10 +25,10 @@ def _overview(snap: MonitorSnapshot) -> Table:
     headroom = "no trainer yet" if snap.admission_headroom is None else str(snap.admission_headroom)
     eta = "-" if snap.trainer is None else f"{snap.trainer.eta} (B={snap.trainer.rollout_batch_size})"
     rows = [
-        ("queue ready", q.ready, "groups/min", f"{tp.groups_per_min:.1f}"),
+        ("queue ready", q.ready, "groups pushed/min", f"{tp.groups_per_min:.1f}"),
         ("queue deferred", q.deferred, "episodes/min", f"{tp.episodes_per_min:.1f}"),
         ("jobs running", f"{q.running} (counter {snap.running_counter})", "tokens/s", f"{tp.tokens_per_s:,.0f}"),
-        ("buffer ready", snap.buffer_ready, "rates from", f"{tp.source}, {tp.span_s:.0f}s"),
+        ("buffer ready", snap.buffer_ready, "rates over", f"groups pushed in the last {tp.span_s:.0f}s"),
         ("buffer pending", snap.buffer_pending, "admission headroom", headroom),
         ("dead letters", snap.dead_letters, "eta", eta),
         ("requeue waiting", snap.requeue_waiting, "workers live", f"{snap.workers_live}/{len(snap.workers)}"),
@@ -85,22 +84,19 @@ def print_once(snap: MonitorSnapshot, console: Console | None = None) -> None:
 
 
 async def run_live(target: Target, args: argparse.Namespace) -> int:
-    """Refresh every `args.interval` s; after the first refresh, rates come from counter deltas."""
+    """Refresh every `args.interval` s. Rates are the snapshot's own (groups pushed within the
+    window, as `--json` and Prometheus report them): one definition of throughput everywhere."""
     logger = None
     if args.wandb:
         from pipeline.metrics import WandbLogger
 
         logger = WandbLogger(project=args.wandb_project, namespace=target.keys.ns, mode=args.wandb_mode)
     redis = connect(target.redis_url, retries=2)
-    previous: MonitorSnapshot | None = None
     header = f"[dim]{redact(target.redis_url)} · every {args.interval:g}s · Ctrl-C quits[/dim]"
     try:
         with Live(Panel(header), refresh_per_second=4, screen=False) as live:
             while True:
                 snap = await target.snapshot(redis)
-                if previous is not None:
-                    snap = msgspec.structs.replace(snap, throughput=counter_throughput(previous, snap))
-                previous = snap
                 live.update(Group(render(snap), header))
                 if logger is not None:
                     logger.log(snap)

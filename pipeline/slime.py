@@ -287,6 +287,8 @@ class RedisDataSource(_DataSourceBase):
         # slime labels the k-th weight push of a trainer process str(start_version + k)
         self.first_label = int(getattr(args, "update_weight_start_version", None) or 0) + 1
         self._run_starts: dict[int, int] = {}
+        self._warned_stale = False
+        self._engine_version: int | None = None  # last published
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
             self._run(self.buffer.ensure_group())
@@ -400,6 +402,16 @@ class RedisDataSource(_DataSourceBase):
             stats.rewards[entry.group.env].extend(entry.group.rewards())
             stats.samples_failed += sum(s.status is Status.FAILED for s in entry.group.samples)
         stats.wait_s = time.monotonic() - started
+        if stats.stale > len(entries) and not self._warned_stale:
+            self._warned_stale = True  # once: a storm would otherwise log every step
+            log.warning(
+                "rollout %d: %d of %d groups read were stale (eta %d): the policy is at version %d, the engines at "
+                "%s per the trainer loop law; likely cause: eta below what this loop and --update-weights-interval "
+                "need, workers too slow for eta, or a trainer loop that never moves the engines' weights "
+                "(pipeline_trainer_loop=%s, see docs/architecture.md 'Off-policy control')",
+                rid, stats.stale, stats.stale + len(entries), self.settings.eta, version,
+                self._engine_version, self.settings.trainer_loop.value,
+            )
         return entries, stats
 
     def _oldest(self, group: SampleGroup) -> int:
@@ -470,9 +482,10 @@ class RedisDataSource(_DataSourceBase):
             self.first_rollout_id = rollout_id
         law = {"start": self.first_rollout_id, "interval": self.update_interval, "loop": self.settings.trainer_loop}
         labels = label_versions(rollout_id, **law, first_label=self.first_label)
+        self._engine_version = engine_policy_version(rollout_id, **law)
         self._publish_settings()
         self._run(self.state.publish_policy(
-            run=self.run_id, start=self.first_rollout_id, engine_version=engine_policy_version(rollout_id, **law),
+            run=self.run_id, start=self.first_rollout_id, engine_version=self._engine_version,
             rollout_id=rollout_id, labels=dict(list(labels.items())[-3:]),  # current, previous and next push
         ))
 

@@ -288,3 +288,15 @@ def test_evaluation_runs_slimes_eval_rollout_and_leaves_the_buffer_alone(redis_u
     assert out.data == {"aime": {"rewards": [1.0]}} and calls == [(ds.args, 7)]
     assert len(ds) == 1 and _counters(redis_url, namespace).get(Counter.ACCEPTED, 0) == 0  # training data untouched
     ds.close()
+
+
+def test_a_stale_storm_is_named_once(redis_url, namespace, caplog):
+    stale = [make_group(f"old{i}:0", n=4, admission_version=0) for i in range(4)]
+    _push(redis_url, namespace, [*stale, make_group("new:0", n=4, admission_version=6), make_group("new2:0", n=4, admission_version=7)])
+    ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=1, pipeline_stale_policy="drop", rollout_batch_size=1))
+    with caplog.at_level("WARNING", logger="pipeline.slime"):
+        generate_rollout(ds.args, 6, ds)
+        generate_rollout(ds.args, 7, ds)
+    storms = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]
+    assert len(storms) == 1 and "policy is at version 6" in storms[0] and "eta 1" in storms[0]
+    ds.close()

@@ -54,6 +54,8 @@ def figures(snap: "MonitorSnapshot") -> dict[str, float]:
         f["staleness/max"] = snap.staleness_max
     for lag, groups in snap.staleness_hist.items():
         f[f"staleness/hist/{lag}"] = groups
+    if snap.waiting_staleness_max is not None:
+        f["staleness/waiting_max"] = snap.waiting_staleness_max
     for env, stats in snap.envs.items():
         f[f"env/{env}/reward_mean"] = stats.reward_mean
         f[f"env/{env}/failure_rate"] = stats.failure_rate
@@ -116,6 +118,10 @@ def prometheus_families(snap: "MonitorSnapshot") -> list[Metric]:
     m.labelled("recent_staleness_groups", "recent groups by staleness (version - admission version)",
                "staleness", snap.staleness_hist)
     m.gauge("recent_staleness_max", "largest staleness among recent groups", snap.staleness_max)
+    m.labelled("waiting_staleness_groups", "groups the trainer has not read yet, by staleness if read now",
+               "staleness", snap.waiting_staleness_hist)
+    m.gauge("waiting_staleness_max", "largest staleness among the groups the trainer has not read yet",
+            snap.waiting_staleness_max)
     m.labelled("env_reward_mean", "mean reward of recent groups", "env",
                {e: s.reward_mean for e, s in snap.envs.items()})
     m.labelled("env_failure_rate", "failed episodes / episodes in recent groups", "env",

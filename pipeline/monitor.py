@@ -30,14 +30,14 @@ import sys
 import time
 from collections import Counter as Tally
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, Union
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
-from pipeline.keys import Counter, Keys
+from pipeline.keys import TRAINER_GROUP, Counter, Keys
 from pipeline.redis_conn import connect, redact
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
@@ -106,6 +106,10 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     # near 1 is a stale storm (the engines' weights behind the policy version, or eta too small)
     stale_rejected: int = 0
     stale_share: float = 0.0
+    # what the trainer would see if it read now: version - admission version of the groups
+    # waiting in the buffer (not yet handed out; at most MAX_WAITING_READ of them)
+    waiting_staleness_hist: dict[int, int] = {}
+    waiting_staleness_max: Union[int, None] = None
 
 
 async def snapshot(
@@ -138,6 +142,7 @@ async def snapshot(
     running = await _count_in_progress(redis, due_ids)
     workers = await _worker_statuses(redis, keys, beats, now, dead_after_s)
     recent = _decode_summaries(raw_recent)
+    waiting = [version - v for v in await _waiting_admission_versions(redis, keys)]
     return MonitorSnapshot(
         at=now,
         namespace=keys.ns,
@@ -160,7 +165,41 @@ async def snapshot(
         envs=env_stats(recent),
         stale_rejected=counters.get(Counter.STALE, 0),
         stale_share=_share(counters.get(Counter.STALE, 0), counters.get(Counter.ACCEPTED, 0)),
+        waiting_staleness_hist=dict(sorted(Tally(waiting).items())),
+        waiting_staleness_max=max(waiting, default=None),
     )
+
+
+class _Admitted(msgspec.Struct):
+    """The one field of a stored SampleGroup the monitor needs (the rest is skipped)."""
+
+    admission_version: int
+
+
+_admitted_decoder = msgspec.msgpack.Decoder(_Admitted)
+MAX_WAITING_READ = 1000
+
+
+async def _waiting_admission_versions(redis: aioredis.Redis, keys: Keys, limit: int = MAX_WAITING_READ) -> list[int]:
+    """Admission versions of the groups after the trainer's last-delivered id (not handed out yet)."""
+    try:
+        groups = await redis.xinfo_groups(keys.groups)
+    except ResponseError:  # no stream yet
+        return []
+    last = None
+    for info in groups:
+        name = info.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) == TRAINER_GROUP:
+            raw = info.get("last-delivered-id")
+            last = raw.decode() if isinstance(raw, bytes) else raw
+    start = "-" if last in (None, "0-0") else f"({last}"
+    out = []
+    for _id, fields in await redis.xrange(keys.groups, min=start, max="+", count=limit):
+        try:
+            out.append(_admitted_decoder.decode(fields[b"g"]).admission_version)
+        except (KeyError, msgspec.DecodeError):
+            continue  # a foreign or corrupt entry must not blind the monitor
+    return out
 
 
 def _share(part: int, rest: int) -> float:

@@ -40,18 +40,24 @@ def _overview(snap: MonitorSnapshot) -> Table:
 
 
 def _staleness(snap: MonitorSnapshot) -> Table:
-    t = Table(title=f"staleness of the last {snap.recent_groups} groups (version - admission version)",
-              title_justify="left")
+    """Two histograms: the groups waiting for the trainer (what its next read would see) and the
+    last pushed groups, trained or not, seen from the current version (an upper bound on lag)."""
+    t = Table(title="staleness (version - admission version)", title_justify="left",
+              caption=f"waiting: the {sum(snap.waiting_staleness_hist.values())} groups the trainer has not read yet; "
+                      f"pushed: the last {snap.recent_groups} groups pushed, trained or not", caption_justify="left")
     t.add_column("lag", justify="right")
-    t.add_column("groups", justify="right")
+    t.add_column("waiting", justify="right")
+    t.add_column(f"last {snap.recent_groups} pushed", justify="right")
     t.add_column("")
     biggest = max(snap.staleness_hist.values(), default=0)
     eta = snap.trainer.eta if snap.trainer else None
-    for lag, groups in snap.staleness_hist.items():
-        bar = "█" * max(1, round(BAR_WIDTH * groups / biggest)) if biggest else ""
+    for lag in sorted(set(snap.staleness_hist) | set(snap.waiting_staleness_hist)):
+        groups = snap.staleness_hist.get(lag, 0)
+        bar = "█" * max(1, round(BAR_WIDTH * groups / biggest)) if biggest and groups else ""
         style = "red" if eta is not None and lag > eta else "green"
-        t.add_row(str(lag), str(groups), f"[{style}]{bar}[/{style}]")
+        t.add_row(str(lag), str(snap.waiting_staleness_hist.get(lag, 0)), str(groups), f"[{style}]{bar}[/{style}]")
     return t
+
 
 
 def _envs(snap: MonitorSnapshot) -> Table:

@@ -429,3 +429,26 @@ def test_monitor_shows_the_stale_rejection_share(redis_url, namespace):
     assert snap["stale_rejected"] == 30 and snap["stale_share"] == 0.75
     table = rollout("monitor", "--once", env={"ROLLOUT_REDIS_URL": redis_url, "ROLLOUT_NAMESPACE": namespace})
     assert table.returncode == 0 and "30 (75% of groups read)" in table.stdout
+
+
+async def test_monitor_staleness_of_what_waits_for_the_trainer(redis, redis_url, keys):
+    """Groups already handed to the trainer do not count as waiting; the waiting ones are seen
+    from the current policy version."""
+    from pipeline.buffer import GroupBuffer
+    from pipeline.state import PipelineState
+    from pipeline.synthetic import make_group
+
+    buffer = GroupBuffer(redis, keys)
+    await buffer.ensure_group()
+    for i in range(3):
+        await buffer.push(make_group(f"old-{i}", n=2, admission_version=0))
+    await buffer.read("trainer", 3, block_ms=100)  # handed out: trained long ago
+    for i, v in enumerate((4, 5)):
+        await buffer.push(make_group(f"new-{i}", n=2, admission_version=v))
+    await PipelineState(redis, keys).set_version(5)
+    result = rollout("monitor", "--json", "--redis-url", redis_url, "--namespace", keys.ns)
+    assert result.returncode == 0, result.stderr
+    snap = json.loads(result.stdout)
+    assert snap["waiting_staleness_hist"] == {"0": 1, "1": 1} and snap["waiting_staleness_max"] == 1
+    table = rollout("monitor", "--once", "--redis-url", redis_url, "--namespace", keys.ns)
+    assert table.returncode == 0 and "the 2 groups the trainer has not read yet" in table.stdout, table.stdout

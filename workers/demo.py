@@ -94,7 +94,7 @@ def pipeline_config(profile: Profile, redis_url: str, ns: str, engine_url: str, 
         },
         "environments": {
             # inline: a sympy check of a short number is quick; no process pool per worker
-            "math": {"kind": "workers.envs.math:MathEnvironment", "options": {"check_in": "inline"}},
+            "math": {"kind": "workers.envs.math:MathEnvironment"},  # answers checked in a process pool (the default)
             "tools": {"kind": "calculator", "max_turns": 4},
         },
     }

@@ -2,7 +2,7 @@
 
     rollout enqueue --tasks tasks.jsonl --config pipeline.yaml [--epochs 3] [--follow]
 
-- Admission: only while `(eta + v + 1) * B - (enqueued - discarded) > 0` (DESIGN.md),
+- Admission: only while `(eta + v + 1) * B - (enqueued - discarded) > 0` (docs/architecture.md),
   checked and applied atomically in Redis (producers/admission.py). With no headroom
   it sleeps on a short poll of the version and counters (never spins).
 - Order: seeded shuffle per epoch and per environment, environments interleaved by
@@ -21,6 +21,10 @@
   trainer's bound. It logs that it waits every few seconds; `--without-trainer`
   (`ProducerOptions(wait_for_trainer=False)`) admits on the config's numbers instead.
 - Redis unreachable past `$ROLLOUT_REDIS_OUTAGE_S` (30 s): exits with one line.
+- The CLI checks the environments (kinds, options) and every task (what its kind needs, e.g. a
+  math task's label) before connecting (`workers/validate.py`); logs progress every `--progress`
+  seconds and, when blocked, which policy version it waits for; ends with a summary (`--json`).
+  Exit codes: 0 done, 2 usage or configuration, 3 Redis unreachable.
 
 `run_producer(...)` is the programmatic entry point (used by the demo).
 """

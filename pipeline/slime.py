@@ -552,3 +552,8 @@ def _slime_eval(args: Any, rollout_id: int) -> Any:
         ) from exc
     output, _aborted = run(eval_rollout(args, rollout_id))
     return output
+
+
+# slime in-process mode (pipeline/inprocess.py): --custom-generate-function-path pipeline.slime.generate,
+# --custom-rm-path pipeline.slime.reward
+from pipeline.inprocess import generate, reward  # noqa: E402,F401

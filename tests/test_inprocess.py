@@ -172,6 +172,35 @@ async def test_generate_and_rm_runs_our_episodes(slime, tmp_path):
     rewards = {s.reward for s in done}
     assert rewards == {0.0, 1.0}  # the simulator is right 60 % of the time
     assert sim.engine.stats["errors"] == 0
+    assert sim.engine.stats["max_running"] <= args.sglang_server_concurrency  # slime's semaphore: one slot per episode
+
+
+@pytest.mark.conformance
+async def test_an_abort_ends_the_episode_aborted_at_once(slime, tmp_path):
+    """slime aborts the engines' requests once its batch is full: the episode ends ABORTED with
+    what it had (no resume, as slime's own generate), well-formed, and slime takes no reward call."""
+    from workers.sim.engine import SimConfig, serve_sim_engine
+
+    rollout = slime.modules["slime.rollout.sglang_rollout"]
+    async with serve_sim_engine(SimConfig(seed=1, token_latency_s=0.01, length_mu=5.0, length_sigma=0.01,
+                                          tool_use=0.0)) as sim:
+        args = _args(sim.url, _config(tmp_path))
+        params = rollout.GenerateState(args).sampling_params
+        task = asyncio.ensure_future(
+            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy()))
+        while not sim.engine._running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        aborted_at = asyncio.get_running_loop().time()
+        sim.engine._abort_all("Abort request")
+        sample = await task
+        assert asyncio.get_running_loop().time() - aborted_at < 1.0
+    assert sample.status is slime.Sample.Status.ABORTED
+    assert sample.metadata["turn_log"][-1]["finish"] == "abort" and sample.metadata["turns"] == 1
+    assert 0 < sample.response_length < 148  # part of the ~148-token answer
+    assert sample.loss_mask == [1] * sample.response_length
+    assert len(sample.rollout_log_probs) == sample.response_length
+    assert sim.engine.stats["requests"] == 1  # not resumed
 
 
 async def recording_reward(args, samples, **kwargs):

@@ -203,6 +203,38 @@ async def test_an_abort_ends_the_episode_aborted_at_once(slime, tmp_path):
     assert sim.engine.stats["requests"] == 1  # not resumed
 
 
+@pytest.mark.conformance
+async def test_what_generate_sends_is_what_sglang_admits(slime, tmp_path):
+    """Issue 18 item 11: slime's sampling params (spaces_between_special_tokens, no_stop_trim,
+    skip_special_tokens, stop=None, stop_token_ids=None; an eval dataset's repetition_penalty and
+    min_new_tokens; a deterministic-inference seed) reach the engine as bodies SGLang's own request
+    classes and contract gate admit (tests/test_conformance_sglang.py `admit`)."""
+    from conformance_support import require_sglang
+    from test_conformance_sglang import admit
+    from workers.sim.engine import SimConfig, serve_sim_engine
+
+    sgl = require_sglang()
+    rollout = slime.modules["slime.rollout.sglang_rollout"]
+    bodies: list[dict] = []
+    async with serve_sim_engine(SimConfig(seed=2)) as sim:
+        refuse = sim.engine._refuse
+        sim.engine._refuse = lambda body: (bodies.append(body), refuse(body))[1]
+        args = _args(sim.url, _config(tmp_path))
+        train = rollout.GenerateState(args).sampling_params
+        evaluation = {**train, "repetition_penalty": 1.05, "min_new_tokens": 2, "sampling_seed": 1234}
+        done = await asyncio.gather(*(
+            rollout.generate_and_rm(args, s, sampling_params=p.copy(), evaluation=p is evaluation)
+            for p, s in zip((train, evaluation), _samples(slime, *QUESTIONS[1], n=2))
+        ))
+    assert all(s.status is not slime.Sample.Status.FAILED for s in done)
+    assert bodies and {b["sampling_params"].get("spaces_between_special_tokens") for b in bodies} == {False}
+    assert any(b["sampling_params"].get("sampling_seed") == 1234 for b in bodies)
+    for body in bodies:
+        assert "stop" not in body["sampling_params"] and "stop_token_ids" not in body["sampling_params"]
+        status, answer = admit(sgl, body)
+        assert status == 200, answer
+
+
 async def recording_reward(args, samples, **kwargs):
     """--custom-rm-path test_inprocess.recording_reward: records slime's call, then ours."""
     from pipeline.slime import reward

@@ -45,8 +45,10 @@ Concurrency, routing, abort: slime's `generate_and_rm` holds its semaphore
 turns takes one slot. Every turn of an episode carries one routing key (`X-SMG-Routing-Key`, from
 slime's `session_id`). When slime aborts (the batch is full: `abort_servers_until_idle`), an
 aborted request ends its episode `ABORTED` at once (no resume, as slime's own generate): slime
-pushes weights between rollouts, so the only aborts mid-episode are slime's own. An aborted
-sample that slime hands back (`--partial-rollout`) is run again from its prompt.
+pushes weights between rollouts, so the only aborts mid-episode are slime's own; and once
+slime's `GenerateState.aborted` is set, no further turn is sent (an episode between turns ends
+`ABORTED` too). An aborted sample that slime hands back (`--partial-rollout`) is run again from
+its prompt.
 
 Policy versions: there is no data source here, so the engine client stamps nothing
 (`EngineClient(clock=None)`); slime records its own weight versions from the engines' labels.
@@ -55,9 +57,11 @@ Policy versions: there is no data source here, so the engine client stamps nothi
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
+import sys
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -74,7 +78,8 @@ log = logging.getLogger(__name__)
 ENV_CONFIG = "ROLLOUT_CONFIG"
 # metadata key: the sample's reward is the verification `generate` ran (reward() returns it)
 SCORED_KEY = "pipeline_scored"
-_SECTIONS = frozenset(f.name for f in msgspec.structs.fields(PipelineConfig))  # redis engine rollout workers environments
+# the pipeline's sections: redis engine rollout workers environments
+_SECTIONS = frozenset(f.name for f in msgspec.structs.fields(PipelineConfig))
 _OUR_FIELDS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams))
 # SGLang's SamplingParams fields (sglang/srt/sampling/sampling_params.py) that the pipeline's
 # SamplingParams does not carry: accepted by SGLang, dropped here with a warning
@@ -93,7 +98,8 @@ _warned: set[str] = set()
 
 def config_path(args: Any) -> str:
     """The pipeline YAML: `args.pipeline_config` > `$ROLLOUT_CONFIG` > `args.custom_config_path`."""
-    path = getattr(args, "pipeline_config", None) or os.environ.get(ENV_CONFIG) or getattr(args, "custom_config_path", None)
+    path = (getattr(args, "pipeline_config", None) or os.environ.get(ENV_CONFIG)
+            or getattr(args, "custom_config_path", None))
     if not path:
         raise ConfigError(
             "pipeline.slime.generate/reward need the pipeline YAML: pass it to slime as --custom-config-path "
@@ -117,7 +123,9 @@ def load_inprocess_config(args: Any) -> PipelineConfig:
     return parse_config({k: v for k, v in data.items() if k in _SECTIONS}, path)
 
 
-def translate_sampling(params: Mapping[str, Any], base: SamplingParams | None = None) -> tuple[SamplingParams, int | None]:
+def translate_sampling(
+    params: Mapping[str, Any], base: SamplingParams | None = None
+) -> tuple[SamplingParams, int | None]:
     """slime's sampling params -> (the pipeline's SamplingParams, slime's max_new_tokens).
 
     None values are dropped (slime sends `stop=None`, `stop_token_ids=None`); `base` (the YAML's
@@ -170,7 +178,7 @@ class InProcess:
             if not self.router_url:
                 raise ConfigError("pipeline.slime.generate: slime's args have no sglang_router_ip/sglang_router_port")
             e = self.config.engine
-            self._engine = EngineClient(
+            self._engine = _slime_engine_class(EngineClient)(
                 self.router_url, timeout_s=e.request_timeout_s, max_retries=e.max_retries,
                 backoff_s=e.retry_backoff_s, clock=None,  # no data source: slime records its own weight versions
             )
@@ -199,6 +207,34 @@ class InProcess:
             await env.aclose()
         if self._engine is not None:
             await self._engine.close()
+
+
+def slime_aborted() -> bool:
+    """slime's rollout has aborted (its batch is full: `sglang_rollout.abort`), read from its
+    GenerateState singleton when one exists; slime is never imported here."""
+    module = sys.modules.get("slime.rollout.sglang_rollout")
+    cls = getattr(module, "GenerateState", None)
+    state = (getattr(cls, "_instances", None) or {}).get(cls) if cls is not None else None
+    return bool(getattr(state, "aborted", False))
+
+
+@functools.lru_cache(maxsize=None)
+def _slime_engine_class(base: type) -> type:
+    class SlimeEngineClient(base):  # type: ignore[misc, valid-type]
+        """The engine client, except that once slime has aborted its rollout no further turn is
+        sent: the call answers `abort` with no tokens, so the episode ends ABORTED between turns
+        instead of holding slime's abort (which waits for every pending episode) for a whole turn."""
+
+        async def generate(self, input_ids: Any, sampling: Any, *, rid: str, routing_key: str) -> Any:
+            if slime_aborted():
+                from workers.engine import Generation
+
+                return Generation(output_ids=[], log_probs=[], finish="abort",
+                                  finish_message="slime aborted the rollout", weight_version="", text="",
+                                  cached_tokens=0, latency_s=0.0)
+            return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
+
+    return SlimeEngineClient
 
 
 _CHATS: dict[str, Any] = {}
@@ -379,7 +415,8 @@ async def _reward_one(args: Any, sample: Any) -> float:
     except Exception as exc:  # noqa: BLE001 - an outage fails this sample; bugs are raised
         if is_bug(exc):
             raise
-        log.warning("pipeline.slime.reward: env %s could not verify sample %s: %r", name, getattr(sample, "index", None), exc)
+        log.warning("pipeline.slime.reward: env %s could not verify sample %s: %r",
+                    name, getattr(sample, "index", None), exc)
         sample.metadata = {**meta, "error": f"verify: {exc!r}"[:2000], "source_name": name}
         sample.status = type(sample).Status.FAILED
         sample.remove_sample = True

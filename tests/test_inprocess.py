@@ -235,6 +235,36 @@ async def test_what_generate_sends_is_what_sglang_admits(slime, tmp_path):
         assert status == 200, answer
 
 
+@pytest.mark.conformance
+async def test_no_turn_is_sent_once_slime_has_aborted(slime, tmp_path, monkeypatch):
+    """slime's abort sets GenerateState.aborted and waits for every pending episode: an episode
+    in its tool call at that moment ends ABORTED before its next turn, sending nothing more."""
+    from workers.envs.local import CalculatorSession
+    from workers.sim.engine import SimConfig, serve_sim_engine
+
+    rollout = slime.modules["slime.rollout.sglang_rollout"]
+    step = CalculatorSession.step
+
+    async def step_then_abort(self, calls):
+        rollout.GenerateState(args).aborted = True  # what slime's abort() does first
+        return await step(self, calls)
+
+    monkeypatch.setattr(CalculatorSession, "step", step_then_abort)
+    async with serve_sim_engine(SimConfig(seed=4, tool_use=1.0)) as sim:
+        args = _args(sim.url, _config(tmp_path))
+        params = rollout.GenerateState(args).sampling_params
+        sample = (await asyncio.gather(
+            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy())
+        ))[0]
+        requests = sim.engine.stats["requests"]
+    assert requests == 1
+    assert sample.status is slime.Sample.Status.ABORTED
+    assert sample.metadata["turns"] == 2 and sample.metadata["turn_log"][-1]["finish"] == "abort"
+    assert sample.metadata["tool_calls"] == 1
+    assert sample.loss_mask[-1] == 0 and 1 in sample.loss_mask  # turn 1, then the tool output; no turn 2 tokens
+    assert len(sample.rollout_log_probs) == sample.response_length
+
+
 async def recording_reward(args, samples, **kwargs):
     """--custom-rm-path test_inprocess.recording_reward: records slime's call, then ours."""
     from pipeline.slime import reward

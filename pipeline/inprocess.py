@@ -132,11 +132,11 @@ def translate_sampling(
     `rollout.sampling`) is under slime's values; its `max_new_tokens` stays the per-turn cap while
     slime's becomes the episode's response budget (returned apart)."""
     values = {k: v for k, v in params.items() if v is not None}
-    custom = values.pop("custom_params", None)
+    custom = values.get("custom_params")
     if isinstance(custom, Mapping) and custom.get("return_top_p_token_ids"):
         raise ConfigError(
-            "slime asks for top-p token ids (--rollout-top-p below 1.0): pipeline.slime.generate does not replay "
-            "them; keep --rollout-top-p 1.0 and set rollout.sampling.top_p in the pipeline YAML"
+            "slime asks for top-p token ids (--rollout-top-p below 1.0), which it needs to train top-p "
+            "sampling: pipeline.slime.generate does not return them; keep --rollout-top-p 1.0"
         )
     for key in sorted(set(values) - _OUR_FIELDS):
         values.pop(key)

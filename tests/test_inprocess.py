@@ -439,6 +439,8 @@ def test_slime_sampling_params_translate_to_what_sglang_takes(caplog):
     sampling, _ = translate_sampling({**slime_params, "logit_bias": {"1": 2.0}, "stop": ["</a>"], "sampling_seed": 7})
     assert "logit_bias" not in sampling.to_dict() and sampling.stop == ["</a>"] and sampling.sampling_seed == 7
     assert "logit_bias" in caplog.text
+    sampling, _ = translate_sampling({**slime_params, "custom_params": {"other": 1}})
+    assert "custom_params" not in sampling.to_dict() and "custom_params" in caplog.text
     with pytest.raises(ConfigError, match="rollout-top-p"):
         translate_sampling({**slime_params, "top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}})
     with pytest.raises(ConfigError, match="max_new_tokens"):

@@ -32,8 +32,8 @@ from rich.table import Table
 from pipeline.config import ConfigError, EnvConfig, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Task, encode_task_json
 from producers.sources import (
-    NEMO_GYM_FIELDS, DatasetOptions, FieldMap, Row, RowError, dataset_options, nemo_gym_prompt, openreward_target,
-    read_files, read_openreward, resolve_files,
+    NEMO_GYM_FIELDS, NEMO_SKILLS_FIELDS, DatasetOptions, FieldMap, Row, RowError, check_nemo_skills_row,
+    dataset_options, nemo_gym_prompt, openreward_target, read_files, read_openreward, resolve_files,
 )
 from workers.validate import check_environments, task_problem
 
@@ -206,6 +206,8 @@ class _Writer:
                 prompt = nemo_gym_prompt(item.data)
                 if fields.prompt != NEMO_GYM_FIELDS.prompt:
                     prompt = _MISSING  # a mapping of the user's own picks the prompt
+            elif source.options.source == "nemo_skills" and fields.prompt == NEMO_SKILLS_FIELDS.prompt:
+                check_nemo_skills_row(item.data)  # `problem` is text the prompt templates format
             task = row_to_task(item.data, source.name, fields, prompt)
             if self.config is not None:  # what the environment's `start` requires (a math row's label)
                 problem = task_problem(task, self.config, self.checks)

@@ -7,7 +7,7 @@ name `environments.<name>.dataset.<key>`):
       gsm8k:
         kind: math
         dataset:
-          source: jsonl                   # jsonl | parquet | nemo_gym | openreward
+          source: jsonl                   # jsonl | parquet | nemo_gym | nemo_skills | openreward
           files: [data/gsm8k/*.jsonl]     # globs, relative to the config file
           fields: {id: id, prompt: question, label: answer, metadata: [level]}
       tau:
@@ -41,7 +41,7 @@ from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import SchemaError
 from workers.envs.convert import input_problems, prompt_messages
 
-Source = Literal["jsonl", "parquet", "nemo_gym", "openreward"]
+Source = Literal["jsonl", "parquet", "nemo_gym", "nemo_skills", "openreward"]
 PARQUET_BATCH_ROWS = 1024
 _AT_PATH = re.compile(r" - at `\$(.*)`$")
 
@@ -62,6 +62,10 @@ class FieldMap(_Options):
 # NeMo Gym rows: the prompt is the Responses input; the whole row travels as metadata
 # because /seed_session and /verify take it back verbatim.
 NEMO_GYM_FIELDS = FieldMap(id="id", prompt="responses_create_params.input", label="expected_answer", metadata="*")
+# NeMo-Skills rows (JSONL as its datasets' prepare scripts write them): `problem` is the prompt,
+# `expected_answer` the gold; the whole row travels as metadata, because NeMo-Skills' prompt
+# templates may format any of its fields (`kind: nemo_skills` renders them with `Prompt.fill`).
+NEMO_SKILLS_FIELDS = FieldMap(id="id", prompt="problem", label="expected_answer", metadata="*")
 # OpenReward: the real prompt comes from the environment's session at episode start;
 # `prompt` holds the task spec as text (for logs and the content hash).
 OPENREWARD_FIELDS = FieldMap(id="task_spec.id", prompt="prompt", label=None, metadata=["task_spec", "split", "index", "environment"])
@@ -69,7 +73,7 @@ OPENREWARD_FIELDS = FieldMap(id="task_spec.id", prompt="prompt", label=None, met
 
 class DatasetOptions(_Options):
     source: Source
-    files: list[str] = []  # jsonl / parquet / nemo_gym: paths or globs, relative to the config file
+    files: list[str] = []  # jsonl / parquet / nemo_gym / nemo_skills: paths or globs, relative to the config file
     fields: Union[FieldMap, None] = None  # None = the source's default mapping
 
     def __post_init__(self) -> None:
@@ -79,7 +83,8 @@ class DatasetOptions(_Options):
     def field_map(self) -> FieldMap:
         if self.fields is not None:
             return self.fields
-        return {"nemo_gym": NEMO_GYM_FIELDS, "openreward": OPENREWARD_FIELDS}.get(self.source, FieldMap())
+        defaults = {"nemo_gym": NEMO_GYM_FIELDS, "nemo_skills": NEMO_SKILLS_FIELDS, "openreward": OPENREWARD_FIELDS}
+        return defaults.get(self.source, FieldMap())
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,20 @@ def nemo_gym_prompt(row: Any) -> list[dict[str, Any]]:
     if problems:
         raise SchemaError("; ".join(f"field {where}: {reason}" for where, reason in problems[:5]))
     return prompt_messages(params)
+
+
+# ------------------------------------------------------------------ NeMo-Skills
+
+
+def check_nemo_skills_row(row: Any) -> None:
+    """SchemaError naming the field when a NeMo-Skills row has no text `problem` (the prompt
+    templates format it as text; a missing `expected_answer` is the environment's check)."""
+    if not isinstance(row, dict):
+        raise SchemaError(f"row must be a JSON object, got {type(row).__name__}")
+    problem = row.get("problem")
+    if not isinstance(problem, str) or not problem.strip():
+        got = "missing" if problem is None else f"{type(problem).__name__} {str(problem)[:40]!r}"
+        raise SchemaError(f"field 'problem' must be non-empty text (NeMo-Skills rows), got {got}")
 
 
 # ------------------------------------------------------------------ OpenReward

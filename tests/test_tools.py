@@ -274,6 +274,7 @@ KIND_OPTIONS = {
     "openreward": {"environment": "owner/env", "base_url": "http://127.0.0.1:1"},
     "nemo_rl": {"cls": "tests.test_tools:_NemoRL"},
     "slime_rm": {"function": "tests.test_tools:_reward"},
+    "nemo_skills": {"prompt_config": {"user": "{problem}"}},
 }
 
 
@@ -302,6 +303,10 @@ def test_tool_parser_is_an_option_of_every_kind(kind, monkeypatch):
     check_tool_parsers(config)
     if kind == "openreward":
         pytest.importorskip("openreward")
+    if kind == "nemo_skills":
+        from tests.conformance_support import require_nemo_skills
+
+        require_nemo_skills("nemo_skills.prompt.utils")  # the kind imports NeMo-Skills when built
     env = build_environment(f"my_{kind}", config.env(f"my_{kind}"))
     if hasattr(env, "options"):
         assert env.options.tool_parser == "qwen3_coder"

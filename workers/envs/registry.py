@@ -21,6 +21,7 @@ KINDS: dict[str, str] = {
     "openreward": "workers.envs.openreward_env:OpenRewardEnvironment",
     "nemo_rl": "workers.envs.plugins:NemoRLEnvironment",  # options.cls: a NeMo-RL-style batch environment
     "slime_rm": "workers.envs.plugins:SlimeRMEnvironment",  # options.function: a slime custom reward function
+    "nemo_skills": "workers.envs.nemo_skills:NemoSkillsEnvironment",  # NeMo-Skills prompt_config + math grader
 }
 
 

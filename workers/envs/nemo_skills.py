@@ -1,0 +1,197 @@
+"""`nemo_skills`: NeMo-Skills prompts and NeMo-Skills' math scoring, in-process.
+
+The prompt of each task is rendered by NeMo-Skills' own code: `get_prompt(prompt_config,
+examples_type=..., system_message=..., code_tags=...)` once per environment, then
+`.fill(input_dict)` per task with no tokenizer, which returns the chat messages
+(`[{"role": "system", ...}, {"role": "user", ...}]`). The runner tokenizes those messages
+once with the policy's chat template, so the prompt tokens are exactly what NeMo-Skills'
+`fill(..., tokenizer=<the same tokenizer>)` would give as text, and no text is re-tokenized.
+
+`input_dict` is the task's metadata (the whole NeMo-Skills row when `rollout prepare` read it
+with `source: nemo_skills`) plus `problem` = the task's prompt text when the row has none.
+
+Scoring (`scoring: math`) is what NeMo-Skills' NeMo-RL math environment
+(`nemo_skills/training/nemo_rl/environments/math_environment.py`) does per sample:
+`math_equal(expected_answer, extract_answer("".join(assistant contents)))`, reward 1.0 / 0.0;
+the gold is the task's label (or `metadata.expected_answer`). Checks run in a small process pool
+(math-verify's timeouts need a main thread), as the `math` kind does.
+
+nemo_skills is not a dependency: it must be importable (an installed package or a checkout on
+PYTHONPATH) when the environment is built; otherwise a ConfigError says so.
+
+NeMo-Skills' proxy server (`/v1/chat/completions`) is not used as an engine: it answers text,
+and training here is token in, token out (the engine's own token ids and log-probs); re-tokenizing
+its text could change the tokens the policy sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Literal, Union
+
+from pipeline.config import ConfigError, EnvConfig
+from pipeline.schema import Status, Task
+from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, Message, Verification
+from workers.envs.options import Options, parse_options
+from workers.envs.rewards import call_with_budget, deadline_in, shaped
+from workers.envs.toolless import ToollessSession
+
+INSTALL_HINT = (
+    "the nemo_skills package is not importable: install NeMo-Skills (pip install nemo-skills, or "
+    "pip install git+https://github.com/NVIDIA-NeMo/Skills) or put a checkout holding nemo_skills/ on PYTHONPATH"
+)
+
+
+class NemoSkillsOptions(Options):
+    # a NeMo-Skills prompt config: a name (`generic/math`), a path to a .yaml, or the config
+    # itself as a mapping ({user: ..., system: ..., few_shot_examples: {...}})
+    prompt_config: Union[str, dict[str, Any]] = "generic/math"
+    examples_type: Union[str, None] = None  # few-shot examples (nemo_skills.prompt.few_shot_examples)
+    system_message: Union[str, None] = None  # replaces the config's system message
+    code_tags: Union[str, dict[str, Any], None] = None  # code tags config (e.g. `qwen`), for templates that use them
+    config_dir: Union[str, None] = None  # where named prompt configs live (NeMo-Skills' own by default)
+    scoring: Literal["math"] = "math"  # NeMo-Skills' math grader (extract_answer + math_equal)
+    check_in: Literal["process", "inline"] = "process"
+    processes: int = 2
+
+
+def import_prompt_utils() -> Any:
+    try:
+        from nemo_skills.prompt import utils
+    except ImportError as exc:
+        raise ConfigError(f"{INSTALL_HINT} ({type(exc).__name__}: {exc})") from exc
+    return utils
+
+
+def build_prompt(name: str, options: NemoSkillsOptions) -> Any:
+    """NeMo-Skills' `Prompt` for the options (its own `get_prompt`); ConfigError naming the key."""
+    utils = import_prompt_utils()
+    config = options.prompt_config
+    try:
+        return utils.get_prompt(
+            dict(config) if isinstance(config, dict) else config,
+            tokenizer=None,
+            code_tags=dict(options.code_tags) if isinstance(options.code_tags, dict) else options.code_tags,
+            examples_type=options.examples_type,
+            system_message=options.system_message,
+            config_dir=options.config_dir,
+        )
+    except (OSError, TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"environments.{name}.options.prompt_config: {type(exc).__name__}: {exc}") from exc
+
+
+def input_dict(task: Task) -> dict[str, Any]:
+    """What `fill` formats the templates with: the row's fields, and `problem` from the prompt."""
+    values = dict(task.metadata)
+    if "problem" not in values and isinstance(task.prompt, str):
+        values["problem"] = task.prompt
+    return values
+
+
+def render_messages(prompt: Any, task: Task) -> list[Message]:
+    """The task's chat messages as NeMo-Skills renders them (`Prompt.fill`, no tokenizer)."""
+    try:
+        messages = prompt.fill(input_dict(task))
+    except KeyError as exc:
+        raise EnvError(f"nemo_skills prompt: task {task.id!r} has no field {exc} the prompt template uses") from exc
+    except (IndexError, ValueError) as exc:
+        raise EnvError(f"nemo_skills prompt: task {task.id!r} cannot fill the template: {exc}") from exc
+    return [dict(m) for m in messages]
+
+
+def gold_answer(task: Task) -> Union[str, None]:
+    if task.label is not None and str(task.label).strip():
+        return str(task.label)
+    value = task.metadata.get("expected_answer")
+    return None if value is None or not str(value).strip() else str(value)
+
+
+def grade_math(response: str, gold: str) -> tuple[float, Union[str, None]]:
+    """NeMo-Skills' math environment on one sample: (reward, extracted answer). Top level for a pool."""
+    import contextlib
+    import io
+    import logging
+
+    from math_verify.errors import TimeoutException
+    from nemo_skills.evaluation.math_grader import extract_answer, math_equal
+
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            extracted = extract_answer(response)
+            score = float(math_equal(gold, extracted))
+    except TimeoutException:
+        return 0.0, None
+    return score, extracted
+
+
+def assistant_text(episode: EpisodeRecord) -> str:
+    """All assistant contents joined, as NeMo-Skills' math environment reads a conversation."""
+    return "".join(
+        str(m.get("content") or "") for m in episode.messages if m.get("role") == "assistant"
+    )
+
+
+class NemoSkillsEnvironment(Environment):
+    options_type = NemoSkillsOptions
+
+    def __init__(self, name: str, config: EnvConfig):
+        super().__init__(name, config)
+        self.options = parse_options(name, config, NemoSkillsOptions)
+        self.prompt = build_prompt(name, self.options)
+        self._pool: Union[ProcessPoolExecutor, None] = None
+
+    @staticmethod
+    def check_task(task: Task) -> Union[str, None]:
+        if gold_answer(task) is None:
+            return "no label / expected_answer (the gold answer NeMo-Skills' math grader checks against)"
+        return None
+
+    async def start(self, task: Task) -> EnvSession:
+        gold = gold_answer(task)
+        if gold is None:
+            raise EnvError(f"nemo_skills env {self.name!r}: task {task.id!r} has no label or expected_answer")
+        return NemoSkillsSession(self, task, render_messages(self.prompt, task), gold)
+
+    async def grade(self, response: str, gold: str) -> tuple[float, Union[str, None]]:
+        if self.options.check_in == "inline":
+            return grade_math(response, gold)
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor(), grade_math, response, gold)
+        except BrokenProcessPool as exc:
+            self._pool = None
+            raise EnvError(f"nemo_skills env {self.name!r}: grader process died") from exc
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:  # spawn: the worker has threads; spawn passes sys.path to the children
+            context = multiprocessing.get_context("spawn")
+            self._pool = ProcessPoolExecutor(max_workers=self.options.processes, mp_context=context)
+        return self._pool
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class NemoSkillsSession(ToollessSession):
+    def __init__(self, env: NemoSkillsEnvironment, task: Task, messages: list[Message], gold: str):
+        super().__init__(task)
+        self.env = env
+        self.messages = messages
+        self.gold = gold
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        timeouts = self.env.config.timeouts
+        reward, extracted = await call_with_budget(
+            lambda: self.env.grade(assistant_text(episode), self.gold),
+            timeouts.verify,
+            f"nemo_skills env {self.env.name!r}: math grade",
+            deadline=deadline_in(timeouts.verify_deadline_s),
+        )
+        components = {"answer": extracted, "gold": self.gold, "correct": reward == 1.0}
+        return shaped(self.env.config, [reward], terminal=episode.status == Status.COMPLETED, components=components)

@@ -275,6 +275,7 @@ KIND_OPTIONS = {
     "nemo_rl": {"cls": "tests.test_tools:_NemoRL"},
     "slime_rm": {"function": "tests.test_tools:_reward"},
     "nemo_skills": {"prompt_config": {"user": "{problem}"}},
+    "retrain": {"cls": "tests.test_env_retrain:CalculatorQuiz"},
 }
 
 

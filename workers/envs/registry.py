@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "nemo_rl": "workers.envs.plugins:NemoRLEnvironment",  # options.cls: a NeMo-RL-style batch environment
     "slime_rm": "workers.envs.plugins:SlimeRMEnvironment",  # options.function: a slime custom reward function
     "nemo_skills": "workers.envs.nemo_skills:NemoSkillsEnvironment",  # NeMo-Skills prompt_config + math grader
+    "retrain": "workers.envs.retrain:RetrainEnvironment",  # options.cls: a retrain Environment (async reset/step)
 }
 
 

@@ -486,7 +486,7 @@ class RedisDataSource(_DataSourceBase):
         self._publish_settings()
         self._run(self.state.publish_policy(
             run=self.run_id, start=self.first_rollout_id, engine_version=self._engine_version,
-            rollout_id=rollout_id, labels=dict(list(labels.items())[-3:]),  # current, previous and next push
+            rollout_id=rollout_id, labels=dict(list(labels.items())[-2:]),  # the current and the next push
         ))
 
     def _publish_settings(self) -> None:

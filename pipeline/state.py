@@ -121,37 +121,40 @@ class PolicyStamp(msgspec.Struct, frozen=True):
     labels: dict[str, int] = {}
 
     def version_of(self, engine_labels: "tuple[str, ...] | list[str]") -> int:
-        """The oldest version behind an answer's labels; an unknown label gets the lower bound."""
-        return min((self.labels.get(label, self.version) for label in engine_labels), default=self.version)
+        """The oldest version behind an answer's labels: the published version, raised only for
+        the label slime's law gives the next push (a push the trainer has not published yet).
+        A label is never read downwards: within a run the engines are never behind the
+        published version, so a label that seems older only means a trainer that labels its
+        pushes otherwise (its own convention), and the published version stays right."""
+        return min(
+            (max(self.version, self.labels.get(label, self.version)) for label in engine_labels), default=self.version
+        )
 
 
 class PolicyClock:
     """The worker side of `{ns}:policy`: a stamp per generate call, read before it is sent.
 
-    Cached for `refresh_s`: a cached stamp can only be older than the published one, and
-    an older version only makes the recorded lag larger (never hides staleness).
-    `stamp()` waits while no trainer has published a version for its current run (slime
-    is still starting, or resuming): generating then would use weights nobody trains.
+    Read from Redis for every call (one HMGET beside a generate call of seconds): a cached
+    stamp could only be older than the published one, which never hides staleness but makes
+    a fresh group look a version older, and at eta 0 (or eta equal to slime's own lag) that
+    alone rejected every group. `stamp()` waits while no trainer has published a version for
+    its current run (slime is still starting, or resuming): generating then would use weights
+    nobody trains.
     """
 
-    def __init__(self, state: PipelineState, *, refresh_s: float = 0.2, log_every_s: float = 10.0):
+    def __init__(self, state: PipelineState, *, poll_s: float = 0.2, log_every_s: float = 10.0):
         self.state = state
-        self.refresh_s = refresh_s
+        self.poll_s = poll_s  # while waiting for a trainer
         self.log_every_s = log_every_s
-        self._cached: PolicyStamp | None = None
-        self._read_at = -1e9
 
     async def stamp(self) -> PolicyStamp:
         waited_since = None
-        while True:
+        while (stamp := await self.state.get_policy()) is None:
             now = time.monotonic()
-            if self._cached is None or now - self._read_at > self.refresh_s:
-                self._cached, self._read_at = await self.state.get_policy(), now
-            if self._cached is not None:
-                return self._cached
             if waited_since is None or now - waited_since >= self.log_every_s:
                 waited_since = now
                 log.info(
                     "waiting for the trainer to publish the engines' policy version (%s)", self.state.keys.policy
                 )
-            await asyncio.sleep(self.refresh_s)
+            await asyncio.sleep(self.poll_s)
+        return stamp

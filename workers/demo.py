@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", default=None,
                    help=f"key prefix (default: {DEFAULT_NAMESPACE!r} on the private Redis, a fresh demo-<hex> on yours)")
     p.add_argument("--eta", type=int, default=None,
-                   help="staleness bound (default: the profile's: 2, --short 1); compare --eta 1 with --eta 2 in "
+                   help="staleness bound (default: the profile's: 2, --short 1); compare --eta 0 (synchronous), 1 and 2 in "
                         "the summary's trainer wait ratio and staleness max")
     p.add_argument("--summary-json", default=None, help="also write the summary to this file")
     p.add_argument("--keep", action="store_true", help="keep the run directory (config, worker log)")

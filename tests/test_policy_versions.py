@@ -215,3 +215,18 @@ async def test_workers_and_producer_started_before_the_trainer_train_no_startup_
     assert counters.get(Counter.EPISODES_FAILED, 0) == 0 and counters.get(Counter.FAILED, 0) == 0
     assert await redis.xlen(keys.dead) == 0
     _check_lags(trainer, 1)
+
+
+def test_labels_raise_a_stamp_to_the_next_push_but_never_lower_it():
+    from pipeline.staleness import TrainerLoop, label_versions
+    from pipeline.state import PolicyStamp
+
+    labels = label_versions(3, start=0, interval=1)  # async: engines hold step 2's push, label "3"
+    assert labels == {"1": 0, "2": 1, "3": 2, "4": 3}
+    stamp = PolicyStamp(run=1, version=2, labels=dict(list(labels.items())[-2:]))
+    assert stamp.version_of(("4",)) == 3  # the next push landed before the trainer published it
+    assert stamp.version_of(("3",)) == 2
+    assert stamp.version_of(("1",)) == 2  # someone else's labels: the published version, not lower
+    assert stamp.version_of(("default", "4")) == 2  # a call across a push: its oldest tokens count
+    assert label_versions(2, start=0, interval=2) == {"1": 0, "2": 2}
+    assert label_versions(3, start=0, loop=TrainerLoop.SYNC, first_label=6)["9"] == 3

@@ -186,9 +186,11 @@ class EpisodeRunner:
                 return Status.TRUNCATED
             turn_index = len(trace.turns)
             gen_started = time.monotonic()
+            stops = getattr(session, "next_stop_strings", None)  # a turn-taking env bounds the next turn
+            turn_sampling = sampling if stops is None else msgspec.structs.replace(sampling, stop=list(stops))
             try:
                 turn = await self._generate(
-                    trace.tokens, room_this_turn, sampling, rid=f"{episode_id}:t{turn_index}", routing_key=episode_id
+                    trace.tokens, room_this_turn, turn_sampling, rid=f"{episode_id}:t{turn_index}", routing_key=episode_id
                 )
             except ContextOverflow as exc:
                 trace.turns.append({"text": "", "finish": "context_overflow", "error": str(exc)})
@@ -205,19 +207,28 @@ class EpisodeRunner:
                 return Status.ABORTED
             if turn.finish == "length":
                 return Status.TRUNCATED
-            if not parsed.wants_tools:
+            step_text = getattr(session, "step_text", None)  # an env that answers every turn (NeMo-RL games)
+            if not parsed.wants_tools and step_text is None:
                 return Status.COMPLETED
-            if len(trace.turns) >= s.max_turns:
+            if len(trace.turns) >= s.max_turns and step_text is None:
                 return Status.TRUNCATED
             env_started = time.monotonic()
-            observations, done = await self._observe(session, trace, parsed)
+            if step_text is not None:
+                observations, done = await self._observe_text(step_text, trace, text)
+            else:
+                observations, done = await self._observe(session, trace, parsed)
             meta["env_s"] = round(time.monotonic() - env_started, 6)
             trace.messages += observations
             if done:
                 trace.finished = True
                 return Status.COMPLETED
+            if step_text is not None and len(trace.turns) >= s.max_turns:
+                return Status.TRUNCATED
             ended_with_eos = bool(turn.ids) and turn.ids[-1] == self.chat.eos_id
-            continuation = self.chat.continuation_ids(observations, model_ended_with_eos=ended_with_eos)
+            if getattr(session, "raw_observations", False):  # NeMo-RL: the content's own tokens, no template
+                continuation = [i for m in observations for i in self.chat.encode(str(m.get("content") or ""))]
+            else:
+                continuation = self.chat.continuation_ids(observations, model_ended_with_eos=ended_with_eos)
             if len(trace.tokens) + len(continuation) >= context:
                 return Status.TRUNCATED
             trace.add_template(continuation)
@@ -266,6 +277,13 @@ class EpisodeRunner:
             trace.malformed_calls += len(parsed.errors)
             observations += [{"role": "tool", "content": f"error: {e}", "name": "error"} for e in parsed.errors]
         return observations, done
+
+    async def _observe_text(self, step_text: Any, trace: _Trace, text: str) -> tuple[list[Message], bool]:
+        """A turn-taking environment's answer to the model's whole turn (`session.step_text`)."""
+        result = await step_text({"role": "assistant", "content": text})
+        if result.reward is not None:
+            trace.step_rewards.append(float(result.reward))
+        return list(result.messages), result.done
 
     def _sample(
         self,

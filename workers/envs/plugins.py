@@ -26,7 +26,7 @@ from typing import Any, Union
 
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import Environment, EnvSession, EpisodeRecord, Verification
+from workers.envs.base import Environment, EnvSession, EpisodeRecord, StepResult, Verification
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
 from workers.envs.toolless import ToollessSession
@@ -83,6 +83,9 @@ class _PluginEnvironment(Environment):
 class NemoRLOptions(Options):
     cls: str  # dotted path of the environment class
     config: Union[dict[str, Any], None] = None  # passed as the constructor's single argument (NeMo-RL cfg)
+    # true: NeMo-RL's rollout loop, `step` after every assistant turn (games); false: one `step` at verify
+    multi_turn: bool = False
+    stop_strings: Union[list[str], None] = None  # the first turn's stop strings (later turns: next_stop_strings)
 
 
 def unwrap_ray(cls: Any) -> Any:
@@ -103,6 +106,11 @@ class NemoRLEnvironment(_PluginEnvironment):
         cls = unwrap_ray(_import(name, "cls", self.options.cls))
         self.impl = cls(self.options.config) if self.options.config is not None else cls()
 
+    async def start(self, task: Task) -> EnvSession:
+        if self.options.multi_turn:
+            return NemoRLSession(self, task)
+        return await super().start(task)
+
     async def score(self, task: Task, episode: EpisodeRecord) -> tuple[float, bool, dict[str, Any]]:
         log = [{"role": m["role"], "content": m.get("content") or ""} for m in episode.messages]
         returned = await call_maybe_async(self.impl.step, [log], [dict(task.metadata)])
@@ -110,6 +118,64 @@ class NemoRLEnvironment(_PluginEnvironment):
         observation = observations[0] if observations else {}
         components = {"observation": str(observation.get("content", ""))[:2000] if isinstance(observation, dict) else ""}
         return float(_first(rewards)), bool(_first(terminateds)), components
+
+
+def _rewards_of(rewards: Any) -> float:
+    """A batch-of-one reward: a tensor/list, or NeMo-RL's multi-reward dict of them (summed, as its rollout does)."""
+    if isinstance(rewards, dict):
+        return float(sum(_first(v) for v in rewards.values()))
+    return float(_first(rewards))
+
+
+class NemoRLSession(ToollessSession):
+    """NeMo-RL's multi-turn loop for one episode: after every assistant turn, `step([log], [metadata])`.
+
+    The log is NeMo-RL's message log (role/content dicts: the prompt, each assistant turn's whole
+    text, each observation with its role, e.g. `environment`); the returned metadata is the next
+    turn's (the game state); `next_stop_strings[0]` bounds the next turn (SGLang `stop`);
+    `terminateds[0]` ends the episode; the rewards of all steps are summed (NeMo-RL's
+    `total_rewards`, `reward_reduction: sum`). Observations are appended as NeMo-RL appends them:
+    the content's own tokens, no chat template (`raw_observations`), loss mask 0.
+    """
+
+    raw_observations = True
+
+    def __init__(self, env: NemoRLEnvironment, task: Task):
+        super().__init__(task)
+        self.env = env
+        self.log: list[dict[str, Any]] = [{"role": m["role"], "content": m.get("content") or ""} for m in self.messages]
+        self.metadata: Any = dict(task.metadata)
+        self.next_stop_strings: Union[list[str], None] = env.options.stop_strings
+        self.rewards: list[float] = []
+        self.terminated = False
+        self.answers: list[Any] = []
+
+    async def step_text(self, message: dict[str, Any]) -> StepResult:
+        self.log.append({"role": "assistant", "content": str(message.get("content") or "")})
+        returned = await asyncio.wait_for(
+            call_maybe_async(self.env.impl.step, [list(self.log)], [self.metadata]),
+            self.env.config.timeouts.step.timeout_s,
+        )
+        observations, metadata, stops, rewards, terminateds = tuple(returned)[:5]
+        answers = tuple(returned)[5] if len(tuple(returned)) > 5 else None
+        observation = dict(observations[0]) if observations else {"role": "environment", "content": ""}
+        self.log.append(observation)
+        if metadata and metadata[0] is not None:  # NeMo-RL clears it when a game ends
+            self.metadata = metadata[0]
+        self.next_stop_strings = list(stops[0]) if stops and stops[0] is not None else None
+        reward = _rewards_of(rewards)
+        self.rewards.append(reward)
+        self.terminated = bool(_first(terminateds))
+        if answers and answers[0] is not None:
+            self.answers.append(answers[0])
+        message_out = {"role": str(observation.get("role", "environment")), "content": str(observation.get("content", ""))}
+        return StepResult(messages=[message_out], reward=reward, done=self.terminated)
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        components: dict[str, Any] = {"steps": len(self.rewards)}
+        if self.answers:
+            components["answer"] = str(self.answers[-1])[:200]
+        return shaped(self.env.config, self.rewards, terminal=self.terminated, components=components)
 
 
 # ------------------------------------------------------------------ slime reward function

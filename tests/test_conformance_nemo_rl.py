@@ -1,0 +1,179 @@
+"""`kind: nemo_rl` multi-turn: NeMo-RL's real SlidingPuzzleEnv (the pinned snapshot,
+tests/conformance_support.py) played through whole episodes of the episode runner.
+
+The "model" is an engine stand-in that solves the puzzle (a breadth-first plan on its own copy of
+the board) and answers one `<action>move</action>` per turn, and that honours SGLang's `stop`
+as SGLang does (the output ends with the stop string's tokens). What is checked: NeMo-RL's loop
+(`step` after every assistant turn with the whole message log and the game state it returned
+last), its observations appended as NeMo-RL appends them (the content's own tokens, no chat
+template) with loss mask 0 and log-prob 0, `next_stop_strings` passed as the next turn's `stop`,
+rewards summed as NeMo-RL's `total_rewards`, `terminateds` ending the episode.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from pipeline.config import EnvConfig, PipelineConfig
+from pipeline.schema import SamplingParams, Status, Task
+from tests.conformance_support import require_nemo_rl
+from tests.env_helpers import chat_tokens
+from workers.engine import Generation
+from workers.envs.plugins import NemoRLEnvironment
+from workers.episode import EpisodeRunner, EpisodeSettings
+
+pytestmark = pytest.mark.conformance
+
+MOVES = ("up", "down", "left", "right")
+
+
+def _sliding():
+    return require_nemo_rl("nemo_rl.environments.games.sliding_puzzle").modules["nemo_rl.environments.games.sliding_puzzle"]
+
+
+def _plan(logic, game) -> list[str]:
+    """Shortest list of direction moves that solves `game` (upstream's own step as the rules)."""
+    start = game
+    seen = {str(start["grid"])}
+    queue = deque([(start, [])])
+    while queue:
+        state, path = queue.popleft()
+        if state["grid"] == state["solution"]:
+            return path
+        for move in MOVES:
+            _text, _reward, _done, nxt = logic.step(move, state)
+            key = str(nxt["grid"])
+            if key not in seen:
+                seen.add(key)
+                queue.append((nxt, path + [move]))
+    raise AssertionError("unsolvable")
+
+
+@dataclass
+class PuzzlePlayer:
+    """Engine stand-in: turn 0 asks to `view`, then plays the plan; each answer runs on past the
+    action, so only SGLang's `stop` handling ends it right after `</action>`."""
+
+    plan: list[str]
+    stops: list = field(default_factory=list)
+    calls: int = 0
+
+    async def context_length(self):
+        return None
+
+    async def generate(self, tokens, sampling, *, rid, routing_key):
+        chat = chat_tokens()
+        self.stops.append(sampling.stop)
+        move = "view" if self.calls == 0 else self.plan[self.calls - 1]
+        self.calls += 1
+        text = f"I will play {move}. <action>{move}</action> and then I keep talking"
+        finish = "length"
+        if sampling.stop:
+            for stop in sampling.stop:
+                at = text.find(stop)
+                if at != -1:
+                    text, finish = text[: at + len(stop)], "stop"
+        ids = chat.encode(text)[: sampling.max_new_tokens]
+        return Generation(output_ids=ids, log_probs=[-0.5] * len(ids), finish=finish, finish_message="",
+                          weight_version="1", text=text, cached_tokens=0, latency_s=0.0, weight_versions=("1",))
+
+
+def _task(sp, seed: int = 3, max_moves: int = 30):
+    random.seed(seed)
+    game = sp.SlidingPuzzleGameLogic.generate({"size": 3, "shuffle_moves": 8})
+    if game["grid"] == game["solution"]:
+        return _task(sp, seed + 1, max_moves)
+    prompt = (sp.SlidingPuzzleGameLogic.init(game) + "\n\n" + sp.SlidingPuzzleGameLogic.render(game)
+              + "\nAnswer with one move as <action>your_action</action>.")
+    metadata = {"game_state": copy.deepcopy(game), "num_moves": 0, "max_moves": max_moves}
+    return Task(id=f"puzzle-{seed}", env="puzzle", prompt=prompt, metadata=metadata), game
+
+
+def _env(**config) -> NemoRLEnvironment:
+    options = {"cls": "nemo_rl.environments.games.sliding_puzzle:SlidingPuzzleEnv", "config": {"game_config": {}},
+               "multi_turn": True, "stop_strings": ["</action>"]}
+    return NemoRLEnvironment("puzzle", EnvConfig(kind="nemo_rl", options=options, **config))
+
+
+async def _play(env, task, player):
+    settings = EpisodeSettings.from_config(PipelineConfig(), env.config, SamplingParams(max_new_tokens=64))
+    return await EpisodeRunner(player, chat_tokens(), env, settings).run(task, f"{task.id}/0")
+
+
+async def test_sliding_puzzle_solved_through_the_runner():
+    sp = _sliding()
+    task, game = _task(sp)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+    player = PuzzlePlayer(plan)
+    env = _env(max_turns=40)
+    sample = await _play(env, task, player)
+
+    assert sample.status == Status.COMPLETED, sample.metadata
+    assert sample.metadata["finished"] is True
+    assert sample.metadata["turns"] == len(plan) + 1  # view, then every move
+    # NeMo-RL's rewards: 0 per move, 1.0 when solved; summed
+    assert sample.metadata["step_rewards"] == [0.0] * len(plan) + [1.0]
+    assert sample.reward == 1.0 and sample.reward_components["terminal"] is True
+    # the first turn's stop strings are configured, later ones are next_stop_strings
+    assert player.stops == [["</action>"]] * (len(plan) + 1)
+
+    # tokens: each model turn (mask 1, its log-probs) then the observation content's own tokens (mask 0)
+    chat = chat_tokens()
+    messages = sample.metadata["messages"]
+    observations = [m for m in messages if m["role"] == "environment"]
+    assert len(observations) == len(plan) + 1
+    assert "Viewing the board" in observations[0]["content"]
+    assert "Congratulations" in observations[-1]["content"]
+    prompt_len = len(chat.prompt_ids([{"role": "user", "content": task.prompt}], None))
+    response = sample.token_array()[prompt_len:].tolist()
+    mask = sample.loss_mask_array().tolist()
+    logps = sample.log_prob_array().tolist()
+    expected_tokens, expected_mask = [], []
+    for i, obs in enumerate(observations):
+        move = "view" if i == 0 else plan[i - 1]
+        turn = chat.encode(f"I will play {move}. <action>{move}</action>")
+        expected_tokens += turn
+        expected_mask += [1] * len(turn)
+        if i < len(observations) - 1:  # the episode ends at the terminal step: no observation after it
+            obs_ids = chat.encode(obs["content"])
+            expected_tokens += obs_ids
+            expected_mask += [0] * len(obs_ids)
+    assert response == expected_tokens
+    assert mask == expected_mask
+    assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(logps, mask))
+
+
+async def test_max_turns_truncates_without_the_win():
+    sp = _sliding()
+    task, game = _task(sp, seed=5)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+    assert len(plan) >= 2
+    env = _env(max_turns=2, nonterminal_reward=-0.5)
+    sample = await _play(env, task, PuzzlePlayer(plan))
+    assert sample.status == Status.TRUNCATED
+    assert sample.metadata["step_rewards"] == [0.0, 0.0]
+    assert sample.reward == -0.5  # rewards summed, plus the nonterminal reward (never terminated)
+
+
+async def test_invalid_format_is_an_observation_and_stops_nothing():
+    sp = _sliding()
+    task, _game = _task(sp, seed=7)
+
+    class Babbler(PuzzlePlayer):
+        async def generate(self, tokens, sampling, *, rid, routing_key):
+            self.stops.append(sampling.stop)
+            ids = chat_tokens().encode("no action here")
+            return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
+                              weight_version="1", text="", cached_tokens=0, latency_s=0.0)
+
+    env = _env(max_turns=2)
+    player = Babbler([])
+    sample = await _play(env, task, player)
+    observations = [m for m in sample.metadata["messages"] if m["role"] == "environment"]
+    assert "Invalid response format" in observations[0]["content"]
+    assert sample.status == Status.TRUNCATED and sample.reward == 0.0

@@ -61,16 +61,20 @@ class PuzzlePlayer:
 
     plan: list[str]
     stops: list = field(default_factory=list)
-    calls: int = 0
+    calls: dict = field(default_factory=dict)  # episode (routing key) -> turns answered
 
     async def context_length(self):
         return None
 
+    async def close(self):
+        pass
+
     async def generate(self, tokens, sampling, *, rid, routing_key):
         chat = chat_tokens()
         self.stops.append(sampling.stop)
-        move = "view" if self.calls == 0 else self.plan[self.calls - 1]
-        self.calls += 1
+        turn = self.calls.get(routing_key, 0)
+        move = "view" if turn == 0 else self.plan[turn - 1]
+        self.calls[routing_key] = turn + 1
         text = f"I will play {move}. <action>{move}</action> and then I keep talking"
         finish = "length"
         if sampling.stop:
@@ -177,3 +181,63 @@ async def test_invalid_format_is_an_observation_and_stops_nothing():
     observations = [m for m in sample.metadata["messages"] if m["role"] == "environment"]
     assert "Invalid response format" in observations[0]["content"]
     assert sample.status == Status.TRUNCATED and sample.reward == 0.0
+
+
+async def test_sliding_puzzle_groups_through_the_worker_job_path(redis, redis_url, keys):
+    """The real job path: arq job function -> runner -> SlidingPuzzleEnv -> one group pushed to Redis."""
+    import msgspec
+
+    from pipeline.buffer import GroupBuffer
+    from pipeline.config import parse_config
+    from pipeline.schema import PromptJob, decode_group, encode
+    from workers.jobs import CTX_KEY, WorkerContext, run_group
+    from workers.liveness import Liveness
+
+    sp = _sliding()
+    task, game = _task(sp, seed=11)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+    env = {"kind": "nemo_rl", "max_turns": 40, "options": {
+        "cls": "nemo_rl.environments.games.sliding_puzzle:SlidingPuzzleEnv", "config": {"game_config": {}},
+        "multi_turn": True, "stop_strings": ["</action>"]}}
+    config = parse_config({"redis": {"url": redis_url, "namespace": keys.ns}, "workers": {"max_tries": 1},
+                           "environments": {"puzzle": env}})
+    buffer = GroupBuffer(redis, keys)
+    await buffer.ensure_group()
+    context = WorkerContext(
+        config=config, keys=keys, buffer=buffer, engine=PuzzlePlayer(plan), chat=chat_tokens(),
+        liveness=Liveness(redis, keys, "w1", heartbeat_s=1.0, dead_after_s=5.0), worker_id="w1",
+    )
+    # the task as tasks.jsonl carries it: JSON (the game state's tuples become lists)
+    task = msgspec.json.decode(msgspec.json.encode(task), type=Task)
+    job = PromptJob(task=task, epoch=0, n_samples=2, sampling=SamplingParams(max_new_tokens=64))
+    try:
+        result = await run_group({CTX_KEY: context, "job_id": keys.arq_job_id(job.job_id), "job_try": 1}, encode(job))
+    finally:
+        await context.aclose()
+    assert result["status"] == "pushed"
+    [(_, fields)] = await redis.xrange(keys.groups)
+    group = decode_group(fields[b"g"])
+    assert len(group.samples) == 2
+    for sample in group.samples:
+        assert sample.status is Status.COMPLETED and sample.reward == 1.0, sample.metadata
+        assert sample.metadata["turns"] == len(plan) + 1
+        mask = sample.loss_mask_array().tolist()
+        assert 0 in mask and mask[0] == 1 and mask[-1] == 1  # ends on the model's winning move
+        assert sample.reward_components["max_step_batch"] == 2  # the group's two episodes step as one batch
+
+
+async def test_concurrent_episodes_step_as_one_batch():
+    import asyncio
+
+    sp = _sliding()
+    task, game = _task(sp, seed=13)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+    env = _env(max_turns=40)
+    player = PuzzlePlayer(plan)
+    settings = EpisodeSettings.from_config(PipelineConfig(), env.config, SamplingParams(max_new_tokens=64))
+    runner = EpisodeRunner(player, chat_tokens(), env, settings)
+    samples = await asyncio.gather(*(runner.run(task, f"{task.id}/{i}") for i in range(4)))
+    assert all(s.status == Status.COMPLETED and s.reward == 1.0 for s in samples)
+    steps = 4 * (len(plan) + 1)
+    assert env.batcher.steps == steps
+    assert env.batcher.max_size == 4 and env.batcher.batches < steps  # batched, not one call per step

@@ -5,10 +5,11 @@
 - `kind: nemo_rl`: a NeMo-RL-style environment, a class with a batch
   `step(message_log_batch, metadata) -> (observations, metadata, next_stop_strings,
   rewards, terminateds, ...)`, called in-process without Ray (a `@ray.remote` class is
-  unwrapped to the plain class). It judges the finished conversation: one `step` with a
-  batch of one at `verify`; `terminateds` says whether the episode reached a terminal
-  state. (Multi-turn NeMo-RL games that answer every plain-text turn with an observation
-  need the runner to call the environment on turns without tool calls; not supported.)
+  unwrapped to the plain class). By default it judges the finished conversation: one
+  `step` with a batch of one at `verify`; `terminateds` says whether the episode reached a
+  terminal state. With `multi_turn: true` it runs NeMo-RL's rollout loop (`NemoRLSession`):
+  `step` after every assistant turn, batched across the worker's concurrent episodes
+  (`StepBatcher`), observations as raw content tokens, `next_stop_strings` as SGLang `stop`.
 - `kind: slime_rm`: a slime custom reward function `async def rm(args, sample) -> float`
   (`--custom-rm-path` style; a plain function works too) as the verifier. `sample` is
   slime's `Sample` when slime is importable, else `pipeline.slime.LocalSample` with the
@@ -86,6 +87,10 @@ class NemoRLOptions(Options):
     # true: NeMo-RL's rollout loop, `step` after every assistant turn (games); false: one `step` at verify
     multi_turn: bool = False
     stop_strings: Union[list[str], None] = None  # the first turn's stop strings (later turns: next_stop_strings)
+    # multi_turn: steps of a worker's concurrent episodes go to `step` as one batch; a step waits at
+    # most batch_wait_s for others to join (0: only those issued in the same event-loop pass)
+    batch_wait_s: float = 0.005
+    max_batch: int = 64
 
 
 def unwrap_ray(cls: Any) -> Any:
@@ -105,6 +110,7 @@ class NemoRLEnvironment(_PluginEnvironment):
         self.options = parse_options(name, config, NemoRLOptions)
         cls = unwrap_ray(_import(name, "cls", self.options.cls))
         self.impl = cls(self.options.config) if self.options.config is not None else cls()
+        self.batcher = StepBatcher(self.impl, self.options.batch_wait_s, self.options.max_batch)
 
     async def start(self, task: Task) -> EnvSession:
         if self.options.multi_turn:
@@ -120,11 +126,70 @@ class NemoRLEnvironment(_PluginEnvironment):
         return float(_first(rewards)), bool(_first(terminateds)), components
 
 
-def _rewards_of(rewards: Any) -> float:
-    """A batch-of-one reward: a tensor/list, or NeMo-RL's multi-reward dict of them (summed, as its rollout does)."""
+def _at(values: Any, i: int) -> Any:
+    value = values[i]
+    return value.item() if hasattr(value, "item") else value
+
+
+def _reward_at(rewards: Any, i: int) -> float:
+    """Sample i's reward: a tensor/list, or NeMo-RL's multi-reward dict of them (summed, as its rollout does)."""
     if isinstance(rewards, dict):
-        return float(sum(_first(v) for v in rewards.values()))
-    return float(_first(rewards))
+        return float(sum(_at(v, i) for v in rewards.values()))
+    return float(_at(rewards, i))
+
+
+class StepBatcher:
+    """Batches concurrent episodes' `step` calls into one batch `step(message_logs, metadata)`.
+
+    A step waits at most `wait_s` for others (or until `max_batch` are pending); the batch runs
+    in a thread (NeMo-RL environments are synchronous). Counted: `batches`, `steps`, `max_size`.
+    """
+
+    def __init__(self, impl: Any, wait_s: float, max_batch: int):
+        self.impl, self.wait_s, self.max_batch = impl, wait_s, max(1, max_batch)
+        self.pending: list[tuple[Any, Any, asyncio.Future]] = []
+        self.timer: Union[asyncio.TimerHandle, None] = None
+        self.batches = self.steps = self.max_size = 0
+
+    async def step(self, log: list[dict[str, Any]], metadata: Any) -> tuple[Any, ...]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self.pending.append((log, metadata, future))
+        if len(self.pending) >= self.max_batch:
+            self._flush()
+        elif self.timer is None:
+            self.timer = loop.call_later(self.wait_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        batch, self.pending = self.pending, []
+        if batch:
+            asyncio.ensure_future(self._run(batch))
+
+    async def _run(self, batch: list[tuple[Any, Any, asyncio.Future]]) -> None:
+        self.batches += 1
+        self.steps += len(batch)
+        self.max_size = max(self.max_size, len(batch))
+        try:
+            returned = tuple(await call_maybe_async(self.impl.step, [b[0] for b in batch], [b[1] for b in batch]))
+            observations, metadata, stops, rewards, terminateds = returned[:5]
+            answers = returned[5] if len(returned) > 5 else None
+            results = [
+                (observations[i], metadata[i] if metadata else None, stops[i] if stops else None,
+                 _reward_at(rewards, i), bool(_at(terminateds, i)), answers[i] if answers else None)
+                for i in range(len(batch))
+            ]
+        except Exception as exc:  # noqa: BLE001 - every episode of the batch gets the failure
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, _, future), result in zip(batch, results):
+            if not future.done():
+                future.set_result(result)
 
 
 class NemoRLSession(ToollessSession):
@@ -152,27 +217,25 @@ class NemoRLSession(ToollessSession):
 
     async def step_text(self, message: dict[str, Any]) -> StepResult:
         self.log.append({"role": "assistant", "content": str(message.get("content") or "")})
-        returned = await asyncio.wait_for(
-            call_maybe_async(self.env.impl.step, [list(self.log)], [self.metadata]),
-            self.env.config.timeouts.step.timeout_s,
+        observation, metadata, stops, reward, terminated, answer = await asyncio.wait_for(
+            self.env.batcher.step(list(self.log), self.metadata), self.env.config.timeouts.step.timeout_s
         )
-        observations, metadata, stops, rewards, terminateds = tuple(returned)[:5]
-        answers = tuple(returned)[5] if len(tuple(returned)) > 5 else None
-        observation = dict(observations[0]) if observations else {"role": "environment", "content": ""}
+        observation = dict(observation) if observation else {"role": "environment", "content": ""}
         self.log.append(observation)
-        if metadata and metadata[0] is not None:  # NeMo-RL clears it when a game ends
-            self.metadata = metadata[0]
-        self.next_stop_strings = list(stops[0]) if stops and stops[0] is not None else None
-        reward = _rewards_of(rewards)
+        if metadata is not None:  # NeMo-RL clears it when a game ends
+            self.metadata = metadata
+        self.next_stop_strings = list(stops) if stops is not None else None
         self.rewards.append(reward)
-        self.terminated = bool(_first(terminateds))
-        if answers and answers[0] is not None:
-            self.answers.append(answers[0])
+        self.terminated = terminated
+        if answer is not None:
+            self.answers.append(answer)
         message_out = {"role": str(observation.get("role", "environment")), "content": str(observation.get("content", ""))}
         return StepResult(messages=[message_out], reward=reward, done=self.terminated)
 
     async def verify(self, episode: EpisodeRecord) -> Verification:
-        components: dict[str, Any] = {"steps": len(self.rewards)}
+        batcher = self.env.batcher
+        components: dict[str, Any] = {"steps": len(self.rewards), "step_batches": batcher.batches,
+                                      "max_step_batch": batcher.max_size}
         if self.answers:
             components["answer"] = str(self.answers[-1])[:200]
         return shaped(self.env.config, self.rewards, terminal=self.terminated, components=components)

@@ -241,3 +241,23 @@ async def test_concurrent_episodes_step_as_one_batch():
     steps = 4 * (len(plan) + 1)
     assert env.batcher.steps == steps
     assert env.batcher.max_size == 4 and env.batcher.batches < steps  # batched, not one call per step
+
+
+async def test_sliding_puzzle_as_a_ray_actor():
+    """`ray: true`: the @ray.remote SlidingPuzzleEnv runs as a Ray actor (a local Ray started here)."""
+    ray = pytest.importorskip("ray")
+    sp = _sliding()
+    task, game = _task(sp, seed=17)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+    started = ray.is_initialized()
+    env = _env(max_turns=40)
+    env = NemoRLEnvironment("puzzle", EnvConfig(kind="nemo_rl", max_turns=40, options={
+        **env.config.options, "ray": True, "ray_init": {"num_cpus": 1}}))
+    try:
+        sample = await _play(env, task, PuzzlePlayer(plan))
+    finally:
+        await env.aclose()
+        if not started:
+            ray.shutdown()
+    assert sample.status == Status.COMPLETED and sample.reward == 1.0, sample.metadata
+    assert sample.metadata["turns"] == len(plan) + 1

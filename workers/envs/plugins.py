@@ -9,7 +9,8 @@
   `step` with a batch of one at `verify`; `terminateds` says whether the episode reached a
   terminal state. With `multi_turn: true` it runs NeMo-RL's rollout loop (`NemoRLSession`):
   `step` after every assistant turn, batched across the worker's concurrent episodes
-  (`StepBatcher`), observations as raw content tokens, `next_stop_strings` as SGLang `stop`.
+  (`StepBatcher`), observations as raw content tokens, `next_stop_strings` as SGLang `stop`;
+  `ray: true` runs the class as a Ray actor (`RayActor`).
 - `kind: slime_rm`: a slime custom reward function `async def rm(args, sample) -> float`
   (`--custom-rm-path` style; a plain function works too) as the verifier. `sample` is
   slime's `Sample` when slime is importable, else `pipeline.slime.LocalSample` with the
@@ -91,6 +92,10 @@ class NemoRLOptions(Options):
     # most batch_wait_s for others to join (0: only those issued in the same event-loop pass)
     batch_wait_s: float = 0.005
     max_batch: int = 64
+    # run the class as a Ray actor (a `@ray.remote` class as it is, a plain one wrapped), starting
+    # Ray in the worker when it is not running (`ray_init`: ray.init's keyword arguments)
+    ray: bool = False
+    ray_init: dict[str, Any] = {}
 
 
 def unwrap_ray(cls: Any) -> Any:
@@ -108,9 +113,17 @@ class NemoRLEnvironment(_PluginEnvironment):
     def __init__(self, name: str, config: EnvConfig):
         super().__init__(name, config)
         self.options = parse_options(name, config, NemoRLOptions)
-        cls = unwrap_ray(_import(name, "cls", self.options.cls))
-        self.impl = cls(self.options.config) if self.options.config is not None else cls()
+        target = _import(name, "cls", self.options.cls)
+        if self.options.ray:
+            self.impl: Any = RayActor(target, self.options.config, self.options.ray_init)
+        else:
+            cls = unwrap_ray(target)
+            self.impl = cls(self.options.config) if self.options.config is not None else cls()
         self.batcher = StepBatcher(self.impl, self.options.batch_wait_s, self.options.max_batch)
+
+    async def aclose(self) -> None:
+        if isinstance(self.impl, RayActor):
+            self.impl.kill()
 
     async def start(self, task: Task) -> EnvSession:
         if self.options.multi_turn:
@@ -124,6 +137,32 @@ class NemoRLEnvironment(_PluginEnvironment):
         observation = observations[0] if observations else {}
         components = {"observation": str(observation.get("content", ""))[:2000] if isinstance(observation, dict) else ""}
         return float(_first(rewards)), bool(_first(terminateds)), components
+
+
+class RayActor:
+    """A NeMo-RL environment as a Ray actor; `step` awaits the actor's answer (an ObjectRef)."""
+
+    def __init__(self, cls: Any, config: Any, ray_init: dict[str, Any]):
+        import os
+        import sys
+
+        import ray
+
+        if not ray.is_initialized():
+            # the actor's process must import the class as this process does
+            path = os.pathsep.join(p for p in sys.path if p)
+            runtime_env = {"env_vars": {"PYTHONPATH": path}}
+            ray.init(**{"runtime_env": runtime_env, "include_dashboard": False, "log_to_driver": False, **ray_init})
+        remote = cls if hasattr(cls, "remote") else ray.remote(cls)
+        self.actor = remote.remote(config) if config is not None else remote.remote()
+
+    async def step(self, message_logs: list, metadata: list) -> Any:
+        return await self.actor.step.remote(message_logs, metadata)
+
+    def kill(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
 
 
 def _at(values: Any, i: int) -> Any:

@@ -5,6 +5,11 @@
       parse tool calls from that turn's text
       env.step(calls)           ->  append the template's continuation tokens (mask 0, log-prob 0.0)
     stop: no tool call | env done | max_turns | response budget | context length
+
+A turn-taking session (NeMo-RL games: `plugins.NemoRLSession`) defines `step_text(message)`:
+it answers every turn, tool call or not, and only `done`, `max_turns` or a budget end the
+episode; its `next_stop_strings` (when set) are the next turn's SGLang `stop`, and with
+`raw_observations` its observations are appended as their content's own tokens (no template).
     verify -> reward (nonterminal reward, clamp) -> Sample
 
 An engine `abort` (pause for a weight update) resumes the same turn from the tokens

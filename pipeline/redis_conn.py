@@ -33,6 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
@@ -147,8 +148,8 @@ class OutageRetry(Retry):
             token = _RETRY_DEPTH.set(depth + 1)
             try:
                 result = await do()
-            except RedisUnavailable:
-                raise
+            except (RedisUnavailable, AuthenticationError):
+                raise  # out of budget already, or a wrong password: waiting out an outage fixes neither
             except self._supported_errors as error:
                 failures += 1
                 await fail(error)  # may raise (WatchError while watching: the caller decides)

@@ -27,6 +27,7 @@ import gc
 import logging
 import os
 import socket
+import time
 import uuid
 from typing import Any
 
@@ -201,11 +202,24 @@ async def _build_context(config: PipelineConfig, keys: Keys, worker_id: str) -> 
 
 
 async def _engine_tokenizer_path(engine: EngineClient) -> str:
-    """`engine.tokenizer` unset: ask the engine (`/model_info` has `tokenizer_path`)."""
-    url = await engine.locator.get()
-    async with engine.session.get(f"{url}/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-        resp.raise_for_status()
-        info = await resp.json()
+    """`engine.tokenizer` unset: ask the engine (`/model_info` has `tokenizer_path`), waiting
+    (a log line every 10 s) while it is not up yet: slime starts its engines after the workers."""
+    logged_at = None
+    while True:
+        url = await engine.locator.get()
+        try:
+            async with engine.session.get(f"{url}/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                resp.raise_for_status()
+                info = await resp.json()
+            break
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientResponseError) as exc:
+            if isinstance(exc, aiohttp.ClientResponseError) and exc.status != 503:
+                raise
+            if logged_at is None or time.monotonic() - logged_at >= 10.0:
+                logged_at = time.monotonic()
+                log.info("waiting for the engine at %s (not up yet: %s)", url, type(exc).__name__)
+            engine.locator.invalidate()
+            await asyncio.sleep(2.0)
     path = info.get("tokenizer_path")
     if not path:
         raise RuntimeError(f"engine.tokenizer is not set and {url}/model_info has no tokenizer_path")
@@ -234,6 +248,9 @@ def run_worker(config: PipelineConfig, *, concurrency: int | None = None) -> Non
         build_worker(config, concurrency=concurrency).run()
     except RedisUnavailable as exc:
         log.error("worker stopped: %s", exc)
+        raise SystemExit(3) from None
+    except aiohttp.ClientError as exc:  # an OSError too: named before the Redis clause below
+        log.error("worker stopped: engine %s: %s: %s", config.engine.url, type(exc).__name__, exc)
         raise SystemExit(3) from None
     except (RedisConnectionError, ConnectionError, OSError) as exc:  # e.g. arq's first connect refused
         log.error("worker stopped: redis %s: %s: %s", redact(config.redis.resolved_url()), type(exc).__name__, exc)

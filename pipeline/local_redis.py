@@ -54,13 +54,25 @@ def stop_process(proc: subprocess.Popen, *, kill: bool = False, grace_s: float =
 
 class LocalRedis:
     def __init__(
-        self, *, port: int | None = None, appendonly: bool = False, data_dir: str | None = None, detached: bool = False
+        self,
+        *,
+        port: int | None = None,
+        appendonly: bool = False,
+        data_dir: str | None = None,
+        detached: bool = False,
+        appendfsync: str = "always",
     ):
+        """`port`: fixed (a restart keeps it; default a free one). `appendonly`: persist to an AOF in
+        `data_dir`, fsynced per `appendfsync` ("always", "everysec", "no"); a `start()` after a
+        SIGKILL (`stop(kill=True)`) replays it."""
+        if appendfsync not in ("always", "everysec", "no"):
+            raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.appendfsync = appendfsync
         self.detached = detached  # own session: a terminal's Ctrl-C does not stop it before its clients drain
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="rollout-redis-")
         self.dir = Path(data_dir or self._tmp.name)  # type: ignore[union-attr]
@@ -74,7 +86,7 @@ class LocalRedis:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "always" if self.appendonly else "everysec",
+            "--appendfsync", self.appendfsync if self.appendonly else "everysec",
             "--logfile", str(self.dir / "redis.log"),
         ]
         self.proc = subprocess.Popen(

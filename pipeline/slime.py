@@ -288,6 +288,7 @@ class RedisDataSource(_DataSourceBase):
         self.first_label = int(getattr(args, "update_weight_start_version", None) or 0) + 1
         self._run_starts: dict[int, int] = {}
         self._warned_stale = False
+        self._wrong_sized: list[str] = []  # groups of the wrong size met in this read
         self._engine_version: int | None = None  # last published
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
@@ -347,10 +348,13 @@ class RedisDataSource(_DataSourceBase):
 
     # internals -----------------------------------------------------------------
     async def _load_recorded(self) -> dict[int, list[str]]:
+        """The recorded, unacknowledged steps, from the `{ns}:steps` index (no keyspace SCAN)."""
         recorded: dict[int, list[str]] = {}
-        async for key in self._redis.scan_iter(match=self.keys.consumed_pattern, count=500):
-            rid = self.keys.rollout_id_of(key.decode())
-            recorded[rid] = [i.decode() for i in await self._redis.lrange(key, 0, -1)]
+        for member in await self._redis.zrange(self.keys.recorded_steps, 0, -1):
+            rid = int(member)
+            ids = [i.decode() for i in await self._redis.lrange(self.keys.consumed(rid), 0, -1)]
+            if ids:
+                recorded[rid] = ids
         return dict(sorted(recorded.items()))
 
     async def _release_through(self, rollout_id: int) -> None:
@@ -360,7 +364,10 @@ class RedisDataSource(_DataSourceBase):
                 ids = self._recorded[rid]
                 self.ledger.record_step(rid, ids, await self.buffer.fetch(ids), oldest=self._oldest)
             await self.buffer.ack(self._recorded.pop(rid))
-            await self._redis.delete(self.keys.consumed(rid))
+            async with self._redis.pipeline(transaction=True) as pipe:  # both idempotent: safe to repeat
+                pipe.delete(self.keys.consumed(rid))
+                pipe.zrem(self.keys.recorded_steps, rid)
+                await pipe.execute()
 
     def _claimed_ids(self) -> frozenset[str]:
         return frozenset(i for ids in self._recorded.values() for i in ids)
@@ -379,11 +386,14 @@ class RedisDataSource(_DataSourceBase):
                 self.settings.consumer, n - len(entries), block_ms=READ_BLOCK_MS, exclude=self._claimed_ids()
             )
             accepted = [e for e in batch if await self._admit(e, version, stats)]
+            if self._wrong_sized:
+                await self._drain_wrong_sized(version, stats)
             if accepted:
                 ids = [e.stream_id for e in accepted]
 
                 def record(pipe: Any, ids: list[str] = ids) -> None:
                     pipe.rpush(self.keys.consumed(rid), *ids)
+                    pipe.zadd(self.keys.recorded_steps, {rid: rid})
                     pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
 
                 # once, whatever replies are lost: a replayed RPUSH would record every id twice
@@ -414,6 +424,22 @@ class RedisDataSource(_DataSourceBase):
             )
         return entries, stats
 
+    async def _drain_wrong_sized(self, version: int, stats: BatchStats) -> None:
+        """Workers and trainer disagree on n: move every wrong-sized group now in the stream to
+        the dead letters in one go (the right-sized ones stay pending for the restarted
+        trainer), then stop with one error, instead of one crash per group."""
+        seen = self._claimed_ids()  # pending entries left for the restart are not read again here
+        while batch := await self.buffer.read(self.settings.consumer, 256, block_ms=None, exclude=seen):
+            for entry in batch:
+                seen |= {entry.stream_id}
+                if entry.group.n_samples != self.settings.n_samples_per_prompt:
+                    await self._admit(entry, version, stats)
+        wrong, self._wrong_sized = self._wrong_sized, []
+        raise ConfigError(
+            f"{len(wrong)} group(s) have a size other than n_samples_per_prompt {self.settings.n_samples_per_prompt}"
+            f" (e.g. {wrong[0]}): workers and trainer disagree on n; all were moved to the dead-letter stream"
+        )
+
     def _oldest(self, group: SampleGroup) -> int:
         """The group's oldest token version, seen from this run's branch (after resumes)."""
         return group.oldest_version(self._run_starts, self.run_id)
@@ -432,11 +458,8 @@ class RedisDataSource(_DataSourceBase):
 
             # once, whatever replies are lost (the key the buffer's own dead letters use)
             await run_once(self._redis, self.keys.op(f"dead:{self.keys.groups}:{entry.stream_id}"), stage)
-            raise ConfigError(
-                f"group {group.group_id!r} (stream id {entry.stream_id}) has {group.n_samples} samples but "
-                f"n_samples_per_prompt is {expected}: workers and trainer disagree on n "
-                "(the group was moved to the dead-letter stream)"
-            )
+            self._wrong_sized.append(f"{group.group_id!r} ({group.n_samples} samples)")
+            return False
         if staleness(version, self._oldest(group)) > self.settings.eta:
             stats.stale += 1
             policy = self.settings.stale_policy

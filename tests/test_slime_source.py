@@ -187,12 +187,18 @@ def test_zero_variance_filter_keeps_batch_full(redis_url, namespace):
     ds.close()
 
 
-def test_group_size_mismatch_is_a_clear_configuration_error(redis_url, namespace):
-    _push(redis_url, namespace, [make_group("three:0", n=3)])
+def test_group_size_mismatch_drains_every_wrong_group_then_stops_once(redis_url, namespace):
+    """One error for the lot, not one trainer crash per wrong-sized group; the right-sized
+    groups stay for the restarted trainer."""
+    wrong = [make_group(f"three{i}:0", n=3) for i in range(3)]
+    _push(redis_url, namespace, [wrong[0], make_group("ok:0", n=4), *wrong[1:]])
     ds = RedisDataSource(_args(redis_url, namespace))
-    with pytest.raises(ConfigError, match="has 3 samples but n_samples_per_prompt is 4"):
-        ds.get_samples(1)
+    with pytest.raises(ConfigError, match=r"3 group\(s\) have a size other than n_samples_per_prompt 4"):
+        ds.get_samples(2)
     ds.close()
+    ds2 = RedisDataSource(_args(redis_url, namespace))
+    assert _ids(ds2.get_samples(1)) == ["ok:0"]  # nothing wrong left: no second crash
+    ds2.close()
 
 
 def test_add_samples_requeues_groups(redis_url, namespace):

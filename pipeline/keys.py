@@ -138,6 +138,13 @@ class Keys:
         return self._k(f"consumed:{rollout_id}")
 
     @property
+    def recorded_steps(self) -> str:
+        """Sorted set: the rollout ids that have a `consumed:{rid}` record not yet acknowledged
+        (score = rid). Written in the transaction that records a step, trimmed by `save`: the
+        data source finds its recorded steps here, never by scanning the keyspace."""
+        return self._k("steps")
+
+    @property
     def consumed_pattern(self) -> str:
         return self._k("consumed:*")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -38,6 +39,11 @@ log = logging.getLogger(__name__)
 
 DEDUP_TTL_S = 7 * 24 * 3600  # longer than any run: a re-run job must never push twice
 RECENT_KEEP = 2000  # group summaries kept for the monitor
+# `{ns}:dead` is bounded: about the newest DEAD_MAXLEN letters are kept (XADD MAXLEN ~; the
+# `dead` counter keeps the total), each payload capped at DEAD_PAYLOAD_MAX bytes (the letter
+# says how long it was). Environment: ROLLOUT_DEAD_MAXLEN, ROLLOUT_DEAD_PAYLOAD_MAX.
+DEAD_MAXLEN = int(os.environ.get("ROLLOUT_DEAD_MAXLEN", "10000"))
+DEAD_PAYLOAD_MAX = int(os.environ.get("ROLLOUT_DEAD_PAYLOAD_MAX", str(64 * 1024)))
 ID_UNKNOWN = "0-0"  # push/requeue stored the group, but the reply with its stream id was lost
 HANDED_BACK = b"handed-back"  # dedup marker value of a group whose task was handed back (a tombstone)
 
@@ -227,10 +233,11 @@ class GroupBuffer:
 
     def stage_dead_letter(self, pipe: Pipeline, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
         """Add the dead letter to the caller's transaction (it applies with the caller's other writes)."""
-        pipe.xadd(
-            self.keys.dead,
-            {"source": source, "reason": reason[:2000], "ref": ref, "payload": payload, "at": f"{time.time():.3f}"},
-        )
+        fields = {"source": source, "reason": reason[:2000], "ref": ref, "payload": payload[:DEAD_PAYLOAD_MAX],
+                  "at": f"{time.time():.3f}"}
+        if len(payload) > DEAD_PAYLOAD_MAX:
+            fields["payload_bytes"] = str(len(payload))  # cut: the whole payload was this long
+        pipe.xadd(self.keys.dead, fields, maxlen=DEAD_MAXLEN, approximate=True)
         pipe.hincrby(self.keys.counters, Counter.DEAD, 1)
         log.warning("dead-lettered %s entry %s: %s", source, ref or "?", reason[:300])
 

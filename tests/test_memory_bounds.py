@@ -44,3 +44,20 @@ def test_start_and_load_find_recorded_steps_without_scanning(redis_url, namespac
     resumed.close()
     assert replay == {1: seen[1], 2: seen[2]}
     assert left == 0
+
+
+async def test_dead_letters_are_bounded_and_their_payloads_capped(redis, keys, monkeypatch):
+    import pipeline.buffer as buffer_mod
+    from pipeline.buffer import GroupBuffer
+    from pipeline.keys import Counter
+
+    monkeypatch.setattr(buffer_mod, "DEAD_MAXLEN", 100)
+    monkeypatch.setattr(buffer_mod, "DEAD_PAYLOAD_MAX", 1000)
+    buffer = GroupBuffer(redis, keys)
+    for i in range(500):
+        await buffer.dead_letter(source="test", reason=f"r{i}", payload=b"x" * 5000, ref=str(i))
+    length = await redis.xlen(keys.dead)
+    (_, last), = await redis.xrevrange(keys.dead, count=1)
+    assert length < 250, length  # MAXLEN ~ 100: trimmed in whole macro-nodes, never unbounded
+    assert int(await redis.hget(keys.counters, Counter.DEAD)) == 500  # the counter keeps the total
+    assert len(last[b"payload"]) == 1000 and last[b"payload_bytes"] == b"5000" and last[b"ref"] == b"499"

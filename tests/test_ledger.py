@@ -168,15 +168,24 @@ def test_crash_after_ack_keeps_the_written_step(redis_url, namespace, tmp_path):
     d = tmp_path / "ledger"
     ds = RedisDataSource(_args(redis_url, namespace, d))
     batch = generate_rollout(ds.args, 0, ds).samples
-    real_delete = ds._redis.delete
+    real_pipeline = ds._redis.pipeline
 
-    async def lost(*keys):
-        raise ConnectionError("reply lost")
+    def lost_pipeline(*args, **kwargs):  # the transaction that deletes the step record fails
+        pipe = real_pipeline(*args, **kwargs)
+        execute = pipe.execute
 
-    ds._redis.delete = lost
+        async def lost(*a, **k):
+            if any(cmd[0][0] == "DEL" for cmd in pipe.command_stack):
+                raise ConnectionError("reply lost")
+            return await execute(*a, **k)
+
+        pipe.execute = lost
+        return pipe
+
+    ds._redis.pipeline = lost_pipeline
     with pytest.raises(ConnectionError):
         ds.save(0)
-    ds._redis.delete = real_delete
+    ds._redis.pipeline = real_pipeline
     ds._loop.close()
     written = Ledger(d).path(0).read_bytes()
     ds2 = RedisDataSource(_args(redis_url, namespace, d))

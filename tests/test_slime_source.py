@@ -1,6 +1,7 @@
 """The slime entry points against a real redis-server (slime itself is not installed)."""
 
 import asyncio
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -232,10 +233,12 @@ def test_publishes_version_trainer_info_and_engine(redis_url, namespace):
     ds.close()
 
 
-def test_evaluation_and_wrong_data_source_are_clear_errors(redis_url, namespace):
+def test_evaluation_and_wrong_data_source_are_clear_errors(redis_url, namespace, monkeypatch):
     ds = RedisDataSource(_args(redis_url, namespace))
+    # slime absent (the conformance tests may have put the snapshot on sys.path in this session)
+    monkeypatch.setitem(sys.modules, "slime.rollout.sglang_rollout", None)
     with pytest.raises(ConfigError, match="evaluation needs slime and --eval-prompt-data"):
-        generate_rollout(ds.args, 0, ds, evaluation=True)  # slime is not installed here
+        generate_rollout(ds.args, 0, ds, evaluation=True)
     with pytest.raises(TypeError, match="--data-source-path pipeline.slime.RedisDataSource"):
         generate_rollout(ds.args, 0, object())
     ds.close()

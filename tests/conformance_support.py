@@ -36,7 +36,10 @@ from typing import Any, NoReturn
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-THIRD_PARTY = REPO.parent / "shared" / "third_party"
+# `../shared/third_party` beside the checkout; a checkout elsewhere (a CI clone) falls back to
+# the workspace's shared folder.
+_CANDIDATES = (REPO.parent / "shared" / "third_party", Path("/work/shared/third_party"))
+THIRD_PARTY = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 REQUIRE_ENV = "ROLLOUT_REQUIRE_CONFORMANCE"
 
 

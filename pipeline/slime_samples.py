@@ -9,9 +9,11 @@ slime is imported lazily: without it, samples are `LocalSample` (same field name
 from __future__ import annotations
 
 import enum
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 import numpy as np
@@ -78,8 +80,41 @@ _OutputClass: Any = _SLIME[2] if _SLIME else LocalRolloutOutput
 
 # -------------------------------------------------------------- conversion
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Build many acyclic containers without the cyclic GC walking them.
+
+    A converted 4k-token sample is three Python lists of ~11k elements in all (slime's Sample
+    wants lists), and the GC's traversal of a list visits every element: the gen-0 and gen-1
+    collections that the build triggers (one per ~700 tracked objects) walked each new list
+    about twice, a third of get_samples' CPU time (docs/benchmarks.md, trainer hand-off).
+    Nothing built here can form a cycle (lists of ints and floats, fresh dicts), so collections
+    are paused for the build and what was built is then moved to the oldest generation without
+    a walk (`gc.freeze()` + `gc.unfreeze()`: two list splices), where only a full collection
+    looks at it; it is freed by reference counting either way. The process's other young
+    objects move with it (a cycle among them waits for the next full collection). Skipped when
+    the process has frozen objects of its own: unfreeze would thaw them too.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
+        gc.enable()
+
+
 def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
     """One wire group -> n trainer Samples with contiguous group_index/index."""
+    with _gc_paused():
+        return _to_trainer_group(entry, group_index)
+
+
+def _to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
     group = entry.group
     n = group.n_samples
     pipeline_meta = {

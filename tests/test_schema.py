@@ -101,3 +101,57 @@ def test_task_json_errors_are_clear(line, message):
     with pytest.raises(SchemaError) as info:
         decode_task_json(line)
     assert message in str(info.value)
+
+
+# ------------------------------------------------ invariant checks on every decode (one fast pass)
+
+def _raw_sample(**override):
+    raw = dict(tokens=b"\x01\x00\x00\x00" * 3, response_length=2, loss_mask=b"\x01\x01",
+               rollout_log_probs=b"\x00\x00\x80\xbf" * 2, reward=0.0, status="completed")
+    raw.update(override)
+    return raw
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"tokens": b"\x01" * 11}, "field 'tokens' has 11 bytes, not a multiple of 4 (int32)"),
+    ({"rollout_log_probs": b"\x00" * 7}, "field 'rollout_log_probs' has 7 bytes, not a multiple of 4 (float32)"),
+    ({"response_length": -1, "loss_mask": b"", "rollout_log_probs": b""}, "field 'response_length' is negative (-1)"),
+    ({"response_length": 4, "loss_mask": b"\x01" * 4, "rollout_log_probs": b"\x00" * 16},
+     "field 'response_length' is 4 but 'tokens' has only 3"),
+    ({"loss_mask": b"\x01\x01\x01"}, "field 'loss_mask' has 3 entries, response_length is 2"),
+    ({"rollout_log_probs": b"\x00" * 12}, "field 'rollout_log_probs' has 3 entries, response_length is 2"),
+    ({"reward": float("nan")}, "field 'reward' is NaN"),
+])
+@pytest.mark.parametrize("bad_index", [0, 2])
+def test_every_invariant_is_checked_on_decode_and_names_the_sample(override, message, bad_index):
+    """The fast per-sample pass in SampleGroup.__post_init__ lets no broken sample through, and the
+    error is the one Sample.check words (the group, the sample index, the field)."""
+    samples = [_raw_sample() for _ in range(3)]
+    samples[bad_index] = _raw_sample(**override)
+    raw = {"group_id": "g:9", "task": {"id": "t", "env": "e", "prompt": "p"}, "admission_version": 0,
+           "n_samples": 3, "samples": samples}
+    with pytest.raises(SchemaError) as info:
+        decode_group(msgspec.msgpack.encode(raw))
+    assert f"group 'g:9' sample {bad_index}: {message}" in str(info.value)
+
+
+def test_edge_values_that_are_valid_pass():
+    """Empty response, response spanning every token, -0.0 and inf rewards: valid, decoded as is."""
+    raw = {"group_id": "g:10", "task": {"id": "t", "env": "e", "prompt": "p"}, "admission_version": 0, "n_samples": 3,
+           "samples": [_raw_sample(response_length=0, loss_mask=b"", rollout_log_probs=b""),
+                       _raw_sample(response_length=3, loss_mask=b"\x01" * 3, rollout_log_probs=b"\x00" * 12,
+                                   reward=float("-inf")),
+                       _raw_sample(reward=-0.0)]}
+    group = decode_group(msgspec.msgpack.encode(raw))
+    assert [s.response_length for s in group.samples] == [0, 3, 2]
+
+
+def test_wire_format_is_unchanged_payloads_of_the_map_layout_decode():
+    """Groups stored by earlier code (a msgpack map per struct, every field written) still decode,
+    and what we write is that same layout: no format change between versions."""
+    group = make_group("g:11", n=2, prompt_len=3, response_len=2)
+    raw = msgspec.msgpack.decode(encode(group))
+    assert isinstance(raw, dict) and isinstance(raw["samples"][0], dict)
+    assert set(raw["samples"][0]) == set(Sample.__struct_fields__)
+    legacy = msgspec.msgpack.encode({**raw, "samples": [dict(s) for s in raw["samples"]]})
+    assert decode_group(legacy) == group

@@ -1,0 +1,81 @@
+"""to_trainer_group builds its lists with the cyclic GC paused (pipeline/slime_samples.py):
+no collection walks them while they are built, the GC's state is left as it was, and the
+samples are the same as without the pause."""
+
+import gc
+
+import pytest
+
+from pipeline.buffer import Entry
+from pipeline.slime_samples import _to_trainer_group, to_trainer_group
+from pipeline.synthetic import make_group
+
+
+def _collections_during(fn):
+    seen = []
+
+    def callback(phase, info):
+        if phase == "start":
+            seen.append(info["generation"])
+
+    gc.callbacks.append(callback)
+    try:
+        result = fn()
+    finally:
+        gc.callbacks.remove(callback)
+    return result, seen
+
+
+def test_no_collection_while_a_large_group_is_converted_and_gc_is_back_on():
+    entry = Entry("1-0", make_group("big:0", n=16, prompt_len=512, response_len=3584))
+    assert gc.isenabled()
+    gc.collect()
+    out, collections = _collections_during(lambda: to_trainer_group(entry, 3))
+    assert collections == []
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert [s.index for s in out] == list(range(48, 64))
+    # the deferred young collection has nothing left to walk: the build went to the oldest generation
+    assert gc.get_count()[0] < 700
+
+
+def test_same_samples_as_without_the_pause():
+    entry = Entry("7-0", make_group("g:0", n=4, prompt_len=8, response_len=16, seed=3))
+    with_pause, without = to_trainer_group(entry, 1), _to_trainer_group(entry, 1)
+    for a, b in zip(with_pause, without, strict=True):
+        assert a.tokens == b.tokens and a.loss_mask == b.loss_mask and a.rollout_log_probs == b.rollout_log_probs
+        assert (a.index, a.group_index, a.reward, a.status, a.metadata) == (b.index, b.group_index, b.reward, b.status, b.metadata)
+
+
+def test_a_disabled_gc_stays_disabled():
+    entry = Entry("1-0", make_group("g:1", n=2))
+    gc.disable()
+    try:
+        to_trainer_group(entry, 0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_objects_the_process_froze_stay_frozen():
+    """unfreeze would thaw the process's own frozen objects too: with any frozen, no freeze/unfreeze."""
+    entry = Entry("1-0", make_group("g:2", n=2))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        to_trainer_group(entry, 0)
+        assert gc.get_freeze_count() == frozen and gc.isenabled()
+    finally:
+        gc.unfreeze()
+
+
+def test_an_error_in_the_conversion_re_enables_gc(monkeypatch):
+    import pipeline.slime_samples as module
+
+    def broken(entry, group_index):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(module, "_to_trainer_group", broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        module.to_trainer_group(Entry("1-0", make_group("g:3", n=2)), 0)
+    assert gc.isenabled()

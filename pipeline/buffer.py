@@ -212,10 +212,15 @@ class GroupBuffer:
 
     async def requeue(self, group: SampleGroup, *, op_id: str | None = None) -> str:
         """Put back a group the trainer handed back (slime's add_samples): no dedup check, but
-        once per call (`op_id`), whatever replies are lost."""
+        once per call (`op_id`), whatever replies are lost. It is open again at its admission
+        clock (due-first takes it as the oldest it is)."""
         fields = {"g": encode(group), "id": group.group_id}
-        replies = await run_once(self.redis, self.keys.op(op_id or new_op_id()),
-                                 lambda pipe: pipe.xadd(self.keys.groups, fields))
+
+        def stage(pipe: Pipeline) -> None:
+            pipe.xadd(self.keys.groups, fields)
+            pipe.zadd(self.keys.open, {group.group_id: group.admission_version})
+
+        replies = await run_once(self.redis, self.keys.op(op_id or new_op_id()), stage)
         return ID_UNKNOWN if replies is ALREADY else replies[0].decode()
 
     async def dead_letter(
@@ -329,9 +334,12 @@ class GroupBuffer:
                 entries.append(Entry(entry_id, decode_group(payload)))
             except SchemaError as exc:
                 # one transaction, once per entry: neither a crash nor a lost reply dead-letters it twice
-                def stage(pipe: Pipeline, reason: str = str(exc), entry_id: str = entry_id, payload: bytes = payload) -> None:
+                def stage(pipe: Pipeline, reason: str = str(exc), entry_id: str = entry_id, payload: bytes = payload,
+                          group_id: bytes | None = fields.get(b"id")) -> None:
                     self.stage_dead_letter(pipe, source="groups", reason=reason, payload=payload, ref=entry_id)
                     self.stage_ack(pipe, [entry_id])
+                    if group_id:
+                        pipe.zrem(self.keys.open, group_id)
 
                 await run_once(self.redis, self.keys.op(f"dead:{self.keys.groups}:{entry_id}"), stage)
         return entries

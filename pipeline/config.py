@@ -18,7 +18,7 @@ import yaml
 from pipeline.keys import DEFAULT_NAMESPACE
 from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, redact
 from pipeline.schema import SamplingParams
-from pipeline.staleness import StalePolicy, TrainerLoop
+from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
 
 
 ENV_NAMESPACE = "ROLLOUT_NAMESPACE"
@@ -252,6 +252,8 @@ _TRAINER_SOURCES = {
     "n_samples_per_prompt": ("n_samples_per_prompt", "ROLLOUT_N_SAMPLES"),
     "eta": ("pipeline_eta", "ROLLOUT_ETA"),
     "stale_policy": ("pipeline_stale_policy", "ROLLOUT_STALE_POLICY"),
+    "consume_order": ("pipeline_consume_order", "ROLLOUT_CONSUME_ORDER"),
+    "due_wait_s": ("pipeline_due_wait_s", "ROLLOUT_DUE_WAIT_S"),
     "filter_zero_variance": ("pipeline_filter_zero_variance", "ROLLOUT_FILTER_ZERO_VARIANCE"),
     "wait_log_s": ("pipeline_wait_log_s", "ROLLOUT_WAIT_LOG_S"),
     "wait_timeout_s": ("pipeline_wait_timeout_s", "ROLLOUT_WAIT_TIMEOUT_S"),
@@ -274,7 +276,11 @@ class TrainerSettings(_Section):
     rollout_batch_size: PosInt = 1
     n_samples_per_prompt: PosInt = 1
     eta: NonNegInt = 2
-    stale_policy: StalePolicy = StalePolicy.REQUEUE
+    stale_policy: StalePolicy = StalePolicy.REQUEUE  # for a group past eta all the same (arrival order, resumes)
+    consume_order: ConsumeOrder = ConsumeOrder.DUE_FIRST
+    # how long a step waits for one due group still generating before it stops reserving its
+    # place (it is then trained when it arrives if still within eta, else `stale_policy`)
+    due_wait_s: NonNegFloat = 600.0
     filter_zero_variance: bool = False
     wait_log_s: PosFloat = 30.0  # log while blocked waiting for groups
     wait_timeout_s: NonNegFloat = 0.0  # 0 = wait forever

@@ -97,6 +97,14 @@ class Keys:
         return self._k("requeue")
 
     @property
+    def open(self) -> str:
+        """Sorted set group id -> admission clock (the `{ns}:version` its admission counted
+        against): every admitted group not yet taken by a training step or discarded. Written
+        by the admission scripts, trimmed where a group leaves (a step records it, a discard,
+        a dead letter); the trainer's due-first order reads it (docs/architecture.md)."""
+        return self._k("open")
+
+    @property
     def recent(self) -> str:
         """Capped list of small per-group summaries (env, reward mean, staleness) for the monitor."""
         return self._k("recent")

@@ -17,6 +17,24 @@ class StalePolicy(str, enum.Enum):
     KEEP = "keep"  # train on it anyway, but count it
 
 
+class ConsumeOrder(str, enum.Enum):
+    """Which groups a training step takes (docs/architecture.md "Off-policy control")."""
+
+    # A group admitted at clock a is due at step a + eta: each step takes every due group first
+    # (waiting, bounded, for those still generating), then the oldest others. With the admission
+    # bound this trains every group within eta versions and discards none.
+    DUE_FIRST = "due-first"
+    # First come, first served; a group past eta at consumption goes to `StalePolicy`. Long
+    # groups finish last and are the ones discarded: wasted tokens and a length bias.
+    ARRIVAL = "arrival"
+
+
+def due_clock(rollout_id: int, eta: int) -> int:
+    """The highest admission clock due at step `rollout_id`: a group admitted against
+    `{ns}:version` = a is due at step a + eta, the last step whose lag stays <= eta."""
+    return rollout_id - eta
+
+
 def admission_headroom(*, eta: int, version: int, batch_size: int, admitted: int, discarded: int) -> int:
     """How many more groups a producer may admit now (never negative)."""
     if eta < 0 or batch_size < 1:

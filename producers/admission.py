@@ -62,24 +62,30 @@ local function put_job(job_key, result_key, job_id, envelope, expires, score)
 end
 """
 
-# KEYS: queue, counters, version, cursor, requeue list, op key, then (job key, result key) per job
-# ARGV: eta, batch, expires ms, score, cursor field, expected position, then (job id, envelope) per job
+# KEYS: queue, counters, version, cursor, requeue list, op key, open set, then (job key, result key) per job
+# ARGV: eta, batch, expires ms, score, cursor field, expected position, expected version ("" = any),
+#       then (job id, envelope, group id) per job
 # -> {consumed, admitted}; consumed = -1 when the cursor moved under us (another producer),
 #    -2 when requeued tasks wait: they go first, else a hand-back that lands between the
 #    producer's look at the requeue list and this script would lose its slot to a fresh task
-#    (and wait for the next policy version, or forever at the end of a run).
+#    (and wait for the next policy version, or forever at the end of a run); -3 when the
+#    version moved since the caller built the jobs (their admission_version must be the clock
+#    this script admits them against: the trainer's due-first order relies on it).
 _FRESH_LUA = _HEADROOM_LUA + f"""
 local done = replayed(KEYS[6])
 if done then return done end
 local pos = tonumber(redis.call('HGET', KEYS[4], ARGV[5]) or '0')
 if pos ~= tonumber(ARGV[6]) then return {{-1, pos}} end
 if redis.call('LLEN', KEYS[5]) > 0 then return {{-2, 0}} end
+local clock = redis.call('GET', KEYS[3]) or '0'
+if ARGV[7] ~= '' and tonumber(clock) ~= tonumber(ARGV[7]) then return {{-3, tonumber(clock)}} end
 local room = headroom(tonumber(ARGV[1]), tonumber(ARGV[2]))
-local n = (#ARGV - 6) / 2
+local n = (#ARGV - 7) / 3
 local consumed, admitted = 0, 0
 while consumed < n and room > 0 do
   local i = consumed
-  if put_job(KEYS[7 + 2 * i], KEYS[8 + 2 * i], ARGV[7 + 2 * i], ARGV[8 + 2 * i], ARGV[3], ARGV[4]) then
+  if put_job(KEYS[8 + 2 * i], KEYS[9 + 2 * i], ARGV[8 + 3 * i], ARGV[9 + 3 * i], ARGV[3], ARGV[4]) then
+    redis.call('ZADD', KEYS[7], clock, ARGV[10 + 3 * i])
     admitted = admitted + 1
     room = room - 1
   end
@@ -90,19 +96,22 @@ if consumed > 0 then redis.call('HSET', KEYS[4], ARGV[5], pos + consumed) end
 return record(KEYS[6], {{consumed, admitted}})
 """
 
-# KEYS: queue, counters, version, requeue list, attempts hash, job key, result key, op key
+# KEYS: queue, counters, version, requeue list, attempts hash, job key, result key, op key, open set
 # ARGV: eta, batch, expires ms, score, entry bytes (the list head we saw), attempts field,
-#       attempts seen, attempt to admit, arq job id, envelope
-# -> -1 head or attempts changed (retry), 0 no headroom, 1 admitted, 2 popped but the id was taken
+#       attempts seen, attempt to admit, arq job id, envelope, group id, expected version ("" = any)
+# -> -1 head, attempts or version changed (retry), 0 no headroom, 1 admitted, 2 popped but the id was taken
 _REQUEUE_LUA = _HEADROOM_LUA + """
 local done = replayed(KEYS[8])
 if done then return done[1] end
 if redis.call('LINDEX', KEYS[4], 0) ~= ARGV[5] then return -1 end
 if tonumber(redis.call('HGET', KEYS[5], ARGV[6]) or '0') ~= tonumber(ARGV[7]) then return -1 end
+local clock = redis.call('GET', KEYS[3]) or '0'
+if ARGV[12] ~= '' and tonumber(clock) ~= tonumber(ARGV[12]) then return -1 end
 if headroom(tonumber(ARGV[1]), tonumber(ARGV[2])) <= 0 then return 0 end
 redis.call('LPOP', KEYS[4])
 redis.call('HSET', KEYS[5], ARGV[6], ARGV[8])
 if not put_job(KEYS[6], KEYS[7], ARGV[9], ARGV[10], ARGV[3], ARGV[4]) then return record(KEYS[8], {2})[1] end
+redis.call('ZADD', KEYS[9], clock, ARGV[11])
 redis.call('HINCRBY', KEYS[2], '""" + Counter.ENQUEUED + """', 1)
 return record(KEYS[8], {1})[1]
 """
@@ -165,6 +174,7 @@ class Admitted:
     consumed: int  # tasks the cursor moved past (admitted + refused as already queued)
     admitted: int
     requeue_first: bool = False  # nothing done: requeued tasks wait, drain them, then retry
+    version_moved: bool = False  # nothing done: the policy version moved, build the jobs again
 
 
 class Admission:
@@ -189,17 +199,26 @@ class Admission:
         return [self.keys.queue, self.keys.counters, self.keys.version]
 
     async def admit_fresh(
-        self, limits: Limits, jobs: list[tuple[str, bytes]], *, cursor_field: str, position: int, score_ms: int
+        self, limits: Limits, jobs: list[tuple[str, bytes]], *, cursor_field: str, position: int, score_ms: int,
+        version: int | None = None,
     ) -> Admitted:
-        """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`."""
-        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, self.keys.op(new_op_id())]
-        args: list[str | int | bytes] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position]
+        """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`.
+
+        `version`: the admission_version the jobs carry; nothing is admitted if `{ns}:version`
+        moved since (`Admitted.version_moved`: build them again)."""
+        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, self.keys.op(new_op_id()), self.keys.open]
+        args: list[str | int | bytes] = [
+            limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position,
+            "" if version is None else version,
+        ]
         for group_id, envelope in jobs:
             keys += self._job_keys(group_id)
-            args += [self.keys.arq_job_id(group_id), envelope]
+            args += [self.keys.arq_job_id(group_id), envelope, group_id]
         consumed, admitted = await self._fresh(keys=keys, args=args)
         if consumed == -2:
             return Admitted(0, 0, requeue_first=True)
+        if consumed == -3:
+            return Admitted(0, 0, version_moved=True)
         if consumed < 0:
             raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}")
         return Admitted(int(consumed), int(admitted))
@@ -207,12 +226,14 @@ class Admission:
     async def admit_requeued(
         self, limits: Limits, head: bytes, *, attempts_field: str, attempts_seen: int, job: PromptJob, score_ms: int
     ) -> int:
-        """Move the requeue list's head `head` into the queue as `job`, if the head and the
-        (task, epoch)'s attempt count are still what the caller saw (-1 otherwise)."""
+        """Move the requeue list's head `head` into the queue as `job`, if the head, the
+        (task, epoch)'s attempt count and the policy version (`job.admission_version`) are
+        still what the caller saw (-1 otherwise)."""
         keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id),
-                self.keys.op(new_op_id())]
+                self.keys.op(new_op_id()), self.keys.open]
         args = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
-                job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms)]
+                job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms),
+                job.job_id, job.admission_version]
         return int(await self._requeue(keys=keys, args=args))
 
     async def drop_requeued(self, head: bytes) -> bool:

@@ -236,10 +236,12 @@ class Producer:
             jobs.append((job.job_id, job_envelope(job, enqueue_time_ms=int(now * 1000))))
         result = await self.admission.admit_fresh(
             self.limits, jobs, cursor_field=self._cursor_field(self.epoch), position=stream.position,
-            score_ms=int(now * 1000),
+            score_ms=int(now * 1000), version=version,
         )
         if result.requeue_first:
             return "requeue-first"  # the loop drains the requeue list next, without waiting
+        if result.version_moved:
+            return "version-moved"  # the loop builds the batch again at the new version
         stream.advance(result.consumed)
         self.stats.admitted += result.admitted
         self.stats.refused += result.consumed - result.admitted

@@ -230,9 +230,12 @@ async def _dead_letter(
     exist together or not at all, and a lost reply, a zombie and a re-run apply them once.
     """
     marker = w.keys.dedup(requeue.job_id) if requeue is not None else None
+    group_id = _group_id_of(w.keys, job_id)
 
     def stage(pipe: Any) -> None:
         w.buffer.stage_dead_letter(pipe, source="jobs", reason=reason, payload=payload, ref=job_id)
+        if group_id:
+            pipe.zrem(w.keys.open, group_id)  # it leaves without training: the trainer waits for it no more
         pipe.hincrby(w.keys.counters, Counter.FAILED, 1)
         pipe.hincrby(w.keys.counters, Counter.DISCARDED, 1)
         pipe.hdel(w.keys.job_errors, job_id)
@@ -249,6 +252,14 @@ async def _dead_letter(
         w.buffer.redis, w.keys.op(f"job-dead:{job_id}"), stage,
         watch=[marker] if marker else [], guard=marker_absent,
     )
+
+
+def _group_id_of(keys: Keys, job_id: str) -> str:
+    """The group id of one of our arq job ids ("" for a job id from elsewhere)."""
+    try:
+        return keys.group_id_of(job_id)
+    except ValueError:
+        return ""
 
 
 class GroupFailed(RuntimeError):

@@ -42,7 +42,9 @@ from pipeline.slime_samples import (  # noqa: F401  (re-exported: slime and test
     to_trainer_group,
 )
 from pipeline.staleness import (
+    ConsumeOrder,
     StalePolicy,
+    due_clock,
     engine_policy_version,
     label_versions,
     lag_floor,
@@ -53,6 +55,7 @@ from pipeline.state import PipelineState, TrainerInfo
 log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
+READ_ALL = 256  # due-first reads up to this many groups at a time to choose from
 # slime binds only train/*, rollout/*, multi_turn/*, passrate/*, eval/* and perf/* to its step
 # axis in wandb (slime/utils/wandb_utils.py): ours live under rollout/ to land on it.
 METRIC_PREFIX = "rollout/pipeline"
@@ -72,6 +75,7 @@ class BatchStats:
     kept_stale: int = 0
     filtered: int = 0
     samples_failed: int = 0  # handed over with remove_sample=True
+    due: int = 0  # groups due at this step (due-first), the most seen at once
 
     def metrics(self, ready: int, pending: int, counters: dict[str, int]) -> dict[str, float]:
         m: dict[str, float] = {
@@ -85,6 +89,7 @@ class BatchStats:
             f"{METRIC_PREFIX}/groups_kept_stale": self.kept_stale,
             f"{METRIC_PREFIX}/groups_filtered": self.filtered,
             f"{METRIC_PREFIX}/samples_failed": self.samples_failed,
+            f"{METRIC_PREFIX}/groups_due": self.due,
         }
         if self.staleness:
             m[f"{METRIC_PREFIX}/staleness_mean"] = sum(self.staleness) / len(self.staleness)
@@ -130,6 +135,8 @@ class RedisDataSource(_DataSourceBase):
         self._run_starts: dict[int, int] = {}
         self._warned_stale = False
         self._wrong_sized: list[str] = []  # groups of the wrong size met in this read
+        # due-first: groups read (pending for our consumer) and not yet taken by a step
+        self._held: dict[str, Entry] = {}
         self._engine_version: int | None = None  # last published
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
@@ -178,8 +185,13 @@ class RedisDataSource(_DataSourceBase):
         self._next_rollout_id = rollout_id + 1
 
     def __len__(self) -> int:
-        ready, _pending = self._run(self.buffer.depth())
-        return ready
+        return self._depth()[0]
+
+    def _depth(self) -> tuple[int, int]:
+        """(ready, pending): groups held here (read to choose from, not yet taken by a step) count
+        as ready, as they did before they were read."""
+        ready, pending = self._run(self.buffer.depth())
+        return ready + len(self._held), max(0, pending - len(self._held))
 
     def close(self) -> None:
         try:
@@ -221,31 +233,31 @@ class RedisDataSource(_DataSourceBase):
         stats.replayed = bool(entries)
         version = rid  # the policy that trains this batch has taken `rid` steps
         self._run_starts = await self.state.run_starts()
-        last_log = started
+        due_first = self.settings.consume_order is ConsumeOrder.DUE_FIRST
+        last_log, block = started, False
         while len(entries) < n:
+            want = n - len(entries)
+            # due-first reads everything there is (to choose); arrival reads what it needs
             batch = await self.buffer.read(
-                self.settings.consumer, n - len(entries), block_ms=READ_BLOCK_MS, exclude=self._claimed_ids()
+                self.settings.consumer, max(want, READ_ALL) if due_first else want,
+                block_ms=READ_BLOCK_MS if block or not due_first else None,
+                exclude=self._claimed_ids() | frozenset(self._held),
             )
             accepted = [e for e in batch if await self._admit(e, version, stats)]
             if self._wrong_sized:
                 await self._drain_wrong_sized(version, stats)
+            if due_first:
+                self._held.update((e.stream_id, e) for e in accepted)
+                accepted = await self._choose_due_first(rid, want, started, stats)
+            block = not accepted
             if accepted:
-                ids = [e.stream_id for e in accepted]
-
-                def record(pipe: Any, ids: list[str] = ids) -> None:
-                    pipe.rpush(self.keys.consumed(rid), *ids)
-                    pipe.zadd(self.keys.recorded_steps, {rid: rid})
-                    pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
-
-                # once, whatever replies are lost: a replayed RPUSH would record every id twice
-                await run_once(self._redis, self.keys.op(new_op_id()), record)
-                recorded.extend(ids)
+                await self._record(rid, accepted)
+                recorded.extend(e.stream_id for e in accepted)
                 entries.extend(accepted)
             now = time.monotonic()
-            if not batch and now - last_log >= self.settings.wait_log_s:
+            if block and now - last_log >= self.settings.wait_log_s:
                 last_log = now
-                ready, pending = await self.buffer.depth()
-                log.info("rollout %d: waiting for groups (%d/%d, ready=%d pending=%d)", rid, len(entries), n, ready, pending)
+                await self._log_wait(rid, len(entries), n, stats)
             if self.settings.wait_timeout_s and now - started > self.settings.wait_timeout_s:
                 raise TimeoutError(f"rollout {rid}: only {len(entries)}/{n} groups after {self.settings.wait_timeout_s:.0f}s")
         for entry in entries:
@@ -253,23 +265,82 @@ class RedisDataSource(_DataSourceBase):
             stats.rewards[entry.group.env].extend(entry.group.rewards())
             stats.samples_failed += sum(s.status is Status.FAILED for s in entry.group.samples)
         stats.wait_s = time.monotonic() - started
-        if stats.stale > len(entries) and not self._warned_stale:
+        self._warn_stale_storm(rid, version, stats, len(entries))
+        return entries, stats
+
+    async def _record(self, rid: int, taken: list[Entry]) -> None:
+        """The step's record, once whatever replies are lost (a replayed RPUSH would record every
+        id twice); the groups leave `{ns}:open` in the same transaction."""
+        ids = [e.stream_id for e in taken]
+        group_ids = [e.group.group_id for e in taken]
+
+        def record(pipe: Any) -> None:
+            pipe.rpush(self.keys.consumed(rid), *ids)
+            pipe.zadd(self.keys.recorded_steps, {rid: rid})
+            pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
+            pipe.zrem(self.keys.open, *group_ids)
+
+        await run_once(self._redis, self.keys.op(new_op_id()), record)
+
+    async def _choose_due_first(self, rid: int, want: int, started: float, stats: BatchStats) -> list[Entry]:
+        """From the groups held: every due one (admitted at clock <= rid - eta), then, leaving a
+        place for each due group still generating, the oldest others. By the admission bound
+        at most B groups are due at a step, so none is ever left past eta (docs/architecture.md)."""
+        due = dict(await self._redis.zrangebyscore(self.keys.open, "-inf", due_clock(rid, self.settings.eta),
+                                                   withscores=True))
+        due = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in due.items()}
+        by_group = {e.group.group_id: e for e in self._held.values()}
+        missing = [gid for gid in due if gid not in by_group]
+        if missing and time.monotonic() - started > self.settings.due_wait_s:
+            await self._give_up_waiting(rid, missing)
+            missing = []
+        stats.due = max(stats.due, len(due))
+
+        def age(e: Entry) -> tuple[int, tuple[int, ...]]:
+            clock = due.get(e.group.group_id, e.group.admission_version)
+            return clock, tuple(int(x) for x in e.stream_id.split("-"))
+
+        ready_due = sorted((by_group[gid] for gid in due if gid in by_group), key=age)
+        others = sorted((e for e in self._held.values() if e.group.group_id not in due), key=age)
+        free = max(0, want - len(ready_due) - len(missing))
+        taken = (ready_due + others[:free])[:want]
+        for entry in taken:
+            del self._held[entry.stream_id]
+        return taken
+
+    async def _give_up_waiting(self, rid: int, missing: list[str]) -> None:
+        """A due group still not here after `due_wait_s`: stop keeping a place for it (it is
+        trained if it arrives within eta, else `stale_policy` applies)."""
+        log.warning(
+            "rollout %d: %d due group(s) still not pushed after %.1fs (e.g. %s); not waiting for them any more "
+            "(pipeline_due_wait_s): a worker may be stuck, or the job was lost", rid, len(missing),
+            self.settings.due_wait_s, ", ".join(missing[:3]),
+        )
+        await self._redis.zrem(self.keys.open, *missing)
+
+    async def _log_wait(self, rid: int, have: int, n: int, stats: BatchStats) -> None:
+        ready, pending = await self.buffer.depth()
+        due = f", waiting for {stats.due} due group(s)" if stats.due else ""
+        log.info("rollout %d: waiting for groups (%d/%d, ready=%d pending=%d held=%d%s)",
+                 rid, have, n, ready, pending, len(self._held), due)
+
+    def _warn_stale_storm(self, rid: int, version: int, stats: BatchStats, taken: int) -> None:
+        if stats.stale > taken and not self._warned_stale:
             self._warned_stale = True  # once: a storm would otherwise log every step
             log.warning(
                 "rollout %d: %d of %d groups read were stale (eta %d): the policy is at version %d, the engines at "
                 "%s per the trainer loop law; likely cause: eta below what this loop and --update-weights-interval "
                 "need, workers too slow for eta, or a trainer loop that never moves the engines' weights "
                 "(pipeline_trainer_loop=%s, see docs/architecture.md 'Off-policy control')",
-                rid, stats.stale, stats.stale + len(entries), self.settings.eta, version,
+                rid, stats.stale, stats.stale + taken, self.settings.eta, version,
                 self._engine_version, self.settings.trainer_loop.value,
             )
-        return entries, stats
 
     async def _drain_wrong_sized(self, version: int, stats: BatchStats) -> None:
         """Workers and trainer disagree on n: move every wrong-sized group now in the stream to
         the dead letters in one go (the right-sized ones stay pending for the restarted
         trainer), then stop with one error, instead of one crash per group."""
-        seen = self._claimed_ids()  # pending entries left for the restart are not read again here
+        seen = self._claimed_ids() | frozenset(self._held)  # pending entries left for the restart are not read again here
         while batch := await self.buffer.read(self.settings.consumer, 256, block_ms=None, exclude=seen):
             for entry in batch:
                 seen |= {entry.stream_id}
@@ -296,6 +367,7 @@ class RedisDataSource(_DataSourceBase):
                     payload=encode(group), ref=entry.stream_id,
                 )
                 self.buffer.stage_ack(pipe, [entry.stream_id])
+                pipe.zrem(self.keys.open, group.group_id)
 
             # once, whatever replies are lost (the key the buffer's own dead letters use)
             await run_once(self._redis, self.keys.op(f"dead:{self.keys.groups}:{entry.stream_id}"), stage)
@@ -333,6 +405,7 @@ class RedisDataSource(_DataSourceBase):
                 pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
             pipe.hincrby(self.keys.counters, reason, 1)
             pipe.hincrby(self.keys.counters, Counter.DISCARDED, 1)
+            pipe.zrem(self.keys.open, entry.group.group_id)
             self.buffer.stage_ack(pipe, [entry.stream_id])
 
         await run_once(self._redis, self.keys.op(f"discard:{self.keys.groups}:{entry.stream_id}"), stage)
@@ -363,7 +436,7 @@ class RedisDataSource(_DataSourceBase):
             self._run(self.state.set_engine(f"http://{ip}:{port}"))
 
     def batch_metrics(self) -> dict[str, float]:
-        ready, pending = self._run(self.buffer.depth())
+        ready, pending = self._depth()
         counters = self._run(self.state.counters())
         return self.last_stats.metrics(ready, pending, counters)
 

@@ -87,7 +87,7 @@ def _gc_paused() -> Iterator[None]:
     A converted 4k-token sample is three Python lists of ~11k elements in all (slime's Sample
     wants lists), and the GC's traversal of a list visits every element: the gen-0 and gen-1
     collections that the build triggers (one per ~700 tracked objects) walked each new list
-    about twice, a third of get_samples' CPU time (docs/benchmarks.md, trainer hand-off).
+    about twice, a quarter to a third of get_samples' CPU time (docs/benchmarks.md, trainer hand-off).
     Nothing built here can form a cycle (lists of ints and floats, fresh dicts), so collections
     are paused for the build and what was built is then moved to the oldest generation without
     a walk (`gc.freeze()` + `gc.unfreeze()`: two list splices), where only a full collection

@@ -86,6 +86,10 @@ class RolloutSection(_Section):
     max_response_tokens: PosInt = 4096  # budget over all turns of one episode
     max_turns: PosInt = 8  # default; an environment may override
     sampling: SamplingParams = SamplingParams(temperature=1.0, top_p=1.0)
+    # re-admissions of one (task, epoch) after a failure or a stale rejection, then it is
+    # dead-lettered for good (workers hand failed tasks back themselves; the producer re-admits
+    # the rest; `rollout enqueue --max-requeues` overrides it there)
+    max_requeues: NonNegInt = 3
 
 
 class WorkersSection(_Section):

@@ -105,6 +105,11 @@ class Keys:
         return self._k("open")
 
     @property
+    def requeue_attempts(self) -> str:
+        """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch)."""
+        return self._k("requeue:attempts")
+
+    @property
     def recent(self) -> str:
         """Capped list of small per-group summaries (env, reward mean, staleness) for the monitor."""
         return self._k("recent")

@@ -28,16 +28,13 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from arq.constants import job_key_prefix, result_key_prefix
-from arq.jobs import serialize_job
 
 from pipeline.config import ConfigError, RolloutSection
-from pipeline.redis_conn import OP_TTL_S, new_op_id
 from pipeline.keys import Counter, Keys
-from pipeline.schema import PromptJob, encode
+from pipeline.redis_conn import OP_TTL_S, new_op_id
+from pipeline.schema import PromptJob
 from pipeline.state import TrainerInfo
-from workers.queue import JOB_FUNCTION, job_serializer
-
-JOB_EXPIRES_MS = 7 * 24 * 3600 * 1000  # a queued job must outlive any wait for headroom
+from workers.queue import JOB_EXPIRES_MS, job_envelope
 
 _HEADROOM_LUA = f"""
 local function headroom(eta, batch)
@@ -126,11 +123,6 @@ return record(KEYS[2], {1})[1]
 """
 
 
-def job_envelope(job: PromptJob, *, enqueue_time_ms: int) -> bytes:
-    """The bytes arq's `enqueue_job(JOB_FUNCTION, encode(job))` stores, with the workers' serializer."""
-    return serialize_job(JOB_FUNCTION, (encode(job),), {}, None, enqueue_time_ms, serializer=job_serializer)
-
-
 class CursorMoved(RuntimeError):
     """Another producer advanced this epoch's cursor: two producers on one namespace."""
 
@@ -189,7 +181,7 @@ class Admission:
     @property
     def attempts_key(self) -> str:
         """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch)."""
-        return f"{self.keys.requeue}:attempts"
+        return self.keys.requeue_attempts
 
     def _job_keys(self, group_id: str) -> list[str]:
         arq_id = self.keys.arq_job_id(group_id)

@@ -85,7 +85,7 @@ class ProducerOptions:
     seed: int = 0
     batch: int = 64  # jobs offered per admission script call
     poll_s: float = 0.1  # how often to look at the version/counters while waiting
-    max_requeues: int = 3  # re-admissions per (task, epoch) before it is dead-lettered
+    max_requeues: int | None = None  # re-admissions per (task, epoch) before it is dead-lettered (None: rollout.max_requeues)
     reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed
     wait_for_trainer: bool = True  # admit nothing until the trainer has published {ns}:trainer
     wait_log_s: float = 5.0  # how often to say that it waits for the trainer
@@ -280,10 +280,11 @@ class Producer:
             log.info("requeue entry for %s: attempt %d is already admitted; dropped", entry.group_id, admitted)
             return await self._drop(head, refused=True)
         attempt = entry.attempt + 1
-        if attempt > self.options.max_requeues:
+        limit = self.options.max_requeues if self.options.max_requeues is not None else self.config.rollout.max_requeues
+        if attempt > limit:
             reason = (
                 f"task {entry.task.id!r} epoch {entry.epoch} was handed back {attempt} times, last {entry.reason.value} "
-                f"(--max-requeues {self.options.max_requeues})"
+                f"(max_requeues {limit})"
             )
             return await self._give_up(head, entry.group_id, reason)
         now = time.time()
@@ -401,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=_positive_int, default=64, help="jobs offered per admission call")
     parser.add_argument("--poll", type=_positive_float, default=0.1,
                         help="seconds between looks at the version while waiting")
-    parser.add_argument("--max-requeues", type=_non_negative_int, default=3)
+    parser.add_argument("--max-requeues", type=_non_negative_int, default=None,
+                        help="re-admissions of one (task, epoch) before it is dead-lettered (default: rollout.max_requeues)")
     parser.add_argument("--reset-cursor", action="store_true", help="start the epochs over (counters are kept)")
     parser.add_argument("--without-trainer", action="store_true",
                         help="admit on this config's B and eta without waiting for the trainer to publish {ns}:trainer")

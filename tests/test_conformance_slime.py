@@ -52,19 +52,22 @@ def slime():
     ns = require_slime(*SLIME_EXTRA)
     import pipeline
 
-    original = sys.modules.get("pipeline.slime")
-    original_attr = getattr(pipeline, "slime", None)
-    sys.modules.pop("pipeline.slime", None)
+    modules = ("pipeline.slime_samples", "pipeline.slime")  # the first binds slime's classes
+    originals = {name: sys.modules.get(name) for name in modules}
+    attrs = {name: getattr(pipeline, name.split(".")[1], None) for name in modules}
+    for name in modules:
+        sys.modules.pop(name, None)
     try:
         ns.pipeline = importlib.import_module("pipeline.slime")
         assert ns.pipeline.SampleClass is ns.Sample, "pipeline.slime did not pick up slime's Sample"
         yield ns
     finally:
-        if original is not None:
-            sys.modules["pipeline.slime"] = original
-            pipeline.slime = original_attr
-        else:
-            sys.modules.pop("pipeline.slime", None)
+        for name, module in originals.items():
+            if module is not None:
+                sys.modules[name] = module
+                setattr(pipeline, name.split(".")[1], attrs[name])
+            else:
+                sys.modules.pop(name, None)
 
 
 # ------------------------------------------------------------------ helpers

@@ -13,19 +13,31 @@ from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.schema import (
-    PromptJob, Requeue, RequeueReason, Status, Task, decode_job, decode_requeue, encode, encode_task_json,
+    PromptJob,
+    Status,
+    Task,
+    decode_job,
+    encode,
+    encode_task_json,
 )
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
-from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, StepResult, ToolCall, Verification
+from tests.policy_helpers import trainer_started
+from workers.envs.base import (
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    StepResult,
+    ToolCall,
+    Verification,
+)
 from workers.envs.local import initial_messages
 from workers.jobs import CTX_KEY, run_group
 from workers.queue import JOB_FUNCTION, create_arq_pool, enqueue_prompt_job
 from workers.settings import _build_context, build_worker, stop_worker
-from workers.sim.engine import SimConfig, serve_sim_engine
+from workers.sim.engine import serve_sim_engine
 from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
-
-from tests.policy_helpers import trainer_started
 
 # ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
 SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]
@@ -158,42 +170,34 @@ async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(redis, red
     transient reason is also handed back, re-admitted by the producer as the next attempt, and
     dead-lettered for good past --max-requeues."""
     async with serve_sim_engine() as sim:
-        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        raw_config = config_dict(redis_url, namespace, sim.url)
+        raw_config["rollout"]["max_requeues"] = 1
+        config = parse_config(raw_config)
         arq = await create_arq_pool(redis_url, keys)
         await arq.enqueue_job(JOB_FUNCTION, b"\xc1not msgpack", _job_id=f"{namespace}-poison:0", _queue_name=keys.queue)
         await enqueue_prompt_job(arq, job(namespace, 1, env="nowhere"), keys)
         strict_job = job(namespace, 2, env="strict")
         await enqueue_prompt_job(arq, strict_job, keys)
-        await _fail_engine(sim.url, count=100)  # every episode of `strict` fails -> the group is dropped
-        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 3), "3 dead letters")
+        await _fail_engine(sim.url, count=1000)  # every episode of `strict` fails -> the group is dropped
+        # the strict task: attempt 0 out of tries, handed back in place as attempt 1 (no producer
+        # runs here), which fails too and is dead-lettered for good (rollout.max_requeues 1)
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 4), "4 dead letters", 40)
         dead = {f[b"ref"].decode(): f for _id, f in await redis.xrange(keys.dead)}
         assert b"undecodable PromptJob" in dead[f"{namespace}-poison:0"][b"reason"]
         assert b"environment 'nowhere' is not configured" in dead[keys.arq_job_id(f"{namespace}-t1:0")][b"reason"]
         strict = dead[keys.arq_job_id(f"{namespace}-t2:0")]
         assert b"try 2" in strict[b"reason"] and b"episodes failed" in strict[b"reason"]
+        assert b"handed back as attempt 1" in strict[b"reason"]
         assert decode_job(strict[b"payload"]).task.id == f"{namespace}-t2"  # the job is kept for replay
+        retried = dead[keys.arq_job_id(f"{namespace}-t2:0r1")]
+        assert decode_job(retried[b"payload"]).attempt == 1
+        assert b"dead-lettered for good: 1 re-admissions, rollout.max_requeues 1" in retried[b"reason"]
         counters = await PipelineState(redis, keys).counters()
-        assert counters[Counter.FAILED] == 3 and counters[Counter.DISCARDED] == 3 and counters[Counter.RUNNING] == 0
-        assert counters[Counter.REQUEUED] == 1
-        assert await redis.xlen(keys.groups) == 0
-        # only the transient failure is handed back, as the attempt it was
-        assert [decode_requeue(x) for x in await redis.lrange(keys.requeue, 0, -1)] == [
-            Requeue(task=strict_job.task, epoch=0, attempt=0, reason=RequeueReason.FAILED)
-        ]
+        assert counters[Counter.FAILED] == 4 and counters[Counter.DISCARDED] == 4 and counters[Counter.RUNNING] == 0
+        assert counters[Counter.REQUEUED] == 1 and counters[Counter.ENQUEUED] == 1  # the slot was kept, then freed
+        assert await redis.xlen(keys.groups) == 0 and await redis.llen(keys.requeue) == 0
+        assert await redis.zcard(keys.queue) == 0 and await redis.zcard(keys.open) == 0
         await arq.aclose()
-
-        tasks = tmp_path / "tasks.jsonl"
-        tasks.write_bytes(b"")  # nothing fresh: only the requeue list
-        options = ProducerOptions(wait_for_trainer=False, max_requeues=1)
-        assert (await run_producer(config, tasks, redis=redis, options=options)).requeued == 1
-        retry_id = keys.arq_job_id(f"{namespace}-t2:0r1")
-        assert [i.decode() for i in await redis.zrange(keys.queue, 0, -1)] == [retry_id]
-        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 4), "the re-admitted job to fail")
-        assert (await run_producer(config, tasks, redis=redis, options=options)).dead == 1
-        assert await redis.llen(keys.requeue) == 0 and await redis.zcard(keys.queue) == 0
-        (_id, last), = await redis.xrevrange(keys.dead, count=1)
-        assert last[b"source"] == b"requeue"
-        assert b"epoch 0 was handed back 2 times, last failed (--max-requeues 1)" in last[b"reason"]
 
 
 async def _xlen_is_dead(redis, keys, n):
@@ -238,6 +242,7 @@ async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_fail
     async with serve_sim_engine() as sim:
         config = config_dict(redis_url, namespace, sim.url)
         config["environments"]["outage"] = {"kind": f"{__name__}.OutageEnvironment", "on_failure": "retry_all_failed"}
+        config["rollout"]["max_requeues"] = 0  # no hand-back: count the two tries of one attempt
         config = parse_config(config)
         arq = await create_arq_pool(redis_url, keys)
         down, flaky = (
@@ -258,7 +263,7 @@ async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_fail
     [(_id, dead)] = await redis.xrange(keys.dead)
     assert dead[b"ref"].decode() == keys.arq_job_id(down.job_id)
     assert b"try 2" in dead[b"reason"] and b"4/4 episodes failed" in dead[b"reason"], dead[b"reason"]
-    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [down.task.id]
+    assert b"dead-lettered for good" in dead[b"reason"] and await redis.llen(keys.requeue) == 0
     assert OutageEnvironment.starts[down.task.id] == 8  # two tries of four episodes
 
 
@@ -367,19 +372,17 @@ async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_t
     async with serve_sim_engine() as sim:
         config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
+        config["rollout"]["max_requeues"] = 1
         config = parse_config(config)
         assert soft_deadline_s(config.workers) == 2.0
         assert soft_deadline_s(parse_config({}).workers) == 3420.0  # defaults: 180 s before arq's 3600 s
         arq = await create_arq_pool(redis_url, keys)
         stuck = job(namespace, 1, env="hang")
         await enqueue_prompt_job(arq, stuck, keys)
-        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 1), "the hung group's dead letter", 30)
+        await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 2), "both attempts' dead letters", 30)
         await arq.aclose()
-    [(_id, dead)] = await redis.xrange(keys.dead)
-    assert b"soft deadline of 2s" in dead[b"reason"] and b"handed back" in dead[b"reason"]
-    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [stuck.task.id]
-    counters = await PipelineState(redis, keys).counters()
-    assert counters[Counter.FAILED] == 1 and counters[Counter.DISCARDED] == 1 and counters[Counter.REQUEUED] == 1
+    dead = await _handed_back_in_place(redis, keys, stuck)
+    assert b"soft deadline of 2s" in dead[b"reason"]
     assert await _running_jobs(redis, keys) == 0
     # a zombie worker that still finishes the group later cannot push it: the tombstone refuses it
     from pipeline.synthetic import make_group
@@ -391,8 +394,9 @@ async def test_an_aborted_job_is_dead_lettered_and_handed_back(redis, redis_url,
     from arq.jobs import Job
 
     async with serve_sim_engine() as sim:
-        config = config_dict(redis_url, namespace, sim.url)
+        config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)  # the next attempt ends at 2 s
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
+        config["rollout"]["max_requeues"] = 1
         config = parse_config(config)
         arq = await create_arq_pool(redis_url, keys)
         stuck = job(namespace, 1, env="hang")
@@ -405,14 +409,34 @@ async def test_an_aborted_job_is_dead_lettered_and_handed_back(redis, redis_url,
 
             handle = Job(keys.arq_job_id(stuck.job_id), arq, _queue_name=keys.queue, _deserializer=job_deserializer)
             await handle.abort(timeout=10)
-            await wait_for(lambda: _dead_and_finished(redis, keys, 1), 20, "the aborted job's dead letter")
+            await wait_for(lambda: _dead_and_finished(redis, keys, 2), 20, "both attempts' dead letters")
         finally:
             await stop_worker(worker, task)
         await arq.aclose()
-    [(_id, dead)] = await redis.xrange(keys.dead)
+    dead = await _handed_back_in_place(redis, keys, stuck)
     assert b"aborted (Job.abort)" in dead[b"reason"]
-    assert [decode_requeue(x).task.id for x in await redis.lrange(keys.requeue, 0, -1)] == [stuck.task.id]
     assert await _running_jobs(redis, keys) == 0
+
+
+async def _handed_back_in_place(redis, keys, failed: PromptJob) -> dict:
+    """The next attempt was enqueued by the hand-back itself (no producer runs here), at the
+    current clock, ran, and (rollout.max_requeues 1) was dead-lettered for good. Returns the
+    first attempt's dead letter."""
+    from pipeline.schema import job_id_for
+
+    retry = job_id_for(failed.task.id, failed.epoch, failed.attempt + 1)
+    dead = {f[b"ref"].decode(): f for _id, f in await redis.xrange(keys.dead)}
+    assert set(dead) == {keys.arq_job_id(failed.job_id), keys.arq_job_id(retry)}, list(dead)
+    first, second = dead[keys.arq_job_id(failed.job_id)], dead[keys.arq_job_id(retry)]
+    assert b"handed back as attempt 1" in first[b"reason"]
+    again = decode_job(second[b"payload"])
+    assert again.attempt == 1 and again.admission_version == int(await redis.get(keys.version) or 0)
+    assert b"dead-lettered for good" in second[b"reason"]
+    assert int(await redis.hget(keys.requeue_attempts, job_id_for(failed.task.id, failed.epoch))) == 1
+    assert await redis.llen(keys.requeue) == 0 and await redis.zcard(keys.open) == 0
+    counters = await PipelineState(redis, keys).counters()
+    assert counters[Counter.FAILED] == 2 and counters[Counter.DISCARDED] == 2 and counters[Counter.REQUEUED] == 1
+    return first
 
 
 async def test_a_bug_fails_once_with_its_traceback(redis, redis_url, keys, namespace, monkeypatch):

@@ -17,9 +17,9 @@
    the error. A job arq re-runs after a crash of its worker past the last try is
    dead-lettered with the last recorded error (e.g. "worker X stopped heart-beating").
    Such transient failures (engine unreachable, env budget spent, worker deaths) also
-   hand the task back on `{ns}:requeue` (reason "failed") in the same transaction: the
-   producer re-admits it as the next attempt of the same epoch, and its attempt limit
-   dead-letters it for good. Poison (undecodable payload, unknown environment) is not
+   hand the task back in the same transaction: its next attempt of the same epoch is
+   enqueued there, at the current admission clock, in the slot the failed one held (no
+   producer needs to be running), and past `rollout.max_requeues` it is dead-lettered for good. Poison (undecodable payload, unknown environment) is not
    handed back: it can never succeed. Every hand-back also writes the group's dedup marker
    as a tombstone in its transaction (WATCHing the marker): a zombie worker's late push of
    the group is refused, and a push that landed first turns the hand-back into a no-op.
@@ -38,14 +38,21 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+from arq.constants import job_key_prefix, result_key_prefix
 from arq.worker import Retry
 
 from pipeline.buffer import GroupBuffer
-from pipeline.redis_conn import REFUSED, run_once
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.keys import Counter, Keys
+from pipeline.redis_conn import REFUSED, run_once
 from pipeline.schema import (
-    PromptJob, Requeue, RequeueReason, SampleGroup, SchemaError, Status, decode_job, encode,
+    PromptJob,
+    SampleGroup,
+    SchemaError,
+    Status,
+    decode_job,
+    job_id_for,
 )
 from workers.chat import ChatTokens
 from workers.engine import EngineClient
@@ -53,7 +60,7 @@ from workers.envs.base import Environment
 from workers.envs.registry import UnknownEnvironmentKind, build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.liveness import Liveness
-from workers.queue import is_bug
+from workers.queue import JOB_EXPIRES_MS, is_bug, job_envelope
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +220,7 @@ async def _out_of_tries(w: WorkerContext, job: PromptJob, job_id: str, reason: s
     whose reply was lost, after the push; a zombie's late push), the job did succeed and
     handing the task back would train it twice; if the hand-back is first, the tombstone
     refuses any later push of the group."""
-    outcome = await _dead_letter(w, job_id, f"{reason} (task handed back for re-admission)", payload, requeue=job)
+    outcome = await _dead_letter(w, job_id, reason, payload, requeue=job)
     if outcome is REFUSED:
         await w.buffer.redis.hdel(w.keys.job_errors, job_id)
         return {"status": "duplicate", "stream_id": None}
@@ -223,35 +230,91 @@ async def _out_of_tries(w: WorkerContext, job: PromptJob, job_id: str, reason: s
 async def _dead_letter(
     w: WorkerContext, job_id: str, reason: str, payload: bytes, *, requeue: PromptJob | None = None
 ) -> Any:
-    """Dead-letter, counted failed + discarded; `requeue`: also put the job's task on `{ns}:requeue`
-    and write the group's tombstone, unless its dedup marker exists (-> REFUSED).
+    """Dead-letter, counted failed + discarded; `requeue`: also hand the task back in place and
+    write the group's tombstone, unless its dedup marker exists (-> REFUSED).
 
-    One transaction, once per job id (`run_once`): the record, the counters and the hand-back
-    exist together or not at all, and a lost reply, a zombie and a re-run apply them once.
+    Handing back in place: the next attempt (`{task}:{epoch}r{k}`) is enqueued in the same
+    transaction, at the current admission clock, keeping the slot (enqueued and discarded both
+    +1), so no producer has to be running for a failed task to come back; past
+    `rollout.max_requeues` the task is dead-lettered for good. One transaction, once per job id
+    (`run_once`): the record, the counters and the hand-back exist together or not at all, and
+    a lost reply, a zombie and a re-run apply them once.
     """
     marker = w.keys.dedup(requeue.job_id) if requeue is not None else None
     group_id = _group_id_of(w.keys, job_id)
+    nxt = _next_attempt(w, requeue)
+    watch = [marker] if marker else []
+    if nxt is not None:
+        watch += [w.keys.version, *nxt.job_keys]  # the clock and the next id, as read in `guard`
+    note = ("" if requeue is None else f" (task handed back as attempt {requeue.attempt + 1})" if nxt else
+            f" (task dead-lettered for good: {requeue.attempt} re-admissions, rollout.max_requeues "
+            f"{w.config.rollout.max_requeues})")
 
     def stage(pipe: Any) -> None:
-        w.buffer.stage_dead_letter(pipe, source="jobs", reason=reason, payload=payload, ref=job_id)
+        w.buffer.stage_dead_letter(pipe, source="jobs", reason=reason + note, payload=payload, ref=job_id)
         if group_id:
             pipe.zrem(w.keys.open, group_id)  # it leaves without training: the trainer waits for it no more
         pipe.hincrby(w.keys.counters, Counter.FAILED, 1)
         pipe.hincrby(w.keys.counters, Counter.DISCARDED, 1)
         pipe.hdel(w.keys.job_errors, job_id)
         if requeue is not None:
-            back = Requeue(task=requeue.task, epoch=requeue.epoch, attempt=requeue.attempt, reason=RequeueReason.FAILED)
-            pipe.rpush(w.keys.requeue, encode(back))
-            pipe.hincrby(w.keys.counters, Counter.REQUEUED, 1)
             w.buffer.stage_tombstone(pipe, requeue.job_id)
+        if nxt is not None and nxt.clock is not None:
+            nxt.stage(pipe)
 
-    async def marker_absent(pipe: Any) -> bool:
-        return marker is None or not await pipe.exists(marker)
+    async def guard(pipe: Any) -> bool:
+        if marker is not None and await pipe.exists(marker):
+            return False
+        if nxt is not None:
+            await nxt.prepare(pipe)
+        return True
 
-    return await run_once(
-        w.buffer.redis, w.keys.op(f"job-dead:{job_id}"), stage,
-        watch=[marker] if marker else [], guard=marker_absent,
-    )
+    return await run_once(w.buffer.redis, w.keys.op(f"job-dead:{job_id}"), stage, watch=watch, guard=guard)
+
+
+@dataclass
+class _NextAttempt:
+    """The re-admission of a handed-back task, staged in the hand-back's transaction."""
+
+    w: WorkerContext
+    job: PromptJob  # the attempt that failed
+    clock: int | None = None  # `{ns}:version` read under WATCH (None: the next job id is taken)
+
+    @property
+    def attempt(self) -> int:
+        return self.job.attempt + 1
+
+    @property
+    def group_id(self) -> str:
+        return job_id_for(self.job.task.id, self.job.epoch, self.attempt)
+
+    @property
+    def job_keys(self) -> tuple[str, str]:
+        arq_id = self.w.keys.arq_job_id(self.group_id)
+        return job_key_prefix + arq_id, result_key_prefix + arq_id
+
+    async def prepare(self, pipe: Any) -> None:
+        if await pipe.exists(*self.job_keys):
+            self.clock = None  # already enqueued (a producer re-admitted it from an older hand-back)
+            return
+        self.clock = int(await pipe.get(self.w.keys.version) or 0)
+
+    def stage(self, pipe: Any) -> None:
+        keys, now = self.w.keys, time.time()
+        job = msgspec.structs.replace(self.job, attempt=self.attempt, admission_version=self.clock, enqueued_at=now)
+        arq_id = keys.arq_job_id(job.job_id)
+        pipe.set(job_key_prefix + arq_id, job_envelope(job, enqueue_time_ms=int(now * 1000)), px=JOB_EXPIRES_MS)
+        pipe.zadd(keys.queue, {arq_id: int(now * 1000)})
+        pipe.zadd(keys.open, {job.job_id: self.clock})
+        pipe.hset(keys.requeue_attempts, job_id_for(job.task.id, job.epoch), self.attempt)
+        pipe.hincrby(keys.counters, Counter.ENQUEUED, 1)  # the slot is kept: live = enqueued - discarded
+        pipe.hincrby(keys.counters, Counter.REQUEUED, 1)
+
+
+def _next_attempt(w: WorkerContext, job: PromptJob | None) -> _NextAttempt | None:
+    if job is None or job.attempt + 1 > w.config.rollout.max_requeues:
+        return None
+    return _NextAttempt(w, job)
 
 
 def _group_id_of(keys: Keys, job_id: str) -> str:

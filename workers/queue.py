@@ -18,10 +18,12 @@ from typing import Any
 
 import msgspec
 from arq.connections import ArqRedis, RedisSettings, create_pool
+from arq.jobs import serialize_job
 
 from pipeline.keys import Keys
 from pipeline.schema import PromptJob, encode
 
+JOB_EXPIRES_MS = 7 * 24 * 3600 * 1000  # a queued job must outlive any wait for headroom
 JOB_FUNCTION = "run_group"  # the arq function workers register (same name as producers/arq_codec.py)
 _EXC = "__exception__"
 
@@ -46,6 +48,11 @@ _decoder = msgspec.msgpack.Decoder()
 
 def job_serializer(obj: dict[str, Any]) -> bytes:
     return _encoder.encode(obj)
+
+
+def job_envelope(job: PromptJob, *, enqueue_time_ms: int) -> bytes:
+    """The bytes arq's `enqueue_job(JOB_FUNCTION, encode(job))` stores, with this serializer."""
+    return serialize_job(JOB_FUNCTION, (encode(job),), {}, None, enqueue_time_ms, serializer=job_serializer)
 
 
 def job_deserializer(data: bytes) -> dict[str, Any]:

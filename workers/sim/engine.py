@@ -121,7 +121,8 @@ class SimEngine:
         self._started_at = time.monotonic()
         self._running: dict[str, _Running] = {}
         self._faults: list[tuple[int, str]] = []
-        self.stats: dict[str, Any] = {"requests": 0, "aborted": 0, "max_running": 0, "routing_keys": {}, "errors": 0}
+        self.stats: dict[str, Any] = {"requests": 0, "aborted": 0, "max_running": 0, "routing_keys": {}, "errors": 0,
+                                      "output_tokens": 0}  # every token answered, aborted partial outputs included
 
     def _single_token_words(self) -> list[int]:
         ids = [self.tokenizer.encode(" " + w, add_special_tokens=False) for w in _FILLER_WORDS]
@@ -312,6 +313,7 @@ class SimEngine:
     ) -> dict[str, Any]:
         async with self._slot():
             ids, log_probs, finish, spans = await self._run(self._running[rid], input_ids, routing_key, params)
+        self.stats["output_tokens"] += len(ids)
         meta: dict[str, Any] = {
             "id": rid,
             "finish_reason": finish,

@@ -37,10 +37,18 @@ from pipeline.state import TrainerInfo
 from workers.queue import JOB_EXPIRES_MS, job_envelope
 
 _HEADROOM_LUA = f"""
-local function headroom(eta, batch)
-  local v = tonumber(redis.call('GET', KEYS[3]) or '0')
+local function headroom(eta, batch, v)
   local c = redis.call('HMGET', KEYS[2], '{Counter.ENQUEUED}', '{Counter.DISCARDED}')
   return (eta + v + 1) * batch - ((tonumber(c[1]) or 0) - (tonumber(c[2]) or 0))
+end
+-- The clock a job is admitted against: the version it was built with (its admission_version),
+-- if the version has not gone below it since (a trainer resumed from an older checkpoint:
+-- nil, build it again). A newer version only makes the bound at the job's clock stricter.
+local function admission_clock(expected)
+  local now = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if expected == '' then return now end
+  if tonumber(expected) > now then return nil end
+  return tonumber(expected)
 end
 local function replayed(op_key)
   local done = redis.call('GET', op_key)
@@ -66,17 +74,17 @@ end
 #    -2 when requeued tasks wait: they go first, else a hand-back that lands between the
 #    producer's look at the requeue list and this script would lose its slot to a fresh task
 #    (and wait for the next policy version, or forever at the end of a run); -3 when the
-#    version moved since the caller built the jobs (their admission_version must be the clock
-#    this script admits them against: the trainer's due-first order relies on it).
+#    version went below the one the caller built the jobs with (their admission_version is the
+#    clock this script admits them against and records in `{ns}:open`: due-first relies on it).
 _FRESH_LUA = _HEADROOM_LUA + f"""
 local done = replayed(KEYS[6])
 if done then return done end
 local pos = tonumber(redis.call('HGET', KEYS[4], ARGV[5]) or '0')
 if pos ~= tonumber(ARGV[6]) then return {{-1, pos}} end
 if redis.call('LLEN', KEYS[5]) > 0 then return {{-2, 0}} end
-local clock = redis.call('GET', KEYS[3]) or '0'
-if ARGV[7] ~= '' and tonumber(clock) ~= tonumber(ARGV[7]) then return {{-3, tonumber(clock)}} end
-local room = headroom(tonumber(ARGV[1]), tonumber(ARGV[2]))
+local clock = admission_clock(ARGV[7])
+if clock == nil then return {{-3, 0}} end
+local room = headroom(tonumber(ARGV[1]), tonumber(ARGV[2]), clock)
 local n = (#ARGV - 7) / 3
 local consumed, admitted = 0, 0
 while consumed < n and room > 0 do
@@ -102,9 +110,9 @@ local done = replayed(KEYS[8])
 if done then return done[1] end
 if redis.call('LINDEX', KEYS[4], 0) ~= ARGV[5] then return -1 end
 if tonumber(redis.call('HGET', KEYS[5], ARGV[6]) or '0') ~= tonumber(ARGV[7]) then return -1 end
-local clock = redis.call('GET', KEYS[3]) or '0'
-if ARGV[12] ~= '' and tonumber(clock) ~= tonumber(ARGV[12]) then return -1 end
-if headroom(tonumber(ARGV[1]), tonumber(ARGV[2])) <= 0 then return 0 end
+local clock = admission_clock(ARGV[12])
+if clock == nil then return -1 end
+if headroom(tonumber(ARGV[1]), tonumber(ARGV[2]), clock) <= 0 then return 0 end
 redis.call('LPOP', KEYS[4])
 redis.call('HSET', KEYS[5], ARGV[6], ARGV[8])
 if not put_job(KEYS[6], KEYS[7], ARGV[9], ARGV[10], ARGV[3], ARGV[4]) then return record(KEYS[8], {2})[1] end
@@ -166,7 +174,7 @@ class Admitted:
     consumed: int  # tasks the cursor moved past (admitted + refused as already queued)
     admitted: int
     requeue_first: bool = False  # nothing done: requeued tasks wait, drain them, then retry
-    version_moved: bool = False  # nothing done: the policy version moved, build the jobs again
+    version_moved: bool = False  # nothing done: the policy version went back (a resume), build the jobs again
 
 
 class Admission:
@@ -196,8 +204,9 @@ class Admission:
     ) -> Admitted:
         """Admit a prefix of `jobs` ((group id, envelope), in epoch order) from cursor `position`.
 
-        `version`: the admission_version the jobs carry; nothing is admitted if `{ns}:version`
-        moved since (`Admitted.version_moved`: build them again)."""
+        `version`: the admission_version the jobs carry, the clock they are admitted against (the
+        bound at that clock); nothing is admitted if `{ns}:version` went below it since
+        (`Admitted.version_moved`: build them again)."""
         keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, self.keys.op(new_op_id()), self.keys.open]
         args: list[str | int | bytes] = [
             limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position,

@@ -220,7 +220,7 @@ async def test_requeued_tasks_go_first_with_fresh_ids_then_dead_letter(tmp_path,
     dead = await redis.xrange(keys.dead)
     reasons = [fields[b"reason"].decode() for _id, fields in dead]
     assert any("undecodable requeue entry" in r for r in reasons)
-    assert any("epoch 0 was handed back 3 times, last failed (--max-requeues 2)" in r for r in reasons)
+    assert any("epoch 0 was handed back 3 times, last failed (max_requeues 2)" in r for r in reasons)
 
 
 def _epoch_of(group_id: str) -> int:
@@ -264,7 +264,7 @@ async def test_requeue_returns_to_its_own_epoch_with_its_own_budget(tmp_path, re
     assert mine == sorted(f"{task.id}:{suffix}" for suffix in ("0", "0r1", "0r2", "1", "1r1"))
     assert stats.requeued == 3 and stats.refused == 1 and stats.dead == 1
     reasons = [fields[b"reason"].decode() for _id, fields in await redis.xrange(keys.dead)]
-    assert reasons == [f"task {task.id!r} epoch 0 was handed back 3 times, last stale (--max-requeues 2)"]
+    assert reasons == [f"task {task.id!r} epoch 0 was handed back 3 times, last stale (max_requeues 2)"]
 
 
 async def test_trainer_settings_are_checked(tmp_path, redis_url, redis, keys, namespace):

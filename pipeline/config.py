@@ -264,6 +264,8 @@ _TRAINER_SOURCES = {
     "publish_engine": ("pipeline_publish_engine", "ROLLOUT_PUBLISH_ENGINE"),
     "trainer_loop": ("pipeline_trainer_loop", "ROLLOUT_TRAINER_LOOP"),
     "ledger_dir": ("pipeline_ledger_dir", "ROLLOUT_LEDGER_DIR"),
+    "eval_datasets": ("pipeline_eval_datasets", "ROLLOUT_EVAL_DATASETS"),
+    "eval_timeout_s": ("pipeline_eval_timeout_s", "ROLLOUT_EVAL_TIMEOUT_S"),
 }
 
 
@@ -298,6 +300,10 @@ class TrainerSettings(_Section):
         check_namespace(self.namespace, "pipeline_namespace / $ROLLOUT_NAMESPACE")
     # directory of the ledger of trained groups (one Parquet file per step, pipeline/ledger.py); "" = off
     ledger_dir: str = ""
+    # evaluation through the workers (pipeline/evaluation.py): a YAML/JSONL list of eval datasets;
+    # "" = slime's own eval_rollout. How long one eval round may take before it is an error.
+    eval_datasets: str = ""
+    eval_timeout_s: PosFloat = 3600.0
 
     @classmethod
     def from_args(cls, args: Any) -> "TrainerSettings":

@@ -104,6 +104,11 @@ class Keys:
         a dead letter); the trainer's due-first order reads it (docs/architecture.md)."""
         return self._k("open")
 
+    def eval_stream(self, round_id: str) -> str:
+        """Stream of one evaluation round's scored groups (pipeline/evaluation.py): workers push
+        eval groups here, never into `{ns}:groups`; the trainer deletes it after the round."""
+        return self._k(f"eval:{round_id}")
+
     @property
     def requeue_attempts(self) -> str:
         """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch)."""

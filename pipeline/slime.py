@@ -461,6 +461,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     slime's own evaluation: fixed prompts at the current policy, not the off-policy stream.
     """
     if evaluation:
+        if getattr(getattr(data_source, "settings", None), "eval_datasets", ""):
+            from pipeline.evaluation import evaluate  # multi-turn, through the workers (pipeline_eval_datasets)
+
+            return evaluate(args, rollout_id, data_source)
         return _slime_eval(args, rollout_id)
     if not isinstance(data_source, RedisDataSource):
         raise TypeError(

@@ -37,12 +37,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import PipelineConfig
+from pipeline.evaluation import EVAL_FUNCTION
 from pipeline.keys import Keys
 from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, make_pool_retrying, redact
 from pipeline.state import PipelineState, PolicyClock
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
 from workers.envs.options import check_tool_parsers
+from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
 from workers.queue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
@@ -83,7 +85,11 @@ def build_worker(
             await w.buffer.redis.aclose()
 
     worker = RolloutWorker(
-        functions=[func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s)],
+        functions=[
+            func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s),
+            # evaluation rounds (pipeline/evaluation.py): queued ahead of training jobs
+            func(run_eval_group, name=EVAL_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s),
+        ],
         queue_name=keys.queue,
         redis_settings=redis_settings(config.redis.resolved_url()),
         max_jobs=concurrency or wcfg.concurrency,

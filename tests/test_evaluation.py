@@ -1,0 +1,255 @@
+"""Multi-turn evaluation through the pipeline (pipeline/evaluation.py, workers/eval_jobs.py):
+a real redis-server, the simulated engine and real arq workers; slime's own eval logging on
+the output (conformance)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import sys
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, parse_config
+from pipeline.evaluation import load_eval_datasets, pass_at_k
+from pipeline.schema import PromptJob, Task, encode_task_json
+from tests.test_worker_jobs import config_dict, wait_for
+from workers.queue import create_arq_pool, enqueue_prompt_job
+from workers.settings import build_worker, stop_worker
+from workers.sim.engine import serve_sim_engine
+
+N_TASKS = 3
+
+
+def _write_datasets(tmp_path, datasets):
+    tasks = [Task(id=f"e{i}", env="calc", prompt=f"What is {i} * 7?", label=str(7 * i)) for i in range(5)]
+    tasks += [Task(id=f"s{i}", env="strict", prompt=f"What is {i} + 1?", label=str(i + 1)) for i in range(2)]
+    tasks += [Task(id="g0", env="ghost", prompt="What is 1 + 1?", label="2")]  # no worker has this env
+    (tmp_path / "eval_tasks.jsonl").write_bytes(b"".join(encode_task_json(t) + b"\n" for t in tasks))
+    path = tmp_path / "eval.yaml"
+    path.write_text(yaml.safe_dump(datasets))
+    return str(path)
+
+
+DATASETS = [
+    {"env": "calc", "tasks": "eval_tasks.jsonl", "n_samples": 4, "max_tasks": N_TASKS},
+    {"name": "calc-greedy", "env": "calc", "tasks": "eval_tasks.jsonl", "n_samples": 2, "max_tasks": 2,
+     "sampling": {"temperature": 0.0}},
+]
+
+
+def _args(redis_url, namespace, datasets_path, **extra):
+    base = {"pipeline_redis_url": redis_url, "pipeline_namespace": namespace, "rollout_batch_size": 2,
+            "n_samples_per_prompt": 4, "pipeline_eta": 2, "pipeline_eval_datasets": datasets_path,
+            "pipeline_eval_timeout_s": 60}
+    return SimpleNamespace(**{**base, **extra})
+
+
+async def _counters(redis, keys):
+    return {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+
+
+@contextlib.asynccontextmanager
+async def _worker(config, concurrency=4):
+    worker = build_worker(config, concurrency=concurrency, handle_signals=False)
+    task = asyncio.create_task(worker.async_run())
+    try:
+        yield worker
+    finally:
+        # `stop_worker`, with the cancellation repeated: now and then arq's poll loop outlives the
+        # first one (swallowed inside a Redis call) and an in-process worker would poll on forever
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1.0)
+        await stop_worker(worker, task)
+
+
+async def _evaluate(slime_mod, args, rid, ds):
+    return await asyncio.to_thread(slime_mod.generate_rollout, args, rid, ds, True)
+
+
+async def test_multi_turn_eval_round_pinned_and_apart_from_training(redis, redis_url, keys, namespace, tmp_path):
+    import pipeline.slime as ps
+
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, [*DATASETS, {"env": "ghost", "tasks": "eval_tasks.jsonl"}]))
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        ds = ps.RedisDataSource(args)
+        try:
+            ds.publish(4)  # the trainer is at rollout 4: the engines hold the version its loop law gives
+            pinned = int((await redis.hget(keys.policy, "version")).decode())
+            await redis.hset(keys.counters, mapping={"enqueued": 7, "discarded": 2, "running": 0})
+            before = await _counters(redis, keys)
+            async with _worker(config):
+                out = await _evaluate(ps, args, 5, ds)
+            after = await _counters(redis, keys)
+        finally:
+            ds.close()
+    # training untouched: admission counters, the buffer, its open set, dead letters, requeues
+    for name in ("enqueued", "discarded", "running"):
+        assert after.get(name, 0) == before.get(name, 0), name
+    assert {k: v for k, v in after.items() if v} == {k: v for k, v in before.items() if v}
+    assert await redis.xlen(keys.groups) == 0 and await redis.zcard(keys.open) == 0
+    assert await redis.xlen(keys.dead) == 0 and await redis.llen(keys.requeue) == 0
+    assert await redis.keys(f"{namespace}:eval:*") == [] and await redis.zcard(keys.queue) == 0
+    assert await redis.keys(f"{namespace}:dedup:*") == []
+
+    # a job that can never succeed (no worker knows its environment) is reported, not waited for;
+    # a dataset left with no group is left out of slime's data
+    assert list(out.data) == ["calc", "calc-greedy"] and out.metrics["eval/ghost/groups_failed"] == 1
+    for name, tasks, n in (("calc", N_TASKS, 4), ("calc-greedy", 2, 2)):
+        d = out.data[name]
+        assert sorted(d) == ["rewards", "samples", "truncated"]
+        assert len(d["rewards"]) == len(d["truncated"]) == len(d["samples"]) == tasks * n
+        samples = d["samples"]
+        assert [s.index for s in samples] == list(range(tasks * n))
+        assert [s.group_index for s in samples] == [i for i in range(tasks) for _ in range(n)]
+        assert [s.metadata["pipeline"]["task_id"] for s in samples[::n]] == [f"e{i}" for i in range(tasks)]
+        assert d["rewards"] == [s.reward for s in samples]
+        assert all(isinstance(t, bool) for t in d["truncated"])
+        m = out.metrics
+        assert m[f"eval/{name}/reward_mean"] == pytest.approx(sum(d["rewards"]) / len(d["rewards"]))
+        assert m[f"eval/{name}/failure_rate"] == 0.0 and m[f"eval/{name}/groups_failed"] == 0
+        assert m[f"eval/{name}/turns_mean"] > 1.0  # the calculator env: tool call, tool output, answer
+        assert m[f"eval/{name}/response_tokens_mean"] == pytest.approx(
+            sum(s.response_length for s in samples) / len(samples))
+        passed = [sum(r >= 1.0 for r in d["rewards"][i * n:(i + 1) * n]) for i in range(tasks)]
+        assert m[f"eval/{name}/pass@1"] == pytest.approx(sum(c / n for c in passed) / tasks)
+        assert m[f"eval/{name}/pass@{n}"] == pytest.approx(sum(c > 0 for c in passed) / tasks)
+        # pinned: the jobs carry the published version, and the workers stamped it on every call
+        assert {s.metadata["pipeline"]["admission_version"] for s in samples} == {pinned}
+        assert {v for s in samples for v in s.weight_versions} == {str(pinned)}
+    assert out.metrics["eval/pipeline/policy_version"] == pinned
+    assert out.metrics["eval/pipeline/policy_version_min"] == out.metrics["eval/pipeline/policy_version_max"] == pinned
+
+
+async def test_eval_jobs_run_before_queued_training_jobs(redis, redis_url, keys, namespace, tmp_path):
+    import pipeline.slime as ps
+
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, DATASETS[:1]))
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        ds = ps.RedisDataSource(args)
+        arq = await create_arq_pool(redis_url, keys)
+        try:
+            ds.publish(0)
+            training = [PromptJob(task=Task(id=f"{namespace}-t{i}", env="calc", prompt=f"What is {i} * 3?",
+                                            label=str(3 * i)), epoch=0, n_samples=4) for i in range(4)]
+            for job in training:  # queued before the eval round
+                assert await enqueue_prompt_job(arq, job, keys)
+            evaluation = asyncio.create_task(_evaluate(ps, args, 0, ds))
+            await wait_for(lambda: _zcard_is(redis, keys.queue, len(training) + N_TASKS), 10, "the eval jobs queued")
+            async with _worker(config, concurrency=1):  # one slot: the queue's order is the run order
+                out = await evaluation
+                await wait_for(lambda: _xlen_is(redis, keys.groups, len(training)), 30, "the training groups")
+        finally:
+            await arq.aclose()
+            ds.close()
+    eval_pushed = [_ms(s.metadata["pipeline"]["stream_id"]) for s in out.data["calc"]["samples"]]
+    train_pushed = [_ms(entry_id.decode()) for entry_id, _ in await redis.xrange(keys.groups)]
+    assert max(eval_pushed) <= min(train_pushed)
+    assert len(eval_pushed) == N_TASKS * 4 and len(train_pushed) == len(training)
+
+
+async def test_timeout_names_what_is_missing_and_withdraws_the_round(redis, redis_url, keys, namespace, tmp_path):
+    import pipeline.slime as ps
+
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, DATASETS[:1]), pipeline_eval_timeout_s=1)
+    ds = ps.RedisDataSource(args)  # no worker runs
+    try:
+        with pytest.raises(TimeoutError, match=r"0/3 eval groups .* calc: 3 missing \(e\.g\. e0, e1, e2\)"):
+            await _evaluate(ps, args, 2, ds)
+    finally:
+        ds.close()
+    assert await redis.zcard(keys.queue) == 0 and await redis.keys("arq:job:*eval*") == []
+    assert await _counters(redis, keys) == {}
+
+
+def test_datasets_file_errors_name_the_entry(tmp_path):
+    with pytest.raises(ConfigError, match="entry 0 .*no task of env 'nope'"):
+        load_eval_datasets(_write_datasets(tmp_path, [{"env": "nope", "tasks": "eval_tasks.jsonl"}]))
+    with pytest.raises(ConfigError, match="entry 1 .*used twice"):
+        load_eval_datasets(_write_datasets(tmp_path, [DATASETS[0], DATASETS[0]]))
+    with pytest.raises(ConfigError, match="n_samples"):
+        load_eval_datasets(_write_datasets(tmp_path, [{**DATASETS[0], "n_samples": 0}]))
+    jsonl = tmp_path / "eval.jsonl"
+    _write_datasets(tmp_path, [])
+    jsonl.write_text('{"env": "strict", "tasks": "eval_tasks.jsonl"}\n')
+    [(dataset, tasks)] = load_eval_datasets(jsonl)
+    assert dataset.key == "strict" and dataset.n_samples == 1 and [t.id for t in tasks] == ["s0", "s1"]
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
+
+
+# ------------------------------------------------------------------ conformance: slime's own classes
+
+@pytest.fixture
+def slime_side():
+    """pipeline.slime (and the modules that bind slime's classes at import) imported with the
+    slime snapshot on sys.path, the originals put back afterwards."""
+    from conformance_support import require_slime
+
+    ns = require_slime("slime.observability.rollout_metrics")
+    import pipeline
+
+    names = ("pipeline.slime_samples", "pipeline.slime", "pipeline.evaluation")
+    saved = {name: sys.modules.pop(name, None) for name in names}
+    try:
+        ns.pipeline = importlib.import_module("pipeline.slime")
+        assert ns.pipeline.SampleClass is ns.Sample
+        yield ns
+    finally:
+        for name, module in saved.items():
+            sys.modules.pop(name, None)
+            if module is not None:
+                sys.modules[name] = module
+                setattr(pipeline, name.split(".")[1], module)
+
+
+@pytest.mark.conformance
+async def test_eval_output_is_slimes_and_slimes_eval_logger_takes_it(slime_side, redis, redis_url, keys, namespace,
+                                                                      tmp_path):
+    from slime.rollout.base_types import RolloutFnEvalOutput, call_rollout_fn
+
+    rollout_metrics = slime_side.modules["slime.observability.rollout_metrics"]
+    ps = slime_side.pipeline
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, DATASETS[:1]),
+                 # what slime's log_eval_rollout_data reads
+                 custom_eval_rollout_log_function_path=None, advantage_estimator="grpo", reward_key=None,
+                 log_reward_category=None, log_passrate=True, n_samples_per_eval_prompt=4,
+                 wandb_always_use_train_step=False, use_wandb=False, use_tensorboard=False)
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        ds = ps.RedisDataSource(args)
+        try:
+            async with _worker(config):
+                out = await asyncio.to_thread(call_rollout_fn, ps.generate_rollout, args, 1, ds, evaluation=True)
+        finally:
+            ds.close()
+    assert type(out) is RolloutFnEvalOutput
+    samples = out.data["calc"]["samples"]
+    assert all(type(s) is slime_side.Sample for s in samples)
+    assert all(s.status in (slime_side.Sample.Status.COMPLETED, slime_side.Sample.Status.TRUNCATED) for s in samples)
+    logged = rollout_metrics.log_eval_rollout_data(1, args, out.data, dict(out.metrics))
+    rewards = out.data["calc"]["rewards"]
+    assert logged["eval/calc"] == pytest.approx(sum(rewards) / len(rewards))
+    assert logged["eval/calc-truncated_ratio"] == sum(out.data["calc"]["truncated"]) / len(rewards)
+    # slime's own pass@k over our rewards agrees with ours (rewards are 0/1 here)
+    assert logged["eval/calc-pass@1"] == pytest.approx(out.metrics["eval/calc/pass@1"])
+    assert logged["eval/calc-pass@4"] == pytest.approx(out.metrics["eval/calc/pass@4"])
+    assert "eval/calc/response_len/mean" in logged and logged["eval/step"] == 1
+
+
+async def _zcard_is(redis, key, n):
+    return await redis.zcard(key) == n
+
+
+async def _xlen_is(redis, key, n):
+    return await redis.xlen(key) == n
+
+
+def _ms(stream_id: str) -> int:
+    return int(stream_id.split("-")[0])

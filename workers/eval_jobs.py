@@ -1,0 +1,92 @@
+"""The arq eval job: one eval task x n episodes, pushed into its round's own stream.
+
+`run_eval_group(ctx, round_id, payload)` (enqueued by `pipeline/evaluation.py`, name
+`EVAL_FUNCTION`) runs the episodes exactly as a training group (`workers.jobs.run_episodes`:
+same environments, sampling merge and policy-version stamps) and pushes the group into
+`{ns}:eval:<round>` once (an operation key named by the group id, the buffer's dedup pattern),
+never into `{ns}:groups`: no dedup marker, no `{ns}:open`, no buffered/episodes counters.
+A job that cannot succeed (undecodable, unknown environment, a bug, out of tries, past its
+soft deadline) pushes an `error` entry instead, so the trainer's round ends with the reason
+rather than at its timeout; nothing is dead-lettered, counted failed or handed back.
+The job is in the worker's job set while it runs (`Liveness.job_started/ended`), as every
+job must be, or the reaper's orphan scan would re-run it: that holds `running` +1 while it
+runs and gives it back after, as the reaper does for a dead worker's jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from arq.worker import Retry
+
+from pipeline.evaluation import STREAM_TTL_S
+from pipeline.redis_conn import ALREADY, REFUSED, run_once
+from pipeline.schema import SampleGroup, SchemaError, decode_job, encode
+from workers.jobs import (
+    CTX_KEY,
+    PoisonJob,
+    SoftDeadline,
+    WorkerContext,
+    _within,
+    run_episodes,
+    soft_deadline_s,
+)
+from workers.queue import is_bug
+
+log = logging.getLogger(__name__)
+
+
+async def run_eval_group(ctx: dict[str, Any], round_id: str, payload: bytes) -> dict[str, Any]:
+    w: WorkerContext = ctx[CTX_KEY]
+    job_id, job_try = str(ctx["job_id"]), int(ctx["job_try"])
+    gid = w.keys.group_id_of(job_id)
+    max_tries = w.config.workers.max_tries
+    try:
+        job = decode_job(payload)
+    except SchemaError as exc:
+        return await _give_up(w, round_id, gid, f"eval job {job_id}: {exc}")
+    if job_try > max_tries:  # its worker died on the last try
+        return await _give_up(w, round_id, gid, f"eval job {job_id}: out of tries ({max_tries})")
+    await w.liveness.job_started(job_id)
+    soft_s = soft_deadline_s(w.config.workers)
+    try:
+        group = await _within(run_episodes(w, job, job_try), soft_s)
+        stored = await push_eval_group(w, round_id, gid, group)
+        return {"status": "pushed" if stored else "duplicate"}
+    except PoisonJob as exc:
+        return await _give_up(w, round_id, gid, f"eval job {job_id}: {exc}")
+    except SoftDeadline:
+        return await _give_up(w, round_id, gid, f"eval job {job_id} try {job_try}: past its soft deadline {soft_s:.0f}s")
+    except Exception as exc:
+        reason = f"eval job {job_id} try {job_try}: {type(exc).__name__}: {exc}"
+        if is_bug(exc) or job_try >= max_tries:
+            log.warning("%s", reason, exc_info=is_bug(exc))
+            return await _give_up(w, round_id, gid, reason)
+        log.warning("%s; retrying", reason)
+        raise Retry(defer=random.uniform(0.5, 1.5) * min(30.0, 2.0**job_try)) from exc
+    finally:
+        await asyncio.shield(w.liveness.job_ended(job_id))
+
+
+async def push_eval_group(w: WorkerContext, round_id: str, gid: str, group: SampleGroup | None,
+                          error: str = "") -> bool:
+    """XADD the group (or its error) to the round's stream, once per group id: False when a
+    group or error of that id was pushed already (a re-run, a zombie)."""
+    stream = w.keys.eval_stream(round_id)
+    fields: dict[str, Any] = {"id": gid, "error": error[:2000]} if group is None else {"id": gid, "g": encode(group)}
+
+    def stage(pipe: Any) -> None:
+        pipe.xadd(stream, fields)
+        pipe.expire(stream, STREAM_TTL_S)  # a round the trainer gave up on does not stay behind
+
+    result = await run_once(w.buffer.redis, w.keys.op(f"eval-push:{gid}"), stage, ttl_s=STREAM_TTL_S)
+    return result is not ALREADY and result is not REFUSED
+
+
+async def _give_up(w: WorkerContext, round_id: str, gid: str, reason: str) -> dict[str, Any]:
+    log.warning("%s; reported to the trainer", reason)
+    await push_eval_group(w, round_id, gid, None, reason)
+    return {"status": "failed", "reason": reason}

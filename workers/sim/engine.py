@@ -6,7 +6,8 @@ Endpoints, with SGLang 0.5.23's behaviour (docs/architecture.md "The engine"): P
 /generate, GET /health (503 while starting), GET /model_info, GET /server_info (with
 `context_length`), POST /abort_request, POST /pause_generation {"mode": "abort" |
 "in_place" | "retract"}, POST /continue_generation, POST /update_weight_version
-{"new_version", "abort_all_requests": true}. Simulator-only, under /sim/: POST
+{"new_version", "abort_all_requests": true}, GET /v1/loads (core keys), and the router's
+GET /workers (itself as the one worker, for slime's abort). Simulator-only, under /sim/: POST
 /sim/fail_next {"status", "count", "message"} (inject HTTP errors) and GET /sim/stats.
 
 It refuses what SGLang refuses, with SGLang's status and message: sampling values out of
@@ -143,6 +144,8 @@ class SimEngine:
                 web.post("/pause_generation", self.pause),
                 web.post("/continue_generation", self.resume),
                 web.post("/update_weight_version", self.update_weight_version),
+                web.get("/v1/loads", self.loads),
+                web.get("/workers", self.workers),
                 web.post("/sim/fail_next", self.fail_next),
                 web.get("/sim/stats", self.get_stats),
             ]
@@ -184,6 +187,23 @@ class SimEngine:
                 running.message = "Abort request"
                 running.aborted.set()
         return web.Response(status=200)
+
+    async def loads(self, _request: web.Request) -> web.Response:
+        """SGLang's GET /v1/loads (entrypoints/v1_loads.py), one DP rank, core keys only:
+        slime's abort polls it (server_control.py) until nothing is running or waiting."""
+        held = len(self._running)
+        running = min(held, self.config.slots) if self.config.slots > 0 else held
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running,
+                "num_waiting_reqs": held - running, "max_running_requests": self.config.slots}
+        return web.json_response({"timestamp": load["timestamp"], "version": "0.5.23-sim", "accelerator": None,
+                                  "num_accelerators": 0, "loads": [load]})
+
+    async def workers(self, request: web.Request) -> web.Response:
+        """The router's GET /workers (SGLang Model Gateway), as when this engine is also the
+        router: one regular worker, itself. slime's abort reads the worker URLs from it."""
+        worker = {"id": "sim-0", "url": f"http://{request.host}", "model_id": "simulated-engine",
+                  "worker_type": "regular", "is_healthy": True}
+        return web.json_response({"workers": [worker], "total": 1})
 
     async def pause(self, request: web.Request) -> web.Response:
         """abort (SGLang's default): abort running requests; in_place / retract: they stay and

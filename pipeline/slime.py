@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 
 READ_BLOCK_MS = 1000
 READ_ALL = 256  # due-first reads up to this many groups at a time to choose from
+TRAINED_MEMORY = 100_000  # group ids remembered as trained by this process (~10 MB)
 # slime binds only train/*, rollout/*, multi_turn/*, passrate/*, eval/* and perf/* to its step
 # axis in wandb (slime/utils/wandb_utils.py): ours live under rollout/ to land on it.
 METRIC_PREFIX = "rollout/pipeline"
@@ -137,6 +138,9 @@ class RedisDataSource(_DataSourceBase):
         self._wrong_sized: list[str] = []  # groups of the wrong size met in this read
         # due-first: groups read (pending for our consumer) and not yet taken by a step
         self._held: dict[str, Entry] = {}
+        # group ids this process handed to a step (the newest TRAINED_MEMORY): a Redis that lost
+        # its last second of writes (AOF everysec, machine crash) delivers acked entries again
+        self._trained: dict[str, int] = {}
         self._engine_version: int | None = None  # last published
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
@@ -231,6 +235,7 @@ class RedisDataSource(_DataSourceBase):
         recorded = self._recorded.setdefault(rid, [])
         entries = await self.buffer.fetch(recorded) if recorded else []
         stats.replayed = bool(entries)
+        self._remember_trained(rid, entries)
         version = rid  # the policy that trains this batch has taken `rid` steps
         self._run_starts = await self.state.run_starts()
         due_first = self.settings.consume_order is ConsumeOrder.DUE_FIRST
@@ -281,6 +286,13 @@ class RedisDataSource(_DataSourceBase):
             pipe.zrem(self.keys.open, *group_ids)
 
         await run_once(self._redis, self.keys.op(new_op_id()), record)
+        self._remember_trained(rid, taken)
+
+    def _remember_trained(self, rid: int, taken: list[Entry]) -> None:
+        for entry in taken:
+            self._trained[entry.group.group_id] = rid
+        while len(self._trained) > TRAINED_MEMORY:
+            del self._trained[next(iter(self._trained))]
 
     async def _choose_due_first(self, rid: int, want: int, started: float, stats: BatchStats) -> list[Entry]:
         """From the groups held: every due one (admitted at clock <= rid - eta), then, leaving a
@@ -289,6 +301,10 @@ class RedisDataSource(_DataSourceBase):
         due = dict(await self._redis.zrangebyscore(self.keys.open, "-inf", due_clock(rid, self.settings.eta),
                                                    withscores=True))
         due = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in due.items()}
+        if trained := [gid for gid in due if gid in self._trained]:  # a record's ZREM that Redis lost
+            await self._redis.zrem(self.keys.open, *trained)
+            for gid in trained:
+                del due[gid]
         by_group = {e.group.group_id: e for e in self._held.values()}
         missing = [gid for gid in due if gid not in by_group]
         if missing and time.monotonic() - started > self.settings.due_wait_s:
@@ -359,6 +375,8 @@ class RedisDataSource(_DataSourceBase):
     async def _admit(self, entry: Entry, version: int, stats: BatchStats) -> bool:
         """Apply the group-size contract, the staleness policy and the zero-variance filter."""
         group = entry.group
+        if group.group_id in self._trained:
+            return await self._refuse_trained(entry)
         expected = self.settings.n_samples_per_prompt
         if group.n_samples != expected:
             def stage(pipe: Any) -> None:
@@ -386,6 +404,20 @@ class RedisDataSource(_DataSourceBase):
             stats.filtered += 1
             return await self._discard(entry, Counter.FILTERED, requeue=False, stats=stats)
         return True
+
+    async def _refuse_trained(self, entry: Entry) -> bool:
+        """A group this process already handed to step `_trained[id]` is back (Redis lost the ack,
+        or the dedup marker of a re-run's push): acknowledge it, count it a duplicate, train it once."""
+        log.warning("group %s (entry %s) was already trained at rollout %d: Redis lost writes? acknowledged, "
+                    "not trained again", entry.group.group_id, entry.stream_id, self._trained[entry.group.group_id])
+
+        def stage(pipe: Any) -> None:
+            pipe.hincrby(self.keys.counters, Counter.DUPLICATES, 1)
+            pipe.zrem(self.keys.open, entry.group.group_id)
+            self.buffer.stage_ack(pipe, [entry.stream_id])
+
+        await run_once(self._redis, self.keys.op(f"trained-again:{self.keys.groups}:{entry.stream_id}"), stage)
+        return False
 
     async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats) -> bool:
         """Counters, the optional requeue entry and the ack in one transaction: a crash

@@ -132,7 +132,12 @@ return record(KEYS[2], {1})[1]
 
 
 class CursorMoved(RuntimeError):
-    """Another producer advanced this epoch's cursor: two producers on one namespace."""
+    """This epoch's cursor is not where this producer left it: ahead, another producer admits
+    in the namespace; behind, Redis lost writes (restarted from an AOF missing its last second)."""
+
+    def __init__(self, message: str, *, position: int = 0):
+        super().__init__(message)
+        self.position = position
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,8 @@ class Admission:
         if consumed == -3:
             return Admitted(0, 0, version_moved=True)
         if consumed < 0:
-            raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}")
+            raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}",
+                              position=int(admitted))
         return Admitted(int(consumed), int(admitted))
 
     async def admit_requeued(

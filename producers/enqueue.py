@@ -234,10 +234,19 @@ class Producer:
         for _env, offset in batch:
             job = self._job(self.reader.read(offset), self.epoch, version, now)
             jobs.append((job.job_id, job_envelope(job, enqueue_time_ms=int(now * 1000))))
-        result = await self.admission.admit_fresh(
-            self.limits, jobs, cursor_field=self._cursor_field(self.epoch), position=stream.position,
-            score_ms=int(now * 1000), version=version,
-        )
+        try:
+            result = await self.admission.admit_fresh(
+                self.limits, jobs, cursor_field=self._cursor_field(self.epoch), position=stream.position,
+                score_ms=int(now * 1000), version=version,
+            )
+        except CursorMoved as exc:
+            if exc.position >= stream.position:
+                raise  # ahead of us: another producer
+            # behind us: Redis lost its last writes (the admissions with them): admit from there again
+            log.warning("the cursor of epoch %d went back from %d to %d (Redis lost writes?); admitting from %d again",
+                        self.epoch, stream.position, exc.position, exc.position)
+            stream.rewind(self._order_from_cursor(exc.position))
+            return "admitted"
         if result.requeue_first:
             return "requeue-first"  # the loop drains the requeue list next, without waiting
         if result.version_moved:
@@ -354,6 +363,10 @@ class _EpochStream:
     def advance(self, n: int) -> None:
         del self._ahead[:n]
         self.position += n
+
+    def rewind(self, other: "_EpochStream") -> None:
+        """Continue from `other`'s (earlier) position."""
+        self._order, self._ahead, self.position = other._order, other._ahead, other.position
 
 
 async def run_producer(

@@ -118,18 +118,10 @@ async def _snapshot(redis, keys: Keys) -> dict:
     return {"entries": entries, "counters": counters}
 
 
-LOST_SECOND_STALLS = (
-    "a lost AOF tail reverts Redis behind the living processes: a job the worker finished stays in arq's queue "
-    "with its in-progress key and in that (live) worker's job set, so neither arq nor the orphan release re-runs it "
-    "and its admission slot is held until the in-progress key expires (job_timeout_s): the run stalls"
-)
-
-
 @pytest.mark.parametrize("fsync,cut_s", [
     ("always", 0.0),
     ("everysec", 0.0),
-    pytest.param("everysec", LOST_S, marks=pytest.mark.xfail(reason=LOST_SECOND_STALLS, strict=False),
-                 id="everysec-lost-second"),
+    pytest.param("everysec", LOST_S, id="everysec-lost-second"),
 ])
 async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut_s, namespace, tmp_path):
     from producers.enqueue import ProducerOptions, run_producer

@@ -175,3 +175,30 @@ def test_order_setting_is_validated(redis_url, namespace, order):
     assert TrainerSettings.from_args(_args(redis_url, namespace, order)).consume_order.value == order
     with pytest.raises(ConfigError, match="consume_order"):
         TrainerSettings.from_args(_args(redis_url, namespace, "newest-first"))
+
+
+def test_a_group_delivered_again_after_it_was_trained_is_not_trained_twice(redis_url, namespace, caplog):
+    """Redis lost its last second (AOF everysec, machine crash): the ack of a trained group and
+    its dedup marker are gone, so the entry is delivered again or a re-run pushes it again. The
+    data source remembers what it trained and acknowledges it as a duplicate."""
+    source = RedisDataSource(_args(redis_url, namespace, "due-first"))
+    cluster = Cluster(redis_url, namespace)
+    try:
+        source.publish(0)
+        a, b, c, d = cluster.admit("a", "b", "c", "d")
+        cluster.push(a)
+        cluster.push(b)
+        assert sorted(_group_ids(generate_rollout(source.args, 0, source))) == sorted([a, b])
+        source.save(0)
+        source.publish(1)
+        cluster.call(cluster.redis.delete(cluster.keys.dedup(a)))  # the lost second took the marker
+        cluster.push(a)  # a re-run's push: a new entry of a trained group
+        cluster.push(c)
+        cluster.push(d)
+        assert sorted(_group_ids(generate_rollout(source.args, 1, source))) == sorted([c, d])
+        assert cluster.counters()[Counter.DUPLICATES] == 1
+        assert cluster.call(cluster.redis.xlen(cluster.keys.groups)) == 2  # c, d until save; a acked
+    finally:
+        cluster.close()
+        source.close()
+    assert "was already trained at rollout 0" in caplog.text

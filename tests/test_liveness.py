@@ -75,3 +75,28 @@ async def test_leaving_gives_back_what_is_still_held(redis, keys):
     await w.job_started(keys.arq_job_id("t:0"))
     await w.stop()
     assert await _running(redis, keys) == 0 and await redis.zcard(keys.workers) == 0
+
+
+async def test_a_live_worker_releases_jobs_redis_says_it_runs_but_it_does_not(redis, keys):
+    """Redis restarted from an AOF missing its last second: a job that ended in that second is
+    back in our job set (SREM lost) with its in-progress key, so arq and the reaper would never
+    re-run it. The heartbeat's reconcile releases it (once), and leaves the jobs we run alone."""
+    worker = Liveness(redis, keys, "w1", heartbeat_s=0.1, dead_after_s=0.5)
+    running, ghost = keys.arq_job_id("t0:0"), keys.arq_job_id("t1:0")
+    await worker.job_started(running)
+    await worker.job_started(ghost)
+    await worker.job_ended(ghost)
+    # the lost second: the SREM and the `running` -1 never happened, the in-progress key is back
+    await redis.sadd(keys.worker_jobs("w1"), ghost)
+    await redis.hincrby(keys.counters, Counter.RUNNING, 1)
+    for job in (running, ghost):
+        await redis.set(in_progress_key_prefix + job, b"1")
+    assert await _running(redis, keys) == 2
+
+    assert await worker.reconcile() == 1
+    assert await redis.smembers(keys.worker_jobs("w1")) == {running.encode()}
+    assert await redis.exists(in_progress_key_prefix + ghost) == 0  # arq's next poll re-runs it
+    assert await redis.exists(in_progress_key_prefix + running) == 1
+    assert await _running(redis, keys) == 1
+    assert (await redis.hget(keys.job_errors, ghost)).startswith(b"its worker no longer ran it")
+    assert await worker.reconcile() == 0  # nothing twice

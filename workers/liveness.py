@@ -112,6 +112,22 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return n
 """
 
+# KEYS: our job set, counters hash, job_errors hash; ARGV: running counter, arq in-progress prefix,
+# reason, then job ids in our Redis set that this process does not run. Each is released only if
+# it is still there (SREM == 1): a job that ended meanwhile was removed by its own job_ended.
+_RECONCILE_LUA = """
+local released = 0
+for i = 4, #ARGV do
+  if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then
+    redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+    redis.call('DEL', ARGV[2] .. ARGV[i])
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[3])
+    released = released + 1
+  end
+end
+return released
+"""
+
 ORPHAN_SCAN = 1000  # queue entries checked per round; running jobs sit at the head (oldest scores)
 
 
@@ -129,7 +145,11 @@ class Liveness:
         self._beat = redis.register_script(_BEAT_LUA)
         self._job = redis.register_script(_JOB_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
+        self._reconcile = redis.register_script(_RECONCILE_LUA)
         self._suspects: set[str] = set()
+        # the arq job ids this process really runs: added before the job's SADD, removed after
+        # its SREM, so our Redis set is always a subset of it unless Redis lost writes
+        self._running: set[str] = set()
         self._task: asyncio.Task[None] | None = None
         prefix, _, suffix = keys.worker_jobs("\x00").partition("\x00")
         self._set_prefix, self._set_suffix = prefix, suffix
@@ -167,14 +187,39 @@ class Liveness:
     async def job_started(self, job_id: str) -> bool:
         """Record the job as ours and count it running, in one script (a crash leaves neither;
         replayed after a lost reply it counts nothing twice). False: it was recorded already."""
+        self._running.add(job_id)
         return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
                                     args=[job_id, Counter.RUNNING, 1]))
 
     async def job_ended(self, job_id: str) -> bool:
         """Forget the job and give back its `running` count, once: False when it was not in our
         set any more (the reaper took it, or this is a replay)."""
-        return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
-                                    args=[job_id, Counter.RUNNING, -1]))
+        try:
+            return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
+                                        args=[job_id, Counter.RUNNING, -1]))
+        finally:
+            self._running.discard(job_id)
+
+    async def reconcile(self) -> int:
+        """Release the jobs our Redis set holds that this process does not run.
+
+        Only a Redis that lost acknowledged writes (restarted from an AOF missing its last
+        second after a machine crash) gets there: a job that ended in the lost second is back in
+        our set (its SREM lost) and in arq's queue with its in-progress key, so neither arq nor
+        the reaper (we are alive) would ever re-run it, and its admission slot stays held. The
+        re-run pushes through the dedup marker: stored once."""
+        recorded = {job.decode() for job in await self.redis.smembers(self.keys.worker_jobs(self.worker_id))}
+        ghosts = sorted(recorded - self._running)
+        if not ghosts:
+            return 0
+        released = int(await self._reconcile(
+            keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters, self.keys.job_errors],
+            args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)", *ghosts],
+        ))
+        if released:
+            log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes?)",
+                        released)
+        return released
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"liveness-{self.worker_id}")
@@ -183,6 +228,7 @@ class Liveness:
         while True:
             try:
                 await self.beat()
+                await self.reconcile()
                 await self.reap()
                 await self.release_orphans()
             except Exception as exc:  # noqa: BLE001 - a Redis blip must not stop heart-beating

@@ -142,6 +142,7 @@ class RedisDataSource(_DataSourceBase):
         # its last second of writes (AOF everysec, machine crash) delivers acked entries again
         self._trained: dict[str, int] = {}
         self._engine_version: int | None = None  # last published
+        self._published: dict[str, Any] = {}  # the last publish_policy arguments
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
         try:
             self._run(self.buffer.ensure_group())
@@ -252,7 +253,7 @@ class RedisDataSource(_DataSourceBase):
             if self._wrong_sized:
                 await self._drain_wrong_sized(version, stats)
             if due_first:
-                self._held.update((e.stream_id, e) for e in accepted)
+                await self._hold(accepted)
                 accepted = await self._choose_due_first(rid, want, started, stats)
             block = not accepted
             if accepted:
@@ -260,6 +261,8 @@ class RedisDataSource(_DataSourceBase):
                 recorded.extend(e.stream_id for e in accepted)
                 entries.extend(accepted)
             now = time.monotonic()
+            if block:
+                await self._republish_if_lost()
             if block and now - last_log >= self.settings.wait_log_s:
                 last_log = now
                 await self._log_wait(rid, len(entries), n, stats)
@@ -272,6 +275,17 @@ class RedisDataSource(_DataSourceBase):
         stats.wait_s = time.monotonic() - started
         self._warn_stale_storm(rid, version, stats, len(entries))
         return entries, stats
+
+    async def _hold(self, arrived: list[Entry]) -> None:
+        """Keep what arrived to choose from; a second entry of a group already held (a re-run's
+        push after Redis lost the first one's dedup marker) is a duplicate."""
+        held_groups = {e.group.group_id for e in self._held.values()}
+        for entry in arrived:
+            if entry.group.group_id in held_groups:
+                await self._refuse_duplicate(entry, "another entry of it is already held for training", trained=False)
+                continue
+            held_groups.add(entry.group.group_id)
+            self._held[entry.stream_id] = entry
 
     async def _record(self, rid: int, taken: list[Entry]) -> None:
         """The step's record, once whatever replies are lost (a replayed RPUSH would record every
@@ -376,7 +390,7 @@ class RedisDataSource(_DataSourceBase):
         """Apply the group-size contract, the staleness policy and the zero-variance filter."""
         group = entry.group
         if group.group_id in self._trained:
-            return await self._refuse_trained(entry)
+            return await self._refuse_duplicate(entry, f"it was already trained at rollout {self._trained[group.group_id]}")
         expected = self.settings.n_samples_per_prompt
         if group.n_samples != expected:
             def stage(pipe: Any) -> None:
@@ -405,18 +419,19 @@ class RedisDataSource(_DataSourceBase):
             return await self._discard(entry, Counter.FILTERED, requeue=False, stats=stats)
         return True
 
-    async def _refuse_trained(self, entry: Entry) -> bool:
-        """A group this process already handed to step `_trained[id]` is back (Redis lost the ack,
-        or the dedup marker of a re-run's push): acknowledge it, count it a duplicate, train it once."""
-        log.warning("group %s (entry %s) was already trained at rollout %d: Redis lost writes? acknowledged, "
-                    "not trained again", entry.group.group_id, entry.stream_id, self._trained[entry.group.group_id])
+    async def _refuse_duplicate(self, entry: Entry, why: str, *, trained: bool = True) -> bool:
+        """A group this process already has (trained at a step, or held) is back: Redis lost the
+        ack, or the dedup marker of a re-run's push. Acknowledge it, count it a duplicate."""
+        log.warning("group %s (entry %s) not taken: %s (Redis lost writes?); acknowledged as a duplicate",
+                    entry.group.group_id, entry.stream_id, why)
 
         def stage(pipe: Any) -> None:
             pipe.hincrby(self.keys.counters, Counter.DUPLICATES, 1)
-            pipe.zrem(self.keys.open, entry.group.group_id)
+            if trained:  # (a held one is still open: due-first keeps counting it)
+                pipe.zrem(self.keys.open, entry.group.group_id)
             self.buffer.stage_ack(pipe, [entry.stream_id])
 
-        await run_once(self._redis, self.keys.op(f"trained-again:{self.keys.groups}:{entry.stream_id}"), stage)
+        await run_once(self._redis, self.keys.op(f"duplicate:{self.keys.groups}:{entry.stream_id}"), stage)
         return False
 
     async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats) -> bool:
@@ -453,10 +468,20 @@ class RedisDataSource(_DataSourceBase):
         labels = label_versions(rollout_id, **law, first_label=self.first_label)
         self._engine_version = engine_policy_version(rollout_id, **law)
         self._publish_settings()
-        self._run(self.state.publish_policy(
+        self._published = dict(
             run=self.run_id, start=self.first_rollout_id, engine_version=self._engine_version,
             rollout_id=rollout_id, labels=dict(list(labels.items())[-2:]),  # the current and the next push
-        ))
+        )
+        self._run(self.state.publish_policy(**self._published))
+
+    async def _republish_if_lost(self) -> None:
+        """While a step waits: the trainer is the source of the policy version. If Redis lost it
+        (restarted from an AOF missing its tail), producers would wait for a version the trainer
+        will only publish after this step, which waits for their groups: publish it again."""
+        if self._published and await self.state.get_version() != self._published["engine_version"]:
+            log.warning("%s went back to %s (Redis lost writes?); publishing version %d again",
+                        self.keys.version, await self.state.get_version(), self._published["engine_version"])
+            await self.state.publish_policy(**self._published)
 
     def _publish_settings(self) -> None:
         s = self.settings

@@ -201,4 +201,4 @@ def test_a_group_delivered_again_after_it_was_trained_is_not_trained_twice(redis
     finally:
         cluster.close()
         source.close()
-    assert "was already trained at rollout 0" in caplog.text
+    assert "it was already trained at rollout 0" in caplog.text

@@ -1,4 +1,4 @@
-"""Benchmark: one worker process against the simulated engine with zero latency.
+"""Benchmark: one worker process against the simulated engine (zero latency unless `engine_args` say).
 
 Prints episodes/s and the worker's event-loop lag (p50/p99/max) at a given number of
 concurrent episodes (goal: lag p99 < 50 ms at 1,000), side by side with a low
@@ -28,6 +28,7 @@ from pipeline.keys import Keys  # noqa: E402
 from pipeline.local_redis import LocalRedis  # noqa: E402
 from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import PromptJob, Task  # noqa: E402
+from pipeline.state import PipelineState  # noqa: E402
 from workers.jobs import CTX_KEY  # noqa: E402
 from workers.queue import create_arq_pool, enqueue_prompt_job  # noqa: E402
 from workers.settings import build_worker, stop_worker  # noqa: E402
@@ -61,6 +62,10 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
         await enqueue_prompt_job(arq, PromptJob(task=task, epoch=0, n_samples=n_samples), keys)
     await arq.aclose()
     redis = connect(redis_url)
+    # Workers stamp every generate call with the policy version the trainer publishes and wait
+    # until one is (pipeline/state.py PolicyClock): stand in for the trainer's first rollout.
+    state = PipelineState(redis, keys)
+    await state.publish_policy(run=await state.begin_run(), start=0, engine_version=0, rollout_id=0)
     lags: list[float] = []
     worker = build_worker(config, concurrency=max(1, concurrency // n_samples), handle_signals=False)
     task = asyncio.create_task(worker.async_run())
@@ -74,6 +79,7 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
     sampler.cancel()
     await stop_worker(worker, task)
     counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+    engine = await asyncio.to_thread(_engine_stats, engine_url)
     await redis.aclose()
     lag_ms = np.asarray(lags) * 1000 if lags else np.zeros(1)
     return {
@@ -86,13 +92,23 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
         "lag_p99_ms": round(float(np.percentile(lag_ms, 99)), 2),
         "lag_max_ms": round(float(lag_ms.max()), 2),
         "episodes_failed": counters.get("episodes_failed", 0),
+        "engine_max_running": engine.get("max_running", 0),  # generate calls in flight at once, engine side
     }
+
+
+def _engine_stats(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as reply:
+        return json.loads(reply.read())
 
 
 def run_worker_bench(
     concurrency: int, episodes: int, *, n_samples: int = 8, env: str = "calculator", engine_args: list[str] | None = None
 ) -> dict[str, Any]:
-    """One in-process worker, `concurrency` episodes at once, against a zero-latency simulated engine."""
+    """One in-process worker, `concurrency` episodes at once, against the simulated engine (zero latency
+    unless `engine_args` set one, e.g. ["--token-latency-s", "0.01"]; `rollout bench` does)."""
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
     with LocalRedis() as redis, SimEngineProcess(["--slots", "0", *(engine_args or [])]) as engine:
         return asyncio.run(_bench(redis.url, engine.url, concurrency, episodes, n_samples, env))

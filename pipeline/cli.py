@@ -23,13 +23,13 @@ import importlib
 import os
 import sys
 import traceback
-import warnings
 
-# Quiet third-party start-up noise on every command (children inherit it): transformers
-# without PyTorch warns "PyTorch was not found..." at import, though only its tokenizers are used.
+# transformers without PyTorch logs "PyTorch was not found. Models won't be available..." when it
+# is first imported (by the commands that load a tokenizer: engine, workers, demo, show), though
+# only its tokenizers are used here. That line is one of transformers' "advisory" warnings, which
+# its own TRANSFORMERS_NO_ADVISORY_WARNINGS switches off, and nothing else: its other warnings
+# and errors still show. Set before any import of transformers; child processes inherit it.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-warnings.filterwarnings("ignore", message=r".*PyTorch.*(was not found|have been found).*")
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1

@@ -3,8 +3,9 @@
 The answer is read from the model's last assistant message: `\\boxed{...}` first,
 then (with `answer: any`, the default) plain forms math-verify recognises ("the
 answer is 1/2", "$x = 0.5$", a last number). The task's `label` is the gold answer
-(LaTeX or plain). Reward 1.0 when math-verify finds them equal, else 0.0; the
-extracted answer and the gold go into the components.
+(LaTeX or plain), or a GSM8K answer (the worked solution, then `#### 72`): then the
+gold is what follows the last `####` (`gold_answer`). Reward 1.0 when math-verify finds
+them equal, else 0.0; the extracted answer and the label go into the components.
 
 math-verify bounds its own parsing with SIGALRM, which only works in a process's
 main thread, and sympy can take seconds on adversarial input. So checks run in a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import re
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Literal, Union
@@ -38,9 +40,28 @@ class MathOptions(Options):
     parse_timeout_s: int = 5  # math-verify's own bound per parse/verify (whole seconds)
 
 
+_THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")
+
+
+def gold_answer(label: str) -> str:
+    """The gold answer a label states. GSM8K's labels are a worked solution whose last line is
+    `#### <answer>` ("Natalia sold 48/2 = 24 clips in May. ... #### 72"): the answer is the text
+    after the last `####` (thousands separators dropped: "1,000" is 1000), not the solution's
+    numbers. Any other label is the answer itself."""
+    if "####" not in label:
+        return label
+    answer = label.rsplit("####", 1)[1].strip().split("\n", 1)[0].strip()
+    if not answer:
+        return label
+    return answer.replace(",", "") if _THOUSANDS.fullmatch(answer) else answer
+
+
 def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> tuple[float, Union[str, None]]:
-    """(reward, extracted answer text). Top level so a process pool can run it."""
+    """(reward, extracted answer text). `gold` is the task's label (`gold_answer` reads a GSM8K
+    one). Top level so a process pool can run it."""
     from math_verify import parse, verify
+
+    gold = gold_answer(gold)
 
     if answer == "boxed" and "\\boxed" not in response:
         return 0.0, None

@@ -464,7 +464,9 @@ class SimEngine:
         from workers.envs.local import evaluate_arithmetic
 
         if question.strip() in self.config.answers:
-            return self.config.answers[question.strip()]
+            from workers.envs.math import gold_answer
+
+            return gold_answer(self.config.answers[question.strip()])  # GSM8K's "... #### 72" is 72
         match = _QUESTION.search(question)
         if not match:
             return None
@@ -569,19 +571,51 @@ def load_answers(tasks_path: str) -> dict[str, str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="rollout engine", description="Serve the SIMULATED SGLang engine.")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    defaults = SimConfig()
-    for name in ("accuracy", "tool_use", "malformed_rate", "length_mu", "length_sigma", "token_latency_s", "latency_sigma"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
-    for name in ("slots", "context_length", "seed", "max_filler_tokens"):
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    p.add_argument("--weight-version", default=defaults.weight_version)
-    p.add_argument("--startup-s", type=float, default=defaults.startup_s,
-                   help="answer /health with 503 (and refuse /generate) this long after start")
-    p.add_argument("--tokenizer", default="", help="tokenizer directory (default: the shared test tokenizer)")
-    p.add_argument("--tasks", default="", help="tasks.jsonl whose labels the simulator may answer with")
+    p = argparse.ArgumentParser(
+        prog="rollout engine",
+        description="Serve the SIMULATED SGLang engine: SGLang's native endpoints (/generate token in, token out; "
+                    "/health, /server_info, /update_weight_version, ...) with a scripted policy instead of a model. "
+                    "For demos and tests, never for measuring model quality.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default %(default)s: this machine only; 0.0.0.0 to expose it)")
+    p.add_argument("--port", type=int, default=30000, help="port to serve on (default %(default)s)")
+    d = SimConfig()
+    answers = p.add_argument_group("answers")
+    answers.add_argument("--tasks", default="", help="tasks.jsonl (from `rollout prepare`) whose labels are the right "
+                         "answers to its prompts; a GSM8K label '... #### 72' means 72. Without it only arithmetic "
+                         "questions ('What is 6 * 7?') have a known answer")
+    answers.add_argument("--accuracy", type=float, default=d.accuracy,
+                         help="probability that a final answer is the right one, else a wrong number "
+                              "(default %(default)s)")
+    answers.add_argument("--tool-use", type=float, default=d.tool_use,
+                         help="probability to call a tool first when the prompt offers tools (default %(default)s)")
+    answers.add_argument("--malformed-rate", type=float, default=d.malformed_rate,
+                         help="probability that a tool call is broken JSON (default %(default)s)")
+    answers.add_argument("--seed", type=int, default=d.seed,
+                         help="seed of every turn's plan, with the routing key (default %(default)s)")
+    length = p.add_argument_group("response length (lognormal filler tokens before the answer: the long tail)")
+    length.add_argument("--length-mu", type=float, default=d.length_mu,
+                        help="mu of the lognormal: median exp(mu) tokens (3.5: about 33) (default %(default)s)")
+    length.add_argument("--length-sigma", type=float, default=d.length_sigma,
+                        help="sigma of the lognormal: larger = longer tail (default %(default)s)")
+    length.add_argument("--max-filler-tokens", type=int, default=d.max_filler_tokens,
+                        help="cap on the filler (default %(default)s)")
+    speed = p.add_argument_group("speed and capacity")
+    speed.add_argument("--token-latency-s", type=float, default=d.token_latency_s,
+                       help="mean seconds per output token (0: answer at once) (default %(default)s)")
+    speed.add_argument("--latency-sigma", type=float, default=d.latency_sigma,
+                       help="sigma of the lognormal per-token latency around --token-latency-s (default %(default)s)")
+    speed.add_argument("--slots", type=int, default=d.slots,
+                       help="generations running at once, the rest queue as in SGLang's scheduler; 0 = unlimited "
+                            "(default %(default)s)")
+    speed.add_argument("--context-length", type=int, default=d.context_length,
+                       help="context length in tokens (/server_info); longer requests get SGLang's 400 (default %(default)s)")
+    speed.add_argument("--startup-s", type=float, default=d.startup_s,
+                       help="answer /health with 503 (and refuse /generate) this long after start (default %(default)s)")
+    model = p.add_argument_group("model")
+    model.add_argument("--weight-version", default=d.weight_version,
+                       help="initial weight version label (POST /update_weight_version changes it) (default %(default)s)")
+    model.add_argument("--tokenizer", default="", help="tokenizer directory (default: the shared test tokenizer)")
     return p.parse_args(argv)
 
 

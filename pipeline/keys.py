@@ -1,4 +1,4 @@
-"""The Redis key layout of one pipeline (DESIGN.md), owned by this module alone.
+"""The Redis key layout of one pipeline (docs/architecture.md "Redis keys"), owned by this module alone.
 
 Every key shares the prefix `{ns}:` so several pipelines can share one Redis.
 arq's queue is `{ns}:queue`; arq's per-job keys (`arq:job:<id>`, `arq:in-progress:<id>`,

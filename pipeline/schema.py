@@ -5,9 +5,9 @@ with a typed decoder (never pickle). Per-token arrays travel as raw little-endia
 bytes (int32 tokens, float32 log-probs, uint8 loss mask): encoding an 8k-token
 sample is then a few memcpy's instead of 24k Python objects.
 
-Invariants (DESIGN.md) are checked when a group is built *and* when it is decoded
-(`SampleGroup.__post_init__` runs in both cases); errors name the group, the
-sample index and the field.
+Invariants (docs/architecture.md "Wire contracts") are checked when a group is built
+*and* when it is decoded (`SampleGroup.__post_init__` runs in both cases); errors name
+the group, the sample index and the field.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
-    """SGLang sampling params, restricted to the keys the router forwards (PROTOCOLS.md).
+    """SGLang sampling params, restricted to the keys the router forwards (the list:
+    docs/configuration.md `rollout.sampling`).
 
     Types are strict on purpose: SGLang answers 400 to a float where an int belongs; values
     are checked with SGLang's own rules (pipeline/sampling.py), so a bad one fails at load.

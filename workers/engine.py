@@ -1,10 +1,10 @@
 """SGLang client: native `POST /generate`, token ids in, token ids + log-probs out.
 
-Wire facts (PROTOCOLS.md): the body is `input_ids`, `sampling_params` (only the keys
-the router forwards: `SamplingParams.to_dict()`), `return_logprob`, `rid` and
-`routing_key`; the router also reads the `X-SMG-Routing-Key` header, which keeps
-every turn of one episode on one engine's prefix cache. Output ids and log-probs
-come from `meta_info.output_token_logprobs`; the text is for display only.
+Wire facts (SGLang 0.5.23's; docs/architecture.md "The engine"): the body is `input_ids`,
+`sampling_params` (only the keys the router forwards: `SamplingParams.to_dict()`),
+`return_logprob`, `rid` and `routing_key`; the router also reads the `X-SMG-Routing-Key`
+header, which keeps every turn of one episode on one engine's prefix cache. Output ids and
+log-probs come from `meta_info.output_token_logprobs`; the text is for display only.
 
 Failure policy:
 - connection errors, 5xx/429 and a 200 whose body is not a /generate answer (garbage

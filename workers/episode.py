@@ -1,4 +1,4 @@
-"""One episode, token in / token out (DESIGN.md "Episodes").
+"""One episode, token in / token out: the engine's output ids are kept verbatim, never re-tokenised.
 
     prompt ids (chat template, tools)  ->  per turn:
       /generate(full sequence)  ->  append output ids verbatim (mask 1, engine log-probs)

@@ -1,4 +1,4 @@
-"""`nemo_gym`: a NeMo Gym resources server over HTTP (PROTOCOLS.md "NeMo Gym").
+"""`nemo_gym`: a NeMo Gym resources server over HTTP (docs/environments.md, "nemo_gym").
 
 The task's metadata is the NeMo Gym data row (`responses_create_params` plus fields
 such as `question`, `expected_answer`). Per episode:

@@ -41,7 +41,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -378,11 +377,16 @@ def run_contender(kind: str, wl: Workload, workdir: Path, tasks: Path, prompts: 
                    "--workdir", str(sub), "--prompts", str(prompts), "--out", str(out),
                    "--workload", json.dumps(asdict(wl))]
             with open(sub / "child.log", "wb") as log:
-                proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+                proc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=900, check=False)
             if proc.returncode != 0 or not out.exists():
                 tail = (sub / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
                 return Result(kind, CONTENDERS[kind], reason=f"exit {proc.returncode}: {' | '.join(tail)}")
-            return Result(**json.loads(out.read_text()))
+            result = Result(**json.loads(out.read_text()))
+            retries = (sub / "child.log").read_text(errors="replace").count("retrying in")
+            if kind == "b":  # slime's abort: /abort_request, then /v1/loads until idle, else sleep 3 s
+                result.notes.append(f"abort waits: {retries} of {wl.steps} steps slept "
+                                    "server_control.ABORT_RETRY_INTERVAL_SECONDS (requests still draining)")
+            return result
     except Exception as exc:  # noqa: BLE001 - reported as "could not run", with the reason
         return Result(kind, CONTENDERS[kind], reason=f"{type(exc).__name__}: {exc}")
 
@@ -424,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--json", default="", help="write every figure (and the raw lags and lengths) here")
     p.add_argument("--contenders", default="a,b,c,d")
+    p.add_argument("--keep", default="", help="run in this folder and keep the logs (engine, child, workers)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--engine-url", default="", help=argparse.SUPPRESS)
     p.add_argument("--workdir", default="", help=argparse.SUPPRESS)
@@ -433,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
 
     if opts.child:  # one slime contender, in a process of its own
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # slime's logs -> child.log
         wl = Workload(**json.loads(opts.workload))
         result = run_slime_contender(opts.child, wl, opts.engine_url, Path(opts.prompts), Path(opts.workdir))
         Path(opts.out).write_text(json.dumps(asdict(result)))
@@ -446,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k.strip() for k in opts.contenders.split(",") if k.strip()]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(opts.keep or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
         plan = length_plan(wl, tasks)
         results = []

@@ -254,7 +254,7 @@ class RedisDataSource(_DataSourceBase):
                 await self._drain_wrong_sized(version, stats)
             if due_first:
                 await self._hold(accepted)
-                accepted = await self._choose_due_first(rid, want, started, stats)
+                accepted = await self._choose_due_first(rid, want, n, started, stats)
             block = not accepted
             if accepted:
                 await self._record(rid, accepted)
@@ -308,35 +308,64 @@ class RedisDataSource(_DataSourceBase):
         while len(self._trained) > TRAINED_MEMORY:
             del self._trained[next(iter(self._trained))]
 
-    async def _choose_due_first(self, rid: int, want: int, started: float, stats: BatchStats) -> list[Entry]:
-        """From the groups held: every due one (admitted at clock <= rid - eta), then, leaving a
-        place for each due group still generating, the oldest others. By the admission bound
-        at most B groups are due at a step, so none is ever left past eta (docs/architecture.md)."""
-        due = dict(await self._redis.zrangebyscore(self.keys.open, "-inf", due_clock(rid, self.settings.eta),
-                                                   withscores=True))
-        due = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in due.items()}
-        if trained := [gid for gid in due if gid in self._trained]:  # a record's ZREM that Redis lost
-            await self._redis.zrem(self.keys.open, *trained)
-            for gid in trained:
-                del due[gid]
+    async def _choose_due_first(self, rid: int, want: int, n: int, started: float, stats: BatchStats) -> list[Entry]:
+        """The oldest groups held (by admission clock, then arrival), as many as can be taken now
+        without leaving a group past its deadline: a group of clock t must be trained by step
+        t + eta, and the steps after this one take n each, so of the R(t) groups still open with
+        clock <= t at least R(t) - (t + eta - rid) * n must come from this step. Places for
+        those still generating are kept (the step waits for them). By the admission bound this
+        is always feasible, so no group is ever left past eta (docs/architecture.md)."""
+        clock_of = await self._open_clocks()
         by_group = {e.group.group_id: e for e in self._held.values()}
-        missing = [gid for gid in due if gid not in by_group]
-        if missing and time.monotonic() - started > self.settings.due_wait_s:
-            await self._give_up_waiting(rid, missing)
-            missing = []
-        stats.due = max(stats.due, len(due))
+        for gid, entry in by_group.items():  # groups pushed without admission (tests, benchmarks)
+            clock_of.setdefault(gid, entry.group.admission_version)
+        eta = self.settings.eta
+        stats.due = max(stats.due, sum(c <= due_clock(rid, eta) for c in clock_of.values()))
+        waited_out = time.monotonic() - started > self.settings.due_wait_s
+        if waited_out:
+            await self._give_up_waiting(rid, [g for g, c in clock_of.items()
+                                              if g not in by_group and c <= due_clock(rid, eta)])
+        reserve = 0 if waited_out else self._places_to_keep(clock_of, set(by_group), rid, n)
 
         def age(e: Entry) -> tuple[int, tuple[int, ...]]:
-            clock = due.get(e.group.group_id, e.group.admission_version)
-            return clock, tuple(int(x) for x in e.stream_id.split("-"))
+            return clock_of[e.group.group_id], tuple(int(x) for x in e.stream_id.split("-"))
 
-        ready_due = sorted((by_group[gid] for gid in due if gid in by_group), key=age)
-        others = sorted((e for e in self._held.values() if e.group.group_id not in due), key=age)
-        free = max(0, want - len(ready_due) - len(missing))
-        taken = (ready_due + others[:free])[:want]
+        taken = sorted(self._held.values(), key=age)[: max(0, want - reserve)]
         for entry in taken:
             del self._held[entry.stream_id]
-        return taken
+        return [e for e in taken if await self._still_fresh(e, rid, stats)]
+
+    def _places_to_keep(self, clock_of: dict[str, int], ready: set[str], rid: int, n: int) -> int:
+        """Places this step keeps for groups still generating: for each clock t, the groups of
+        clock <= t it must take minus those of them already here."""
+        by_clock: dict[int, tuple[int, int]] = {}
+        for gid, clock in clock_of.items():
+            total, here = by_clock.get(clock, (0, 0))
+            by_clock[clock] = (total + 1, here + (gid in ready))
+        reserve = total = here = 0
+        for clock in sorted(by_clock):
+            total += by_clock[clock][0]
+            here += by_clock[clock][1]
+            must = total - max(0, clock + self.settings.eta - rid) * n
+            reserve = max(reserve, must - here)
+        return reserve
+
+    async def _open_clocks(self) -> dict[str, int]:
+        """`{ns}:open` as group id -> admission clock, without groups this process trained (a
+        record whose ZREM Redis lost)."""
+        rows = await self._redis.zrange(self.keys.open, 0, -1, withscores=True)
+        clock_of = {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in rows}
+        if trained := [gid for gid in clock_of if gid in self._trained]:
+            await self._redis.zrem(self.keys.open, *trained)
+            for gid in trained:
+                del clock_of[gid]
+        return clock_of
+
+    async def _still_fresh(self, entry: Entry, rid: int, stats: BatchStats) -> bool:
+        """A group read at an earlier step is checked again at the step that takes it."""
+        if staleness(rid, self._oldest(entry.group)) <= self.settings.eta:
+            return True
+        return await self._admit(entry, rid, stats)  # the stale policy, as at read time
 
     async def _give_up_waiting(self, rid: int, missing: list[str]) -> None:
         """A due group still not here after `due_wait_s`: stop keeping a place for it (it is
@@ -468,10 +497,10 @@ class RedisDataSource(_DataSourceBase):
         labels = label_versions(rollout_id, **law, first_label=self.first_label)
         self._engine_version = engine_policy_version(rollout_id, **law)
         self._publish_settings()
-        self._published = dict(
-            run=self.run_id, start=self.first_rollout_id, engine_version=self._engine_version,
-            rollout_id=rollout_id, labels=dict(list(labels.items())[-2:]),  # the current and the next push
-        )
+        self._published = {
+            "run": self.run_id, "start": self.first_rollout_id, "engine_version": self._engine_version,
+            "rollout_id": rollout_id, "labels": dict(list(labels.items())[-2:]),  # the current and the next push
+        }
         self._run(self.state.publish_policy(**self._published))
 
     async def _republish_if_lost(self) -> None:

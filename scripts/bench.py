@@ -26,6 +26,8 @@ from pipeline.local_redis import LocalRedis
 from scripts.report import Figure
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
+# asked for by name only (minutes each): slime's own rollout functions next to this pipeline
+OPT_IN_SECTIONS = ("peer",)
 
 
 def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list[Figure]]:
@@ -46,7 +48,20 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
     if name == "async":
         from scripts.bench_async import bench_async
         return lambda: bench_async(redis_url, quick=quick)
-    raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS)})")
+    if name == "peer":
+        return lambda: _peer_section(quick)
+    raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
+
+
+def _peer_section(quick: bool) -> list[Figure]:
+    """slime's sync, partial and fully-async rollouts next to this pipeline (scripts/bench_peer.py
+    prints its own table; it needs the slime snapshot, see tests/conformance_support.py)."""
+    from scripts.bench_peer import main as bench_peer
+
+    rc = bench_peer(["--quick"] if quick else [])
+    if rc:
+        print(f"[peer] scripts.bench_peer exited with {rc}")
+    return []
 
 
 # The engine answers after a per-token latency (mean 10 ms, ~0.5 s a turn), so the episodes are
@@ -99,7 +114,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="rollout bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller runs: a few minutes on 2 cores")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {SECTIONS}, or the opt-in {OPT_IN_SECTIONS}")
     parser.add_argument("--json", default="bench-results.json", help="where to write all figures")
     return parser.parse_args(argv)
 
@@ -111,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         return plan_main(argv[1:])
     args = _parse(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = sorted(set(sections) - set(SECTIONS))
+    unknown = sorted(set(sections) - set(SECTIONS) - set(OPT_IN_SECTIONS))
     if unknown:
-        print(f"rollout bench: unknown sections {unknown} (known: {', '.join(SECTIONS)})", file=sys.stderr)
+        print(f"rollout bench: unknown sections {unknown} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})", file=sys.stderr)
         return 2
     started = time.monotonic()
     figures = run(sections, quick=args.quick)

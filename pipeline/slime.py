@@ -141,6 +141,7 @@ class RedisDataSource(_DataSourceBase):
         # group ids this process handed to a step (the newest TRAINED_MEMORY): a Redis that lost
         # its last second of writes (AOF everysec, machine crash) delivers acked entries again
         self._trained: dict[str, int] = {}
+        self._kept_stale: set[str] = set()  # stream ids kept though stale (StalePolicy.KEEP), counted once
         self._engine_version: int | None = None  # last published
         self._published: dict[str, Any] = {}  # the last publish_policy arguments
         self.ledger = _open_ledger(self.settings.ledger_dir)  # None unless pipeline_ledger_dir is set
@@ -173,7 +174,9 @@ class RedisDataSource(_DataSourceBase):
     def add_samples(self, samples: list[list[Any]]) -> None:
         for group in samples:
             if group:
-                self._run(self.buffer.requeue(from_trainer_group(group)))
+                wire = from_trainer_group(group)
+                self._trained.pop(wire.group_id, None)  # handed back to be trained later: not a duplicate then
+                self._run(self.buffer.requeue(wire))
 
     def save(self, rollout_id: int) -> None:
         """Checkpoint: acknowledge every recorded step <= `rollout_id` (each written to the
@@ -333,7 +336,9 @@ class RedisDataSource(_DataSourceBase):
         taken = sorted(self._held.values(), key=age)[: max(0, want - reserve)]
         for entry in taken:
             del self._held[entry.stream_id]
-        return [e for e in taken if await self._still_fresh(e, rid, stats)]
+        fresh = [e for e in taken if await self._still_fresh(e, rid, stats)]
+        self._kept_stale.difference_update(e.stream_id for e in taken)
+        return fresh
 
     def _places_to_keep(self, clock_of: dict[str, int], ready: set[str], rid: int, n: int) -> int:
         """Places this step keeps for groups still generating: for each clock t, the groups of
@@ -438,6 +443,9 @@ class RedisDataSource(_DataSourceBase):
             stats.stale += 1
             policy = self.settings.stale_policy
             if policy is StalePolicy.KEEP:
+                if entry.stream_id in self._kept_stale:  # counted when it was read
+                    return True
+                self._kept_stale.add(entry.stream_id)
                 stats.kept_stale += 1
                 await self.state.incr(**{Counter.STALE: 1})
                 return True

@@ -350,6 +350,7 @@ async def _flaky_run_group(ctx, payload: bytes) -> None:
         pipe.hincrby(keys.counters, Counter.FAILED, 1)
         pipe.hincrby(keys.counters, Counter.DISCARDED, 1)
         pipe.rpush(keys.requeue, handed_back(job.task, job.epoch, job.attempt, RequeueReason.FAILED))
+        pipe.zrem(keys.open, job.job_id)  # it left without training (workers.jobs._dead_letter does the same)
         await pipe.execute()
         return
     group = make_group(job.job_id, n=job.n_samples, prompt_len=4, response_len=4,

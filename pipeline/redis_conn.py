@@ -151,6 +151,10 @@ class OutageRetry(Retry):
             except (RedisUnavailable, AuthenticationError):
                 raise  # out of budget already, or a wrong password: waiting out an outage fixes neither
             except self._supported_errors as error:
+                if _cancelling():
+                    # a cancel that a timeout turned into TimeoutError (asyncio.timeout does when both
+                    # fire, Python 3.11): retrying would swallow it, and whoever cancelled waits forever
+                    raise asyncio.CancelledError() from error
                 failures += 1
                 await fail(error)  # may raise (WatchError while watching: the caller decides)
                 self.check(error)
@@ -163,6 +167,13 @@ class OutageRetry(Retry):
                 return result
             finally:
                 _RETRY_DEPTH.reset(token)
+
+
+def _cancelling() -> bool:
+    """Whether the running task has a cancellation pending (Task.cancelling, Python >= 3.11)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 def connect(

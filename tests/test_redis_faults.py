@@ -216,3 +216,30 @@ def test_producer_and_worker_exit_with_one_line_when_redis_stays_away(tmp_path):
         assert "Traceback" not in done.stderr, done.stderr[-2000:]
         assert "unreachable" in done.stderr, done.stderr[-2000:]
         assert time.monotonic() - started < 40
+
+
+async def test_a_cancel_turned_into_a_timeout_is_not_retried():
+    """asyncio.timeout (redis-py's socket timeout) raises TimeoutError when it fires together with
+    a cancel of the task (Python 3.11): the retry must hand the cancel on, not swallow it (a
+    worker told to stop kept polling, and whoever awaited it hung)."""
+    import asyncio
+
+    from pipeline.redis_conn import OutageRetry
+
+    calls = []
+
+    async def do():
+        calls.append(1)
+        asyncio.current_task().cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            raise TimeoutError("socket timeout") from None
+
+    async def fail(_error):
+        return None
+
+    task = asyncio.ensure_future(OutageRetry(30.0, "test").call_with_retry(do, fail))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert calls == [1]

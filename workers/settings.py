@@ -239,9 +239,17 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-async def stop_worker(worker: Worker, task: "asyncio.Task[None]") -> None:
-    """Stop an in-process worker started with `asyncio.create_task(worker.async_run())`."""
-    task.cancel()
+async def stop_worker(worker: Worker, task: "asyncio.Task[None]", *, timeout_s: float = 30.0) -> None:
+    """Stop an in-process worker started with `asyncio.create_task(worker.async_run())`.
+
+    The cancel is repeated until the task ends (bounded): code below arq may absorb one (a
+    timeout firing together with it), and an `await task` after a lost cancel waits forever."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"the worker task did not stop within {timeout_s:.0f}s of cancelling it")
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await worker.close()

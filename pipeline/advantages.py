@@ -17,8 +17,9 @@ samples without one fall back to consecutive runs of `n_samples_per_prompt`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import groupby
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -23,8 +23,9 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -147,7 +148,7 @@ class GroupBuffer:
                 else:
                     item.future.set_result(result)
 
-    async def _store(self, batch: list["_Push"]) -> list[str | None]:
+    async def _store(self, batch: list[_Push]) -> list[str | None]:
         """WATCH the dedup markers, then MULTI{SET marker, XADD, counters}EXEC for the
         absent ones. A concurrent push of the same group elsewhere changes a watched
         marker, aborts the EXEC, and the retry sees the marker: stored exactly once.
@@ -187,7 +188,7 @@ class GroupBuffer:
                     continue
 
     @staticmethod
-    def _recovered(batch: list["_Push"], present: list[bytes | None], mine: bytes) -> list[str | None]:
+    def _recovered(batch: list[_Push], present: list[bytes | None], mine: bytes) -> list[str | None]:
         seen: set[str] = set()
         out: list[str | None] = []
         for item, value in zip(batch, present):
@@ -196,7 +197,7 @@ class GroupBuffer:
         log.info("push: a lost reply; %d of %d group(s) were stored by it", sum(o is not None for o in out), len(out))
         return out
 
-    def _queue_totals(self, pipe: Any, stored: list["_Push"], *, duplicates: int) -> None:
+    def _queue_totals(self, pipe: Any, stored: list[_Push], *, duplicates: int) -> None:
         """Counters and monitor summaries of a whole batch in a few commands, not a few per
         group: per-command client cost is what a push batch spends most of its time on."""
         totals: dict[str, int] = {Counter.BUFFERED: len(stored), Counter.DUPLICATES: duplicates}

@@ -57,7 +57,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 def version() -> str:
     try:
-        from importlib.metadata import PackageNotFoundError, version as dist_version
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
 
         return dist_version(DIST_NAME)
     except PackageNotFoundError:  # run from a checkout that was never installed
@@ -98,7 +99,8 @@ def _is_usage_error(exc: BaseException) -> bool:
 
 def _is_connection_error(exc: BaseException) -> bool:
     try:
-        from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
+        from redis.exceptions import AuthenticationError
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.exceptions import TimeoutError as RedisTimeoutError
 
         if isinstance(exc, (RedisConnectionError, RedisTimeoutError, AuthenticationError)):

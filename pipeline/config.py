@@ -8,8 +8,9 @@ key is an error that names the key and its path, not a silently ignored setting.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping, Union
+from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
 
 import msgspec
@@ -19,7 +20,6 @@ from pipeline.keys import DEFAULT_NAMESPACE
 from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, redact
 from pipeline.schema import SamplingParams
 from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
-
 
 ENV_NAMESPACE = "ROLLOUT_NAMESPACE"
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -306,7 +306,7 @@ class TrainerSettings(_Section):
     eval_timeout_s: PosFloat = 3600.0
 
     @classmethod
-    def from_args(cls, args: Any) -> "TrainerSettings":
+    def from_args(cls, args: Any) -> TrainerSettings:
         values: dict[str, Any] = {}
         for name, (attr, env) in _TRAINER_SOURCES.items():
             value = getattr(args, attr, None)

@@ -96,15 +96,16 @@ def load_eval_datasets(path: str | Path) -> list[tuple[EvalDataset, list[Task]]]
             raise ConfigError(f"{where}: the name is used twice (set `name`)")
         tasks_path = path.parent / ds.tasks
         tasks: list[Task] = []
+        n = 0
         try:
             with open(tasks_path, "rb") as fh:
-                for n, line in enumerate(fh, 1):
+                for n, line in enumerate(fh, 1):  # noqa: B007  (n names the line in the error below)
                     if line.strip() and (task := decode_task_json(line)).env == ds.env:
                         tasks.append(task)
                         if ds.max_tasks is not None and len(tasks) >= ds.max_tasks:
                             break
         except (OSError, SchemaError) as exc:
-            raise ConfigError(f"{where}: {tasks_path}: {exc}") from exc
+            raise ConfigError(f"{where}: {tasks_path}:{n}: {exc}") from exc
         if not tasks:
             raise ConfigError(f"{where}: {tasks_path} has no task of env {ds.env!r}")
         out.append((ds, tasks))

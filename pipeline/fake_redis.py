@@ -60,7 +60,7 @@ class FakeRedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "FakeRedisServer":
+    def start(self) -> FakeRedisServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.fake_redis", str(self.port)],
             stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=self.detached,
@@ -78,7 +78,7 @@ class FakeRedisServer:
             self.proc = None
         self._log.close()
 
-    def __enter__(self) -> "FakeRedisServer":
+    def __enter__(self) -> FakeRedisServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -64,8 +64,9 @@ import os
 import sys
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import msgspec
 import yaml
@@ -218,7 +219,7 @@ def slime_aborted() -> bool:
     return bool(getattr(state, "aborted", False))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _slime_engine_class(base: type) -> type:
     class SlimeEngineClient(base):  # type: ignore[misc, valid-type]
         """The engine client, except that once slime has aborted its rollout no further turn is
@@ -241,7 +242,7 @@ _CHATS: dict[str, Any] = {}
 _CONFIGS: dict[str, PipelineConfig] = {}
 # per event loop (the engine's HTTP session and environments' pools belong to one), then per
 # (config, router, tokenizer)
-_STATES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str, str], InProcess]]" = (
+_STATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str, str], InProcess]] = (
     weakref.WeakKeyDictionary()
 )
 

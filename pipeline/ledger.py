@@ -25,9 +25,10 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import msgspec
 import numpy as np

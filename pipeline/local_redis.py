@@ -10,8 +10,8 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def free_port() -> int:
@@ -82,7 +82,7 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "LocalRedis":
+    def start(self) -> LocalRedis:
         args = [
             self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
             "--save", "", "--appendonly", "yes" if self.appendonly else "no",
@@ -113,7 +113,7 @@ class LocalRedis:
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

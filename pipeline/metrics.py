@@ -12,10 +12,10 @@ import os
 import re
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 GAUGE_COUNTERS = {Counter.RUNNING}  # counters hash fields that go up and down
 
 
-def figures(snap: "MonitorSnapshot") -> dict[str, float]:
+def figures(snap: MonitorSnapshot) -> dict[str, float]:
     """Every figure of a snapshot under a flat, stable name (wandb keys, --once table)."""
     f: dict[str, float] = {
         "queue/ready": snap.queue.ready,
@@ -96,7 +96,7 @@ class _Families:
         self.out.append(family)
 
 
-def prometheus_families(snap: "MonitorSnapshot") -> list[Metric]:
+def prometheus_families(snap: MonitorSnapshot) -> list[Metric]:
     m = _Families(snap.namespace)
     m.gauge("up", "1 when the monitor could read the pipeline's Redis", 1)
     m.labelled("queue_jobs", "arq jobs by state", "state", msgspec.structs.asdict(snap.queue))
@@ -137,7 +137,7 @@ def prometheus_families(snap: "MonitorSnapshot") -> list[Metric]:
 class PipelineCollector(Collector):
     """Takes a snapshot at every scrape (on a private event loop thread)."""
 
-    def __init__(self, target: "Target", timeout_s: float = 10.0):
+    def __init__(self, target: Target, timeout_s: float = 10.0):
         self.target = target
         self.timeout_s = timeout_s
         self._loop = LoopThread("rollout-monitor-prometheus")
@@ -163,7 +163,7 @@ class PipelineCollector(Collector):
             self._loop.close()
 
 
-def start_prometheus(target: "Target", host: str, port: int) -> tuple[Any, PipelineCollector]:
+def start_prometheus(target: Target, host: str, port: int) -> tuple[Any, PipelineCollector]:
     """Serve `/metrics` on host:port in a background thread. Returns (server, collector)."""
     from prometheus_client import start_http_server
 
@@ -174,7 +174,7 @@ def start_prometheus(target: "Target", host: str, port: int) -> tuple[Any, Pipel
     return server, collector
 
 
-def serve_prometheus(target: "Target", host: str, port: int) -> int:
+def serve_prometheus(target: Target, host: str, port: int) -> int:
     server, collector = start_prometheus(target, host, port)
     print(f"rollout monitor: Prometheus metrics of ns={target.keys.ns} on {redact(target.redis_url)} "
           f"at http://{host}:{port}/metrics (Ctrl-C stops)", flush=True)
@@ -208,7 +208,7 @@ class WandbLogger:
             config={"namespace": namespace}, reinit=True,
         )
 
-    def log(self, snap: "MonitorSnapshot") -> None:
+    def log(self, snap: MonitorSnapshot) -> None:
         self.run.log(figures(snap))
 
     def close(self) -> None:

@@ -29,8 +29,9 @@ import asyncio
 import sys
 import time
 from collections import Counter as Tally
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Union
 
 import msgspec
 import redis.asyncio as aioredis

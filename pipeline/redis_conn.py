@@ -26,17 +26,17 @@ import os
 import re
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Iterable, TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import EqualJitterBackoff
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.exceptions import WatchError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ENV_REDIS_URL = "ROLLOUT_REDIS_URL"
@@ -97,7 +97,7 @@ class _Outage:
     def __init__(self) -> None:
         self.since: float | None = None
 
-    def __deepcopy__(self, memo: dict) -> "_Outage":
+    def __deepcopy__(self, memo: dict) -> _Outage:
         return self
 
 
@@ -118,7 +118,7 @@ class OutageRetry(Retry):
         self.where = where
         self._outage = _Outage()
 
-    def __deepcopy__(self, memo: dict) -> "OutageRetry":
+    def __deepcopy__(self, memo: dict) -> OutageRetry:
         clone = OutageRetry.__new__(OutageRetry)
         clone._backoff, clone._retries, clone._supported_errors = self._backoff, self._retries, self._supported_errors
         clone.budget_s, clone.where, clone._outage = self.budget_s, self.where, self._outage

@@ -16,7 +16,8 @@ its own request (`n_samples_per_prompt`), so a multi-turn episode never forks.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MAX_STOP_COUNT = 32  # sampling_params.MAX_STOP_COUNT
 _EPS = 1e-6  # sampling_params._SAMPLING_EPS: a temperature below it means greedy

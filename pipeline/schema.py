@@ -13,7 +13,8 @@ the group, the sample index and the field.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -176,7 +177,7 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False)
         reward: float,
         status: Status | str,
         **fields: Any,
-    ) -> "Sample":
+    ) -> Sample:
         return cls(
             tokens=memoryview(np.asarray(tokens, dtype=TOKEN_DTYPE).tobytes()),
             response_length=int(response_length),

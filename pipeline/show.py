@@ -130,7 +130,7 @@ def conversation(messages: list[dict[str, Any]], turn_log: list[dict[str, Any]])
     turns (trained) and observations (not trained)."""
     first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
     out: list[RenderableType] = []
-    for i, m in enumerate(messages[:first]):
+    for m in messages[:first]:
         role = str(m.get("role", "?"))
         out.append(Panel(Text(_content(m)), title=f"{role} · prompt · not trained", title_align="left",
                          border_style=ROLE_STYLE.get(role, PROMPT)))
@@ -342,9 +342,10 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
 
 
 def _dead(args: argparse.Namespace, tokenizer: Any) -> RenderableType:
+    from redis.exceptions import RedisError
+
     from pipeline.keys import Keys
     from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, connect, redact
-    from redis.exceptions import RedisError
 
     url = args.redis_url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
     keys = Keys(args.namespace)

@@ -591,4 +591,4 @@ def _slime_eval(args: Any, rollout_id: int) -> Any:
 
 # slime in-process mode (pipeline/inprocess.py): --custom-generate-function-path pipeline.slime.generate,
 # --custom-rm-path pipeline.slime.reward
-from pipeline.inprocess import generate, reward  # noqa: F401
+from pipeline.inprocess import generate, reward  # noqa: E402, F401  (after the data source: inprocess imports it)

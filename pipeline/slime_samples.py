@@ -11,9 +11,10 @@ from __future__ import annotations
 import enum
 import gc
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 import redis.asyncio as aioredis
@@ -78,7 +79,7 @@ class PipelineState:
         return msgspec.convert(values, TrainerInfo)
 
     # policy clock (pipeline/staleness.py "policy versions") ---------------------
-    async def get_policy(self) -> "PolicyStamp | None":
+    async def get_policy(self) -> PolicyStamp | None:
         raw = await self.redis.hmget(self.keys.policy, "run", "version", "labels")
         if raw[0] is None or raw[1] is None:
             return None
@@ -120,7 +121,7 @@ class PolicyStamp(msgspec.Struct, frozen=True):
     version: int
     labels: dict[str, int] = {}
 
-    def version_of(self, engine_labels: "tuple[str, ...] | list[str]") -> int:
+    def version_of(self, engine_labels: tuple[str, ...] | list[str]) -> int:
         """The oldest version behind an answer's labels: the published version, raised only for
         the label slime's law gives the next push (a push the trainer has not published yet).
         A label is never read downwards: within a run the engines are never behind the

@@ -40,9 +40,10 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,8 +56,8 @@ from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
-from pipeline.state import PipelineState
 from pipeline.staleness import admission_headroom
+from pipeline.state import PipelineState
 from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
 from workers.validate import check_environments, check_tasks
@@ -214,13 +215,13 @@ class Producer:
         raw = await self.redis.hget(self.keys.cursor, self._cursor_field(self.epoch))
         return int(raw) if raw is not None else 0
 
-    def _order_from_cursor(self, position: int) -> "_EpochStream":
+    def _order_from_cursor(self, position: int) -> _EpochStream:
         order = self.index.epoch_order(self.epoch, self.options.seed, self.weights)
         for _ in range(position):  # deterministic order: skipping replays it exactly
             next(order)
         return _EpochStream(order, position)
 
-    async def _admit_batch(self, stream: "_EpochStream") -> str:
+    async def _admit_batch(self, stream: _EpochStream) -> str:
         batch = stream.peek(self.options.batch)
         if not batch:
             return "epoch-done"
@@ -364,7 +365,7 @@ class _EpochStream:
         del self._ahead[:n]
         self.position += n
 
-    def rewind(self, other: "_EpochStream") -> None:
+    def rewind(self, other: _EpochStream) -> None:
         """Continue from `other`'s (earlier) position."""
         self._order, self._ahead, self.position = other._order, other._ahead, other.position
 

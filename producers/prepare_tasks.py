@@ -17,9 +17,10 @@ import os
 import sys
 import tempfile
 from collections import Counter as Tally
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator
+from typing import IO, Any
 
 if __package__ in (None, ""):  # `python producers/prepare_tasks.py`: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,8 +33,19 @@ from rich.table import Table
 from pipeline.config import ConfigError, EnvConfig, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Task, encode_task_json
 from producers.sources import (
-    NEMO_GYM_FIELDS, NEMO_SKILLS_FIELDS, DatasetOptions, FieldMap, Row, RowError, check_nemo_skills_row,
-    dataset_options, nemo_gym_prompt, openreward_target, read_files, read_openreward, resolve_files,
+    NEMO_GYM_FIELDS,
+    NEMO_SKILLS_FIELDS,
+    DatasetOptions,
+    FieldMap,
+    Row,
+    RowError,
+    check_nemo_skills_row,
+    dataset_options,
+    nemo_gym_prompt,
+    openreward_target,
+    read_files,
+    read_openreward,
+    resolve_files,
 )
 from workers.validate import check_environments, task_problem
 

@@ -31,9 +31,10 @@ import asyncio
 import glob
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 

@@ -16,9 +16,9 @@ Order of epoch `e` (the same on every run, which is what makes resume exact):
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class TaskIndex:
     digest: str  # blake2b of the file's bytes
 
     @classmethod
-    def build(cls, path: str | Path, configured: Mapping[str, float]) -> "TaskIndex":
+    def build(cls, path: str | Path, configured: Mapping[str, float]) -> TaskIndex:
         """Scan and validate every line (`configured`: env name -> weight)."""
         path = Path(path)
         per_env: dict[str, list[int]] = {}

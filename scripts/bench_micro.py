@@ -13,8 +13,9 @@ import resource
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.buffer import GroupBuffer
 from pipeline.keys import TRAINER_GROUP, Keys

@@ -12,8 +12,9 @@ import asyncio
 import importlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from arq import create_pool
 from arq.connections import RedisSettings

@@ -38,7 +38,7 @@ class LengthProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return float(self.draw(np.random.default_rng(12345), 200_000).mean())
 
     @classmethod
-    def load(cls, path: str | Path) -> "LengthProfile":
+    def load(cls, path: str | Path) -> LengthProfile:
         """A JSON file: a list of lengths, {"lengths": [...]}, or {"median": .., "sigma": .., "max_tokens": ..}."""
         try:
             data = json.loads(Path(path).read_text())

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def best_per_call(fn: Callable[[], Any], *, calls: int, repeats: int = 5) -> float:

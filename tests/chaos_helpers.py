@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from pipeline.keys import Keys
 from pipeline.slime import RedisDataSource, generate_rollout
@@ -28,7 +29,7 @@ class Trainer(threading.Thread):
         n: int,
         eta: int,
         max_steps: int,
-        done: Callable[["Trainer"], bool],
+        done: Callable[[Trainer], bool],
         after_step: Optional[Callable[[int], None]] = None,
         wait_timeout_s: float = 90.0,
     ):
@@ -145,7 +146,7 @@ class LossyProxy:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> "LossyProxy":
+    def start(self) -> LossyProxy:
         self._thread = threading.Thread(target=self._run, daemon=True, name="lossy-proxy")
         self._thread.start()
         assert self._ready.wait(10), "proxy did not start"
@@ -230,7 +231,7 @@ class LossyProxy:
         assert self._thread is not None
         self._thread.join(10)
 
-    def __enter__(self) -> "LossyProxy":
+    def __enter__(self) -> LossyProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

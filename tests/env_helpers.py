@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import json
 import secrets
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any
 
 from aiohttp import web
 

@@ -39,10 +39,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -261,7 +261,7 @@ class FaultProxy:
     forwarded: dict
 
     @classmethod
-    def to(cls, target: str, faults: dict | None = None) -> "FaultProxy":
+    def to(cls, target: str, faults: dict | None = None) -> FaultProxy:
         return cls(target=target.rstrip("/"), faults=dict(faults or {}), seen={}, forwarded={})
 
     async def handle(self, request):  # aiohttp handler

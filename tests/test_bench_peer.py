@@ -23,7 +23,13 @@ STEPS = 2
 
 def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path):
     require_slime("slime.rollout.sglang_rollout", "slime.rollout.fully_async_rollout")
-    from scripts.bench_peer import Workload, finish, run_contender, run_slime_contender, write_inputs
+    from scripts.bench_peer import (
+        Workload,
+        finish,
+        run_contender,
+        run_slime_contender,
+        write_inputs,
+    )
     from workers.sim.processes import SimEngineProcess
 
     wl = Workload(steps=STEPS, train_step_s=0.1, token_latency_s=0.001)

@@ -34,7 +34,6 @@ from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
-
 from tests.chaos_helpers import Trainer, wait_workers
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]

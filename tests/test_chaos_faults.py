@@ -31,8 +31,9 @@ import time
 import urllib.request
 from collections import Counter as Tally
 from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -43,7 +44,6 @@ from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.local_redis import free_port
 from pipeline.schema import decode_group
-
 from tests.chaos_helpers import Trainer, trained_key, wait_workers
 from tests.env_helpers import COOKIE, EVALUATE_TOOL, GymServer
 

@@ -22,7 +22,6 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
-
 from tests.chaos_helpers import Trainer, live_workers, wait_workers
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]

@@ -26,7 +26,6 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
-
 from tests.chaos_helpers import LossyProxy, Trainer, wait_workers
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]

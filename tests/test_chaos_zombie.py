@@ -18,7 +18,6 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter
-
 from tests.chaos_helpers import Trainer, live_workers, wait_workers
 from tests.test_chaos_aof import _write_tasks
 

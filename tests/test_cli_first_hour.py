@@ -127,7 +127,8 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_classify_exit_codes():
-    from redis.exceptions import AuthenticationError, ConnectionError as RedisConnectionError
+    from redis.exceptions import AuthenticationError
+    from redis.exceptions import ConnectionError as RedisConnectionError
 
     from pipeline.cli import classify
     from pipeline.config import ConfigError

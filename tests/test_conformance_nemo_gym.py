@@ -15,12 +15,11 @@ import pytest
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
+from tests.env_helpers import run_episodes
+from tests.nemo_gym_support import FaultProxy, nemo_gym, serve_proxy  # noqa: F401 - `nemo_gym` is a fixture
 from workers.envs.base import EnvError, EpisodeRecord, ToolCall
 from workers.envs.nemo_gym import MAX_COMPONENT_CHARS, NemoGymEnvironment
 from workers.sim.engine import SimConfig
-
-from tests.env_helpers import run_episodes
-from tests.nemo_gym_support import FaultProxy, nemo_gym, serve_proxy  # noqa: F401 - `nemo_gym` is a fixture
 
 pytestmark = [pytest.mark.conformance, pytest.mark.timeout(900)]
 

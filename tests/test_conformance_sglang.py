@@ -35,7 +35,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-
 from conformance_support import require_sglang
 
 pytestmark = pytest.mark.conformance

@@ -23,10 +23,8 @@ import sys
 from argparse import Namespace
 from types import SimpleNamespace
 
-import msgspec
 import numpy as np
 import pytest
-
 from conformance_support import require_slime
 
 pytestmark = pytest.mark.conformance

@@ -19,11 +19,11 @@ from pipeline.config import ConfigError, parse_config
 from pipeline.keys import Counter
 from pipeline.schema import Requeue, RequeueReason, Task, decode_job, encode, encode_task_json
 from pipeline.slime import RedisDataSource, generate_rollout
-from pipeline.state import PipelineState, TrainerInfo
 from pipeline.staleness import admission_headroom
+from pipeline.state import PipelineState, TrainerInfo
 from pipeline.synthetic import make_group
 from producers.admission import Admission, Limits
-from producers.enqueue import Producer, ProducerOptions, main, run_producer
+from producers.enqueue import ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
 from workers.queue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
 

@@ -14,12 +14,11 @@ from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
 from pipeline.keys import Counter
 from pipeline.schema import PromptJob, SamplingParams, Status, decode_group, encode
+from tests.env_helpers import GymServer, chat_tokens, gym_task, serve_gym
 from workers.engine import EngineClient
 from workers.jobs import CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
 from workers.sim.engine import SimConfig, serve_sim_engine
-
-from tests.env_helpers import GymServer, chat_tokens, gym_task, serve_gym
 
 FAST = {"timeout_s": 0.5, "retries": 1, "backoff_s": 0.01}
 
@@ -91,9 +90,9 @@ async def test_faults_become_counted_failed_episodes_and_the_pipeline_goes_on(re
 
 @pytest.mark.parametrize("fault", ["500", "hang", "drop"])
 async def test_each_fault_exhausts_its_budget_as_env_error(fault):
+    from pipeline.config import EnvConfig
     from workers.envs.base import EnvError
     from workers.envs.nemo_gym import NemoGymEnvironment
-    from pipeline.config import EnvConfig
 
     server = GymServer(faults={"/seed_session": [fault] * 10})
     async with serve_gym(server) as url:

@@ -7,10 +7,9 @@ import pytest
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status
+from tests.env_helpers import GymServer, gym_task, run_episodes, serve_gym
 from workers.envs.base import EnvError, EpisodeRecord, ToolCall
 from workers.envs.nemo_gym import NemoGymEnvironment
-
-from tests.env_helpers import GymServer, gym_task, run_episodes, serve_gym
 
 
 def _env(url: str, **config) -> NemoGymEnvironment:
@@ -99,10 +98,9 @@ from aiohttp import web  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.schema import decode_task_json  # noqa: E402
 from producers.prepare_tasks import PrepareError, prepare_tasks  # noqa: E402
+from tests.env_helpers import EVALUATE_TOOL, chat_tokens  # noqa: E402
 from workers.envs.convert import input_problems, prompt_messages, responses_output, split_reasoning  # noqa: E402
 from workers.envs.nemo_gym import MAX_COMPONENT_CHARS, verify_components  # noqa: E402
-
-from tests.env_helpers import EVALUATE_TOOL, chat_tokens  # noqa: E402
 
 
 @pytest.mark.parametrize(

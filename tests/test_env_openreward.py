@@ -15,10 +15,9 @@ from pydantic import BaseModel
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.local_redis import free_port
 from pipeline.schema import Status, Task
+from tests.env_helpers import run_episodes, serve_openreward
 from workers.envs.base import EnvError, EpisodeRecord, ToolCall
 from workers.envs.openreward_env import OpenRewardEnvironment
-
-from tests.env_helpers import run_episodes, serve_openreward
 
 SECRET_VAR = "ROLLOUT_TEST_OR_SECRET"
 SEEN_SECRETS: list[str] = []

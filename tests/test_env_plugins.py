@@ -11,12 +11,11 @@ import pytest
 
 from pipeline.config import ConfigError, EnvConfig, load_config
 from pipeline.schema import Status, Task
+from tests.env_helpers import run_episodes
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, StepResult, ToolCall, Verification
 from workers.envs.local import initial_messages
 from workers.envs.plugins import NemoRLEnvironment, SlimeRMEnvironment, unwrap_ray
 from workers.envs.registry import KINDS, UnknownEnvironmentKind, build_environment, resolve_kind
-
-from tests.env_helpers import run_episodes
 
 TASK = Task(id="p1", env="plugin", prompt="What is 6 * 7?", label="42", metadata={"source": "unit"})
 EXAMPLE_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "example_config.yaml"

@@ -24,11 +24,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from conformance_support import require_slime
 
 from pipeline.config import ConfigError
 from pipeline.schema import SamplingParams
-
-from conformance_support import require_slime
 
 N = 4
 QUESTIONS = [("What is 12 * 7?", "84"), ("What is 345 + 678?", "1023"), ("What is 81 / 9?", "9")]
@@ -211,6 +210,7 @@ async def test_what_generate_sends_is_what_sglang_admits(slime, tmp_path):
     classes and contract gate admit (tests/test_conformance_sglang.py `admit`)."""
     from conformance_support import require_sglang
     from test_conformance_sglang import admit
+
     from workers.sim.engine import SimConfig, serve_sim_engine
 
     sgl = require_sglang()

@@ -56,7 +56,7 @@ def _varied_group(gid, seed, *, env="synthetic", failed=()):
     rng = np.random.default_rng(seed)
     base = make_group(gid, n=4, seed=seed, env=env, admission_version=seed % 3)
     samples = []
-    for j, s in enumerate(base.samples):
+    for j, _sample in enumerate(base.samples):
         rl = int(rng.integers(5, 40))
         pl = int(rng.integers(3, 20))
         mask = np.ones(rl, dtype=np.uint8)

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
 import redis.asyncio as aioredis
 
 from pipeline.keys import Keys
 from pipeline.slime import RedisDataSource, generate_rollout
-
 from tests.test_chaos_trainer import B, N, _fingerprint, _push
 
 

@@ -185,7 +185,7 @@ def test_duplicate_ids_across_environments_are_caught(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", [{"id": "same", "prompt": "a"}])
     write_jsonl(tmp_path / "b.jsonl", [{"id": "same", "prompt": "b"}])
     config = config_for(a={"source": "jsonl", "files": ["a.jsonl"]}, b={"source": "jsonl", "files": ["b.jsonl"]})
-    with pytest.raises(PrepareError, match=rf"b.jsonl:1: duplicate task id 'same' \(first at .*a.jsonl:1\)"):
+    with pytest.raises(PrepareError, match=r"b.jsonl:1: duplicate task id 'same' \(first at .*a.jsonl:1\)"):
         prepare_tasks(config, tmp_path / "t.jsonl", base_dir=tmp_path)
 
 

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.buffer import ID_UNKNOWN, GroupBuffer
-from pipeline.keys import Counter, Keys
+from pipeline.keys import Counter
 from pipeline.redis_conn import RedisUnavailable, connect
-from pipeline.schema import PromptJob, Task, encode
+from pipeline.schema import PromptJob, Task
 from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.state import PipelineState
 from pipeline.synthetic import make_group

@@ -3,8 +3,17 @@ import numpy as np
 import pytest
 
 from pipeline.schema import (
-    PromptJob, Sample, SampleGroup, SamplingParams, SchemaError, Status, Task,
-    decode_group, decode_job, decode_task_json, encode,
+    PromptJob,
+    Sample,
+    SampleGroup,
+    SamplingParams,
+    SchemaError,
+    Status,
+    Task,
+    decode_group,
+    decode_job,
+    decode_task_json,
+    encode,
 )
 from pipeline.synthetic import make_group
 

@@ -13,13 +13,11 @@ import pytest
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.schema import SamplingParams, Status, Task
+from tests.test_episode import runner_for
+from workers.chat import ChatTokens
 from workers.engine import BadRequest, ContextOverflow, EngineClient
 from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.tokenizer import load_test_tokenizer
-
-from workers.chat import ChatTokens
-
-from tests.test_episode import runner_for
 
 TASK = Task(id="context-overflow-exceed-1", env="calc", prompt="What is 6 * 7?", label="42")
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=32)

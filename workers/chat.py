@@ -10,7 +10,8 @@ what the template would have produced, without ever re-tokenising model output.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 

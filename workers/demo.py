@@ -45,8 +45,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pipeline.config import ENV_NAMESPACE, check_redis_url, parse_config
-from pipeline.keys import Counter, Keys
 from pipeline.fake_redis import FakeRedisServer
+from pipeline.keys import Counter, Keys
 from pipeline.local_redis import LocalRedis
 from pipeline.monitor import MonitorSnapshot, snapshot
 from pipeline.redis_conn import ENV_REDIS_URL, connect, redact

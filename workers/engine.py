@@ -33,8 +33,9 @@ import logging
 import random
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Union
 
 import aiohttp
 import msgspec
@@ -243,7 +244,7 @@ class EngineClient:
         if self._session is not None:
             await self._session.close()
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from pipeline.config import EnvConfig, PipelineConfig
-from pipeline.schema import SamplingParams, Sample, Status, Task
+from pipeline.schema import Sample, SamplingParams, Status, Task
 from workers.chat import ChatTokens
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
@@ -52,7 +52,7 @@ class EpisodeSettings:
     max_abort_resumes: int = 50  # an engine that aborts forever ends the episode as aborted
 
     @classmethod
-    def from_config(cls, config: PipelineConfig, env: EnvConfig, job_sampling: SamplingParams) -> "EpisodeSettings":
+    def from_config(cls, config: PipelineConfig, env: EnvConfig, job_sampling: SamplingParams) -> EpisodeSettings:
         merged = {**config.rollout.sampling.to_dict(), **job_sampling.to_dict()}
         return cls(
             sampling=SamplingParams(**merged),

@@ -239,7 +239,7 @@ def _load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-async def stop_worker(worker: Worker, task: "asyncio.Task[None]", *, timeout_s: float = 30.0) -> None:
+async def stop_worker(worker: Worker, task: asyncio.Task[None], *, timeout_s: float = 30.0) -> None:
     """Stop an in-process worker started with `asyncio.create_task(worker.async_run())`.
 
     The cancel is repeated until the task ends (bounded): code below arq may absorb one (a

@@ -48,8 +48,9 @@ import functools
 import inspect
 import json
 import re
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, Union
+from typing import Any, Union
 
 from workers.envs.base import ToolCall
 from workers.plugins import import_dotted

@@ -20,8 +20,9 @@ sandbox): a kind is resolved (imported), its options are converted with the kind
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Union
 
 import msgspec
 

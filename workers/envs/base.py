@@ -16,7 +16,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import random
-from typing import Any, Awaitable, Callable, TypeVar, Union
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, Union
 
 import msgspec
 

@@ -40,12 +40,12 @@ import msgspec
 
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, Verification
+from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
 from workers.envs.math import final_answer_text
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import shaped
-from workers.envs.toolless import ToollessSession
 from workers.envs.sandbox import Limits, RunResult, probe_isolation, run_python
+from workers.envs.toolless import ToollessSession
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import ast
 import operator
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pipeline.schema import Task
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification

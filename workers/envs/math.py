@@ -25,7 +25,7 @@ from typing import Literal, Union
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import Environment, EnvError, EnvSession, EpisodeRecord, Verification
+from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
 from workers.envs.toolless import ToollessSession

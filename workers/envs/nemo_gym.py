@@ -43,9 +43,25 @@ import aiohttp
 from pipeline.config import CallBudget, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
-    Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, call_once, opened,
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    Message,
+    StepResult,
+    ToolCall,
+    Verification,
+    call_once,
+    opened,
 )
-from workers.envs.convert import chat_tool, input_problems, prompt_messages, responses_object, responses_output, tool_name
+from workers.envs.convert import (
+    chat_tool,
+    input_problems,
+    prompt_messages,
+    responses_object,
+    responses_output,
+    tool_name,
+)
 from workers.envs.local import initial_messages
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import TransientError, call_with_budget, deadline_in, shaped

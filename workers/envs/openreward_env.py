@@ -45,7 +45,16 @@ import aiohttp
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
-    Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, call_once, opened,
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    Message,
+    StepResult,
+    ToolCall,
+    Verification,
+    call_once,
+    opened,
 )
 from workers.envs.convert import chat_tool, content_text, split_reasoning
 from workers.envs.math import final_answer_text

@@ -48,12 +48,12 @@ def check_tool_parsers(config: PipelineConfig) -> None:
         check_tool_parser(name, env)
 
 
-O = TypeVar("O", bound=Options)
+OptionsT = TypeVar("OptionsT", bound=Options)
 
 _AT_PATH = re.compile(r" - at `\$(.*)`$")
 
 
-def parse_options(name: str, config: EnvConfig, cls: type[O]) -> O:
+def parse_options(name: str, config: EnvConfig, cls: type[OptionsT]) -> OptionsT:
     where = f"environments.{name}.options"
     check_tool_parser(name, config)
     try:

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import abc
-
 import asyncio
 import inspect
 from types import SimpleNamespace
@@ -53,7 +52,7 @@ def _import(name: str, key: str, target: str) -> Any:
 class _VerifierSession(ToollessSession):
     """No tools; the plugin scores the finished episode."""
 
-    def __init__(self, env: "_PluginEnvironment", task: Task):
+    def __init__(self, env: _PluginEnvironment, task: Task):
         super().__init__(task)
         self.env = env
 

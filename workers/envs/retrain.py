@@ -44,7 +44,15 @@ from typing import Any, Union
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
-    Environment, EnvError, EnvSession, EpisodeRecord, Message, StepResult, ToolCall, Verification, opened,
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    Message,
+    StepResult,
+    ToolCall,
+    Verification,
+    opened,
 )
 from workers.envs.local import initial_messages
 from workers.envs.options import Options, parse_options

@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Awaitable, Callable, Sequence, TypeVar, Union
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar, Union
 
 import aiohttp
 

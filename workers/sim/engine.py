@@ -47,8 +47,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -534,7 +535,7 @@ def _value_error(message: str) -> web.Response:
 
 
 @contextlib.asynccontextmanager
-async def serve_sim_engine(config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator["RunningSim"]:
+async def serve_sim_engine(config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[RunningSim]:
     """Serve the simulator in the current event loop; yields a handle with `.url` and `.engine`."""
     engine = SimEngine(config or SimConfig())
     runner = web.AppRunner(engine.app(), access_log=None)

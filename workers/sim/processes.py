@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import yaml
 
@@ -31,7 +31,7 @@ class ChildProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = None
 
-    def start(self) -> "ChildProcess":
+    def start(self) -> ChildProcess:
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
         return self
@@ -56,7 +56,7 @@ class ChildProcess:
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()  # type: ignore[union-attr]
 
-    def __enter__(self) -> "ChildProcess":
+    def __enter__(self) -> ChildProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -74,7 +74,7 @@ class SimEngineProcess(ChildProcess):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "SimEngineProcess":
+    def start(self) -> SimEngineProcess:
         super().start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

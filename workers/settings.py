@@ -252,7 +252,12 @@ async def stop_worker(worker: Worker, task: asyncio.Task[None], *, timeout_s: fl
             raise TimeoutError(f"the worker task did not stop within {timeout_s:.0f}s of cancelling it")
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await worker.close()
+    try:
+        await worker.close()  # gathers arq's job tasks: one cancelled with the worker raises CancelledError
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and getattr(current, "cancelling", lambda: 0)():
+            raise  # we are being cancelled ourselves
 
 
 def run_worker(config: PipelineConfig, *, concurrency: int | None = None) -> None:

@@ -1,7 +1,7 @@
 """Against the peer, side by side (issue 17 item 4): slime's OWN rollout code next to this
 pipeline, on the same simulated workload, in one run, one table.
 
-    python -m scripts.bench_peer [--quick] [--json out.json] [--contenders a,b,c,d]
+    python -m scripts.bench_peer [--quick] [--json out.json] [--contenders a,b,c,d,e]
 
 Workload (the same for every contender): the math tasks of workers/demo_tasks.jsonl; the
 SIMULATED SGLang engine (`rollout engine`, a subprocess on a free port, the shared test
@@ -11,7 +11,7 @@ a sleep, then a weight push as slime does it (POST /pause_generation {} - abort 
 /update_weight_version {"new_version": str(step + 1)}, /continue_generation). The engine's
 weight-version label is therefore the policy version, so the lag of a generate call is
 `training step - int(label)` for every contender alike. The trainer loop is train.py's order
-(generate(r), train(r), push) for all four.
+(generate(r), train(r), push) for all five.
 
 Contenders, each driven through its own code:
   a  slime.rollout.sglang_rollout.generate_rollout, no partial rollout (over-sampling = B)
@@ -20,7 +20,11 @@ Contenders, each driven through its own code:
   c  slime.rollout.fully_async_rollout.generate_rollout_fully_async (its background worker)
   d  this pipeline: redis-server, `rollout workers`, `rollout enqueue --follow`, and
      pipeline.slime.generate_rollout + RedisDataSource with save(rid) each step
-(a)-(c) use slime's RolloutDataSourceWithBuffer over a prompt file built from the same tasks,
+  e  the pipeline's in-process mode (issue 15): (a)'s generate_rollout with
+     custom_generate_function_path=pipeline.slime.generate, custom_rm_path=pipeline.slime.reward
+     and custom_config_path = a pipeline YAML (the math environment; apply_chat_template off:
+     the episode runner renders the chat template) - no Redis, no workers
+(a)-(c) and (e) use slime's RolloutDataSourceWithBuffer over a prompt file built from the same tasks,
 each in a child process of its own (slime keeps module-level singletons: GenerateState, the
 HTTP client, the fully-async worker). The sim engine is slime's router (args.sglang_router_*).
 
@@ -57,6 +61,7 @@ CONTENDERS = {
     "b": "slime partial rollout + over-sampling",
     "c": "slime fully_async_rollout",
     "d": "this pipeline (Redis, arq workers)",
+    "e": "in-process mode (slime sync + pipeline.slime.generate)",
 }
 
 
@@ -188,6 +193,13 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
     from workers.sim.tokenizer import default_tokenizer_path
 
     host, port = engine_url.removeprefix("http://").rsplit(":", 1)
+    inprocess = kind == "e"  # (a)'s rollout with the pipeline's episode runner and environment inside
+    if inprocess:
+        config = {"engine": {"request_timeout_s": 60.0},
+                  "rollout": {"n_samples_per_prompt": wl.n, "max_response_tokens": wl.max_response_len,
+                              "max_turns": 1, "sampling": {"temperature": 1.0}},
+                  "environments": {"math": {"kind": "math", "options": {"check_in": "inline"}}}}
+        (workdir / "inprocess.yaml").write_text(json.dumps(config))  # JSON is YAML
     return SimpleNamespace(
         # router = the simulated engine
         sglang_router_ip=host, sglang_router_port=int(port), rollout_num_engines=1, sglang_dp_size=None,
@@ -202,14 +214,16 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
         rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=wl.max_response_len,
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         sglang_enable_deterministic_inference=False, rollout_seed=42, use_rollout_routing_replay=False,
-        custom_generate_function_path=None, rollout_sample_hook_path=None, ci_test=False,
+        custom_generate_function_path="pipeline.slime.generate" if inprocess else None,
+        custom_config_path=str(workdir / "inprocess.yaml") if inprocess else None, rollout_sample_hook_path=None, ci_test=False,
         dynamic_sampling_filter_path=None, rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
         sglang_speculative_algorithm=None,
-        # reward: slime's rule-based math RM
-        group_rm=False, rm_type="math", custom_rm_path=None, rm_url=None, reward_key=None,
+        # reward: slime's rule-based math RM; (e) the environment's verification generate stored
+        group_rm=False, rm_type="math", custom_rm_path="pipeline.slime.reward" if inprocess else None, rm_url=None, reward_key=None,
         # data source
         hf_checkpoint=default_tokenizer_path(), prompt_data=str(prompts), input_key="prompt", label_key="label",
-        metadata_key="metadata", tool_key=None, multimodal_keys=None, apply_chat_template=True,
+        metadata_key="metadata", tool_key=None, multimodal_keys=None,
+        apply_chat_template=not inprocess,  # (e): the episode runner renders the chat template itself
         apply_chat_template_kwargs=None, rollout_max_prompt_len=None, rollout_shuffle=False, dump_details=None,
         buffer_filter_path=None, save=str(workdir / "ckpt"), load=None,
     )
@@ -427,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="4 steps instead of 12")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--json", default="", help="write every figure (and the raw lags and lengths) here")
-    p.add_argument("--contenders", default="a,b,c,d")
+    p.add_argument("--contenders", default="a,b,c,d,e")
     p.add_argument("--keep", default="", help="run in this folder and keep the logs (engine, child, workers)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     p.add_argument("--engine-url", default="", help=argparse.SUPPRESS)

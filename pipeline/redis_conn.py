@@ -146,14 +146,17 @@ class OutageRetry(Retry):
         depth = _RETRY_DEPTH.get()
         while True:
             token = _RETRY_DEPTH.set(depth + 1)
+            cancels_before = _cancelling()
             try:
                 result = await do()
             except (RedisUnavailable, AuthenticationError):
                 raise  # out of budget already, or a wrong password: waiting out an outage fixes neither
             except self._supported_errors as error:
-                if _cancelling():
-                    # a cancel that a timeout turned into TimeoutError (asyncio.timeout does when both
-                    # fire, Python 3.11): retrying would swallow it, and whoever cancelled waits forever
+                if _cancelling() > cancels_before:
+                    # a cancel that arrived during the call and came out as TimeoutError (asyncio.timeout
+                    # does when both fire, Python 3.11): retrying would swallow it, and whoever
+                    # cancelled waits forever. (A task that caught an earlier cancel and goes on, as
+                    # arq's shutdown does, still retries its calls.)
                     raise asyncio.CancelledError() from error
                 failures += 1
                 await fail(error)  # may raise (WatchError while watching: the caller decides)
@@ -169,11 +172,11 @@ class OutageRetry(Retry):
                 _RETRY_DEPTH.reset(token)
 
 
-def _cancelling() -> bool:
-    """Whether the running task has a cancellation pending (Task.cancelling, Python >= 3.11)."""
+def _cancelling() -> int:
+    """How many cancellations of the running task are pending (Task.cancelling, Python >= 3.11)."""
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else False
+    return int(cancelling()) if cancelling is not None else 0
 
 
 def connect(

@@ -132,7 +132,7 @@ async def run_group(ctx: dict[str, Any], payload: bytes) -> dict[str, Any]:
     if job_try > 1 and await w.buffer.redis.exists(w.keys.dedup(job.job_id)):
         # A re-run whose earlier try stored the group (its worker died after the push):
         # don't generate n episodes only to have the push refused.
-        return {"status": "duplicate", "stream_id": None}
+        return await _duplicate(w, job)
     return await _run_counted(w, job, job_id, job_try, payload, ctx.get(ARQ_WORKER_KEY))
 
 
@@ -147,7 +147,9 @@ async def _run_counted(
         group = await _within(run_episodes(w, job, job_try), soft_s)
         stream_id = await w.buffer.push(group, **_push_counters(group))
         await w.buffer.redis.hdel(w.keys.job_errors, job_id)
-        return {"status": "pushed" if stream_id is not None else "duplicate", "stream_id": stream_id}
+        if stream_id is None:
+            return await _duplicate(w, job)
+        return {"status": "pushed", "stream_id": stream_id}
     except PoisonJob as exc:
         await _dead_letter(w, job_id, f"job {job_id}: {exc}", payload)
         return {"status": "dead", "reason": str(exc)}
@@ -174,6 +176,14 @@ async def _run_counted(
     finally:
         # `running` -1 once: the script gives it back only if the job was still in our set
         await asyncio.shield(w.liveness.job_ended(job_id))
+
+
+async def _duplicate(w: WorkerContext, job: PromptJob) -> dict[str, Any]:
+    """The group was stored before (or handed back: a tombstone). This job adds nothing to wait
+    for: out of `{ns}:open` (a job re-admitted after Redis lost writes would otherwise hold a
+    place the trainer keeps for it forever; the stored entry, if any, is read as it is)."""
+    await w.buffer.redis.zrem(w.keys.open, job.job_id)
+    return {"status": "duplicate", "stream_id": None}
 
 
 async def _within(coro: Any, seconds: float) -> Any:

@@ -193,12 +193,12 @@ async def _enqueue(
     redis: Any, keys: Keys, round_id: str, datasets: list[tuple[EvalDataset, list[Task]]], version: int,
     timeout_s: float, wanted: dict[str, tuple[str, int, str]],
 ) -> None:
-    """arq's own enqueue (workers.queue's serializer), the round's jobs at scores EVAL_SCORE + i:
+    """arq's own enqueue (pipeline.jobqueue's serializer), the round's jobs at scores EVAL_SCORE + i:
     ahead of every training job (scored by enqueue time), in dataset order. Fills `wanted` as it
     goes (what to withdraw if it fails half-way)."""
     from arq.connections import ArqRedis
 
-    from workers.queue import job_deserializer, job_serializer
+    from pipeline.jobqueue import job_deserializer, job_serializer
 
     arq = ArqRedis(redis.connection_pool, job_serializer=job_serializer, job_deserializer=job_deserializer,
                    default_queue_name=keys.queue)

@@ -397,7 +397,7 @@ async def reward(args: Any, sample: Any, **_kwargs: Any) -> Any:
 
 async def _reward_one(args: Any, sample: Any) -> float:
     from workers.envs.rewards import final_reward
-    from workers.queue import is_bug
+    from workers.errors import is_bug
 
     meta = sample.metadata if isinstance(getattr(sample, "metadata", None), dict) else {}
     if meta.get(SCORED_KEY) and isinstance(sample.reward, (int, float)):

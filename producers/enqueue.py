@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         check_tasks(args.tasks, config)  # every task runnable by its environment (a math row's label)
         log.info("enqueue %s -> %s ns=%s", args.tasks, redact(config.redis.resolved_url()), config.redis.namespace)
         stats = asyncio.run(_run_until_signal(config, args.tasks, args.epochs, args.follow, options))
-    except ConfigError as exc:  # exit 2: usage/config (pipeline/cli.py)
+    except ConfigError as exc:  # exit 2: usage/config (scripts/cli.py)
         print(f"rollout enqueue: {exc}", file=sys.stderr)
         return 2
     except RedisConnectionError as exc:  # RedisUnavailable: past the outage budget

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             config, args.output, base_dir=Path(args.config).resolve().parent,
             skip_invalid=args.skip_invalid, max_row_bytes=args.max_row_bytes, console=console,
         )
-    except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (pipeline/cli.py)
+    except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (scripts/cli.py)
         console.print(f"rollout prepare: {exc}", style="red", markup=False, highlight=False)
         return 2
     console.print(summary_table(report))

@@ -6,7 +6,7 @@ What runs (all real, nothing in-process but the trainer loop):
   (length_sigma 1.0, the long tail), a per-token latency (mean episode ~0.1-0.3 s), 64 slots,
   the bundled tasks' answers; it counts every token it answers (`/sim/stats` output_tokens);
 - `rollout workers` (one process) and `rollout enqueue --follow` on the bundled tasks
-  (workers/demo_tasks.jsonl) with the demo's pipeline YAML (workers/demo.py `pipeline_config`);
+  (scripts/demo_tasks.jsonl) with the demo's pipeline YAML (scripts/demo.py `pipeline_config`);
 - the trainer loop, in this process, as a slime train.py-style loop: each step calls
   `generate_rollout(args, rid, source)` with `RedisDataSource`, sleeps the simulated train time,
   calls `save(rid)` and pushes the next weight version to the engine (`/update_weight_version`,
@@ -61,7 +61,7 @@ WASTE_GOAL_PCT = 1.0
 LENGTH_GOAL_PCT = 2.0
 ETAS = (1, 2, 4)
 ORDERS = ("arrival", "due-first")
-TASKS_FILE = Path(__file__).resolve().parents[1] / "workers" / "demo_tasks.jsonl"
+TASKS_FILE = Path(__file__).resolve().parents[1] / "scripts" / "demo_tasks.jsonl"
 
 
 @dataclass
@@ -169,7 +169,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
              steps: int | None = None, keep_source: bool = False) -> Any:
     """One pipeline run: fresh namespace, workers and producer subprocesses, the trainer loop here.
     Returns the run's figures (and, with `keep_source`, the closed data source with its records)."""
-    from workers.demo import Profile, pipeline_config
+    from scripts.demo import Profile, pipeline_config
     from workers.sim.processes import ChildProcess, WorkerProcess
     from workers.sim.tokenizer import default_tokenizer_path
 

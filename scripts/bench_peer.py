@@ -3,7 +3,7 @@ pipeline, on the same simulated workload, in one run, one table.
 
     python -m scripts.bench_peer [--quick] [--json out.json] [--contenders a,b,c,d,e]
 
-Workload (the same for every contender): the math tasks of workers/demo_tasks.jsonl; the
+Workload (the same for every contender): the math tasks of scripts/demo_tasks.jsonl; the
 SIMULATED SGLang engine (`rollout engine`, a subprocess on a free port, the shared test
 tokenizer, a fresh one per contender) with lognormal response lengths (length_sigma 1.0) and a
 per-token latency; B = 8 groups per step, n = 4 samples per group, a trainer step simulated as
@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-TASKS = REPO / "workers" / "demo_tasks.jsonl"
+TASKS = REPO / "scripts" / "demo_tasks.jsonl"
 CONTENDERS = {
     "a": "slime sync generate_rollout",
     "b": "slime partial rollout + over-sampling",

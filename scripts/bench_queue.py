@@ -48,7 +48,7 @@ class Profile:
 
 def _our_serializers() -> tuple[Callable | None, Callable | None, str]:
     """The workers' msgspec job serializer when workers/ has one (looked up lazily: scripts may run without it)."""
-    for module_name in ("workers.queue",):
+    for module_name in ("pipeline.jobqueue",):
         try:
             module = importlib.import_module(module_name)
         except ImportError:

@@ -24,13 +24,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import parse_config  # noqa: E402
+from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job  # noqa: E402
 from pipeline.keys import Keys  # noqa: E402
 from pipeline.local_redis import LocalRedis  # noqa: E402
 from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import PromptJob, Task  # noqa: E402
 from pipeline.state import PipelineState  # noqa: E402
 from workers.jobs import CTX_KEY  # noqa: E402
-from workers.queue import create_arq_pool, enqueue_prompt_job  # noqa: E402
 from workers.settings import build_worker, stop_worker  # noqa: E402
 from workers.sim.processes import SimEngineProcess  # noqa: E402
 

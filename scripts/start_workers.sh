@@ -19,4 +19,4 @@ args=(workers --processes "${ROLLOUT_PROCESSES:-$(( cpus / 2 > 0 ? cpus / 2 : 1 
 [[ -n "${ROLLOUT_TOKENIZER:-}" ]] && args+=(--tokenizer "$ROLLOUT_TOKENIZER")
 
 # exec: the pool gets the signals of whoever supervises this script.
-exec python -m pipeline.cli "${args[@]}" "$@"
+exec python -m scripts.cli "${args[@]}" "$@"

@@ -118,7 +118,7 @@ async def test_garbage_job_payloads_are_dead_lettered_by_a_real_worker(redis, re
     from hypothesis import find
 
     from pipeline.config import parse_config
-    from workers.queue import JOB_FUNCTION, create_arq_pool
+    from pipeline.jobqueue import JOB_FUNCTION, create_arq_pool
     from workers.settings import build_worker, stop_worker
     from workers.sim.tokenizer import default_tokenizer_path
 

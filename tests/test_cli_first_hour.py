@@ -1,7 +1,7 @@
 """The first hour of a new user (issue 14, issue 18 items 7-9): every command run as a user runs
 it, as a subprocess, checked for its exit code and its one-line message.
 
-Exit codes (pipeline/cli.py): 0 done, 1 internal error, 2 usage or configuration,
+Exit codes (scripts/cli.py): 0 done, 1 internal error, 2 usage or configuration,
 3 connection (Redis or engine unreachable, authentication), 130 interrupted.
 """
 
@@ -28,7 +28,7 @@ def rollout(*argv: str, env: dict[str, str] | None = None, timeout: float = 60, 
     full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     full.update({"ROLLOUT_REDIS_OUTAGE_S": "1", "COLUMNS": "200", "PYTHONUNBUFFERED": "1"})
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], env=full, text=True, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "scripts.cli", *argv], env=full, text=True, capture_output=True,
                           timeout=timeout, cwd=cwd or REPO)
 
 
@@ -130,8 +130,8 @@ def test_classify_exit_codes():
     from redis.exceptions import AuthenticationError
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from pipeline.cli import classify
     from pipeline.config import ConfigError
+    from scripts.cli import classify
 
     assert classify(ConfigError("x")) == 2
     assert classify(FileNotFoundError("tasks.jsonl")) == 2
@@ -143,12 +143,12 @@ def test_classify_exit_codes():
 
 
 def test_internal_error_says_so_in_one_line(monkeypatch, capsys):
-    from pipeline import cli
+    from scripts import cli
 
     def broken(argv):
         raise KeyError("oops")
 
-    monkeypatch.setitem(cli.COMMANDS, "broken", ("pipeline.cli:_broken_for_test", "x"))
+    monkeypatch.setitem(cli.COMMANDS, "broken", ("scripts.cli:_broken_for_test", "x"))
     monkeypatch.setattr(cli, "_broken_for_test", broken, raising=False)
     assert cli.main(["broken"]) == 1
     line = one_line(capsys.readouterr().err)
@@ -331,7 +331,7 @@ def test_enqueue_says_it_waits_for_the_trainer_and_for_which_version(tmp_path, r
     cfg = write(tmp_path / "p.yaml", MATH_ENV + "rollout: {rollout_batch_size: 2, eta: 1, n_samples_per_prompt: 2}\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     env.update(ROLLOUT_REDIS_URL=redis_url, ROLLOUT_NAMESPACE=namespace, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "enqueue", "--tasks", str(tasks), "--config",
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "enqueue", "--tasks", str(tasks), "--config",
                              str(cfg), "--without-trainer", "--progress", "0.2"], env=env, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     seen = ""
@@ -354,7 +354,7 @@ def test_enqueue_says_it_waits_for_the_trainer_and_for_which_version(tmp_path, r
 
 
 def test_serve_binds_localhost_by_default():
-    from pipeline.monitor import build_parser
+    from scripts.monitor import build_parser
 
     assert build_parser().parse_args(["--serve", "9400"]).host == "127.0.0.1"
 
@@ -363,7 +363,7 @@ def test_no_pytorch_warning_on_commands():
     for argv in (("engine", "--help"), ("monitor", "--help"), ("prepare", "--help")):
         result = rollout(*argv)
         assert result.returncode == 0 and "PyTorch" not in result.stderr, argv
-    import pipeline.cli  # noqa: F401 - sets the variables for children too
+    import scripts.cli  # noqa: F401 - sets the variables for children too
 
     assert os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS") == "1"
 
@@ -404,7 +404,7 @@ def test_quickstart_recorded_session_replays(tmp_path):
     and exits with the recorded code."""
     shim = tmp_path / "bin"
     shim.mkdir()
-    (shim / "rollout").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pipeline.cli "$@"\n')
+    (shim / "rollout").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m scripts.cli "$@"\n')
     (shim / "rollout").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
     env.update(PATH=f"{shim}:{env['PATH']}", PYTHONPATH=str(REPO), ROLLOUT_REDIS_OUTAGE_S="1")

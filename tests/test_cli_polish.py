@@ -37,7 +37,7 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def rollout(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], env=_env(env), text=True,
+    return subprocess.run([sys.executable, "-m", "scripts.cli", *argv], env=_env(env), text=True,
                           capture_output=True, timeout=timeout, cwd=REPO, check=False)
 
 
@@ -92,7 +92,7 @@ def _start_engine(tmp_path: Path, env: dict[str, str], *argv: str) -> tuple[subp
     port = free_port()
     err = tmp_path / f"engine-{port}.err"
     with err.open("w") as err_fh:
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "engine", "--port", str(port), *argv],
+        proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "engine", "--port", str(port), *argv],
                                 env=_env(env), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=err_fh)
     assert proc.stdout is not None
     line = proc.stdout.readline()  # printed once the tokenizer is loaded, before serving
@@ -137,7 +137,7 @@ def test_commands_import_no_transformers_and_keep_its_real_warnings(no_torch):
     switches off only transformers' advisories: its verbosity (real warnings) stays its default."""
     code = (
         "import importlib, os, sys\n"
-        "import pipeline.cli as cli\n"
+        "import scripts.cli as cli\n"
         "for target, _ in cli.COMMANDS.values():\n"
         "    importlib.import_module(target.split(':')[0])\n"
         "assert 'transformers' not in sys.modules, 'a command module imports transformers at load'\n"
@@ -200,7 +200,7 @@ def test_engine_and_monitor_serve_bind_127_0_0_1_by_default(tmp_path, redis_url)
     finally:
         _stop(proc)
     port = free_port()
-    monitor = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "monitor", "--serve", str(port),
+    monitor = subprocess.Popen([sys.executable, "-m", "scripts.cli", "monitor", "--serve", str(port),
                                 "--redis-url", redis_url], env=_env(), cwd=REPO, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -19,14 +19,14 @@ import redis as redis_sync
 from pipeline.buffer import GroupBuffer
 from pipeline.keys import Counter
 from pipeline.state import PipelineState
-from workers.demo import PROFILES
+from scripts.demo import PROFILES
 
 SHORT = PROFILES["short"]
 
 
 def _demo(*argv: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "demo", *argv], env=env, text=True, **popen)
+    return subprocess.Popen([sys.executable, "-m", "scripts.cli", "demo", *argv], env=env, text=True, **popen)
 
 
 async def test_short_demo_summary_matches_the_buffer_counters(redis, redis_url, keys, tmp_path):

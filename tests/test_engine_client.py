@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
+from pipeline.jobqueue import RemoteJobError, job_deserializer, job_serializer
 from pipeline.local_redis import free_port
 from pipeline.schema import SamplingParams
 from pipeline.state import PipelineState
 from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineLocator
-from workers.queue import RemoteJobError, job_deserializer, job_serializer
 from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.tokenizer import load_test_tokenizer
 

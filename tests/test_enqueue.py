@@ -16,6 +16,7 @@ from arq.worker import Worker, func
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, parse_config
+from pipeline.jobqueue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
 from pipeline.keys import Counter
 from pipeline.schema import Requeue, RequeueReason, Task, decode_job, encode, encode_task_json
 from pipeline.slime import RedisDataSource, generate_rollout
@@ -25,7 +26,6 @@ from pipeline.synthetic import make_group
 from producers.admission import Admission, Limits
 from producers.enqueue import ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
-from workers.queue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
 
 NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
 

@@ -15,9 +15,9 @@ import yaml
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.evaluation import load_eval_datasets, pass_at_k
+from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job
 from pipeline.schema import PromptJob, Task, encode_task_json
 from tests.test_worker_jobs import config_dict, wait_for
-from workers.queue import create_arq_pool, enqueue_prompt_job
 from workers.settings import build_worker, stop_worker
 from workers.sim.engine import serve_sim_engine
 

@@ -271,7 +271,7 @@ def test_summary_export_and_list(tmp_path):
 
 
 def test_cli_list_summary_export(tmp_path, capsys):
-    from pipeline.cli import main
+    from scripts.cli import main
 
     d = tmp_path / "led"
     _write_steps(d, {5: [make_group("a:0", n=2, env="math")]})
@@ -314,7 +314,7 @@ def test_rescore_with_a_changed_environment_config(tmp_path):
 
 
 def test_rescore_cli_writes_rows(tmp_path, capsys):
-    from pipeline.cli import main
+    from scripts.cli import main
 
     d = tmp_path / "led"
     _write_steps(d, {0: [_arith_group("t1:0", ["12", "7"])]})
@@ -453,12 +453,12 @@ async def test_demo_ledger_holds_every_trained_group_once_and_rescores_identical
 
     from pipeline.keys import Counter
     from pipeline.state import PipelineState
-    from workers.demo import PROFILES, pipeline_config
+    from scripts.demo import PROFILES, pipeline_config
 
     short = PROFILES["short"]
     d = tmp_path / "ledger"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", "ROLLOUT_LEDGER_DIR": str(d)}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "demo", "--short", "--redis-url", redis_url,
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "demo", "--short", "--redis-url", redis_url,
                              "--namespace", keys.ns], env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     out, _ = await asyncio.to_thread(proc.communicate, timeout=150)

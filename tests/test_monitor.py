@@ -33,7 +33,7 @@ VERSION, ETA, BATCH = 3, 1, 4
 
 def _rollout(*argv: str, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *argv], env=env, text=True, **popen)
+    return subprocess.Popen([sys.executable, "-m", "scripts.cli", *argv], env=env, text=True, **popen)
 
 
 async def _hold(ctx, release_key: str) -> str:

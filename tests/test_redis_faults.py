@@ -210,7 +210,7 @@ def test_producer_and_worker_exit_with_one_line_when_redis_stays_away(tmp_path):
     for argv in (["enqueue", "--tasks", str(tmp_path / "tasks.jsonl"), "--config", str(cfg)],
                  ["workers", "--config", str(cfg)]):
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "pipeline.cli", *argv], env=env, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "scripts.cli", *argv], env=env, capture_output=True, text=True,
                               timeout=50)
         assert done.returncode == 3, (argv, done.stderr[-2000:])
         assert "Traceback" not in done.stderr, done.stderr[-2000:]

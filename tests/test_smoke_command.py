@@ -1,6 +1,6 @@
 """`rollout smoke` (the README's fallback check) against the session redis-server."""
 
-from pipeline.smoke import main
+from scripts.smoke import main
 
 
 def test_smoke_pulls_every_pushed_group(redis_url, capsys):

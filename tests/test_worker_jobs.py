@@ -11,6 +11,7 @@ from arq.constants import in_progress_key_prefix
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
+from pipeline.jobqueue import JOB_FUNCTION, create_arq_pool, enqueue_prompt_job
 from pipeline.keys import Counter, Keys
 from pipeline.schema import (
     PromptJob,
@@ -34,7 +35,6 @@ from workers.envs.base import (
 )
 from workers.envs.local import initial_messages
 from workers.jobs import CTX_KEY, run_group
-from workers.queue import JOB_FUNCTION, create_arq_pool, enqueue_prompt_job
 from workers.settings import _build_context, build_worker, stop_worker
 from workers.sim.engine import serve_sim_engine
 from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
@@ -405,7 +405,7 @@ async def test_an_aborted_job_is_dead_lettered_and_handed_back(redis, redis_url,
         task = asyncio.create_task(worker.async_run())
         try:
             await wait_for(lambda: _has_running_jobs(redis, keys), 20, "the job to start")
-            from workers.queue import job_deserializer
+            from pipeline.jobqueue import job_deserializer
 
             handle = Job(keys.arq_job_id(stuck.job_id), arq, _queue_name=keys.queue, _deserializer=job_deserializer)
             await handle.abort(timeout=10)
@@ -472,7 +472,7 @@ def test_transient_faults_are_not_bugs():
 
     from workers.engine import EngineError
     from workers.envs.base import EnvError
-    from workers.queue import is_bug
+    from workers.errors import is_bug
 
     for exc in (TypeError("x"), KeyError("k"), AttributeError("a"), ValueError("v"), ZeroDivisionError()):
         assert is_bug(exc), exc

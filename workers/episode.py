@@ -33,7 +33,7 @@ from workers.chat import ChatTokens
 from workers.engine import ContextOverflow, EngineClient, EngineError
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
-from workers.queue import is_bug
+from workers.errors import is_bug
 from workers.tools import ParsedTurn, ToolParser, get_parser, run_parser
 
 log = logging.getLogger(__name__)

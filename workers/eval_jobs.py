@@ -25,6 +25,7 @@ from arq.worker import Retry
 from pipeline.evaluation import STREAM_TTL_S
 from pipeline.redis_conn import ALREADY, REFUSED, run_once
 from pipeline.schema import SampleGroup, SchemaError, decode_job, encode
+from workers.errors import is_bug
 from workers.jobs import (
     CTX_KEY,
     PoisonJob,
@@ -34,7 +35,6 @@ from workers.jobs import (
     run_episodes,
     soft_deadline_s,
 )
-from workers.queue import is_bug
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
    when the job leaves the worker's job set (once, whatever happened);
 5. only then return. A group past its soft deadline, or aborted (`Job.abort()`), is
    dead-lettered with the reason and handed back (arq's own timeout stays a backstop that
-   the defaults never reach). A bug (TypeError, KeyError, ... : `workers.queue.is_bug`) is
+   the defaults never reach). A bug (TypeError, KeyError, ... : `workers.errors.is_bug`) is
    dead-lettered once with its traceback and not retried or handed back.
    A transient failure is retried by arq (`Retry`, jittered) up to
    `workers.max_tries`; the last try's failure goes to the dead-letter stream with
@@ -44,6 +44,7 @@ from arq.worker import Retry
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig
+from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import REFUSED, run_once
 from pipeline.schema import (
@@ -59,8 +60,8 @@ from workers.engine import EngineClient
 from workers.envs.base import Environment
 from workers.envs.registry import UnknownEnvironmentKind, build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
+from workers.errors import is_bug
 from workers.liveness import Liveness
-from workers.queue import JOB_EXPIRES_MS, is_bug, job_envelope
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
 - SIGTERM/SIGINT drain: stop taking jobs, let running groups finish for
   `drain_grace_s`, then cancel the rest, which arq hands back for re-run at once;
 - heartbeats + reaper (`workers.liveness`) started with the worker;
-- arq's Redis connection has the pipeline's reconnect policy (`workers.queue.redis_settings`:
+- arq's Redis connection has the pipeline's reconnect policy (`pipeline.jobqueue.redis_settings`:
   a Redis restart of up to `$ROLLOUT_REDIS_OUTAGE_S` is ridden out, socket timeouts set);
   past it the worker exits with one line naming the cause.
 
@@ -38,6 +38,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from pipeline.buffer import GroupBuffer
 from pipeline.config import PipelineConfig
 from pipeline.evaluation import EVAL_FUNCTION
+from pipeline.jobqueue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
 from pipeline.keys import Keys
 from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, make_pool_retrying, redact
 from pipeline.state import PipelineState, PolicyClock
@@ -47,7 +48,6 @@ from workers.envs.options import check_tool_parsers
 from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
-from workers.queue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
 
 log = logging.getLogger(__name__)
 

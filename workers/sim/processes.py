@@ -26,7 +26,7 @@ from pipeline.local_redis import free_port
 
 class ChildProcess:
     def __init__(self, args: Sequence[str], *, log_path: str | None = None):
-        self.args = [sys.executable, "-m", "pipeline.cli", *args]
+        self.args = [sys.executable, "-m", "scripts.cli", *args]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self._log = None

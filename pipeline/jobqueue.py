@@ -24,7 +24,7 @@ from pipeline.keys import Keys
 from pipeline.schema import PromptJob, encode
 
 JOB_EXPIRES_MS = 7 * 24 * 3600 * 1000  # a queued job must outlive any wait for headroom
-JOB_FUNCTION = "run_group"  # the arq function workers register (same name as producers/arq_codec.py)
+JOB_FUNCTION = "run_group"  # the arq function workers register (workers/settings.py)
 _EXC = "__exception__"
 
 
@@ -85,28 +85,6 @@ def redis_settings(url: str, *, outage_s: float | None = None) -> RedisSettings:
     settings.retry_on_error = list(RETRY_ERRORS)
     settings.retry = OutageRetry(outage_budget_s() if outage_s is None else outage_s, redact(url))
     return settings
-
-
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError, asyncio.TimeoutError, OSError)
-BUG_ERRORS: tuple[type[BaseException], ...] = (
-    TypeError, AttributeError, NameError, LookupError, ValueError, AssertionError, ArithmeticError,
-    NotImplementedError, RecursionError, ImportError, SyntaxError,
-)
-
-
-def is_bug(exc: BaseException) -> bool:
-    """A programming error (TypeError in an environment, KeyError, ...), not a transient fault
-    (connection, timeout, HTTP 5xx, which the engine and environment clients raise as their own
-    RuntimeErrors): retrying it only burns tries, so it fails loudly once."""
-    seen = 0
-    cause: BaseException | None = exc
-    while cause is not None and seen < 5:  # a wrapper (EnvError from the env call budget) names its cause
-        if isinstance(cause, TRANSIENT_ERRORS) or type(cause).__module__.split(".")[0] in ("aiohttp", "redis", "httpx"):
-            return False
-        if isinstance(cause, BUG_ERRORS):
-            return True
-        cause, seen = cause.__cause__, seen + 1
-    return False
 
 
 async def create_arq_pool(url: str, keys: Keys) -> ArqRedis:

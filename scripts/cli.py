@@ -42,14 +42,14 @@ DIST_NAME = "rollout-pipeline"
 
 # command -> ("module:function", one-line help). The function takes argv (list[str]).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("workers.demo:main", "run the whole pipeline on this machine with embedded defaults"),
+    "demo": ("scripts.demo:main", "run the whole pipeline on this machine with embedded defaults"),
     "prepare": ("producers.prepare_tasks:main", "build tasks.jsonl from datasets and environments"),
     "enqueue": ("producers.enqueue:main", "admit tasks as prompt jobs under the staleness bound"),
     "workers": ("workers.pool:main", "start a pool of worker processes"),
     "engine": ("workers.sim.engine:main", "serve the simulated SGLang engine (for demos and tests)"),
-    "monitor": ("pipeline.monitor:main", "watch queue depth, buffer, workers, staleness"),
+    "monitor": ("scripts.monitor:main", "watch queue depth, buffer, workers, staleness"),
     "bench": ("scripts.bench:main", "benchmarks with ratios against their baselines"),
-    "smoke": ("pipeline.smoke:main", "push synthetic groups through the buffer into the slime data source"),
+    "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("pipeline.ledger:main", "list, summarise, export or re-score the ledger of trained groups"),
     "show": ("pipeline.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
 }

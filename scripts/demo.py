@@ -5,7 +5,7 @@ One process tree:
   or fakeredis's TCP server in a subprocess where no redis-server is installed;
 - the SIMULATED SGLang engine (workers/sim/engine.py) with a long-tail response length
   and per-token latency, answering from the real local test tokenizer;
-- a bundled task set (workers/demo_tasks.jsonl): arithmetic checked by math-verify
+- a bundled task set (scripts/demo_tasks.jsonl): arithmetic checked by math-verify
   (`math`) and a calculator tool-use environment (`tools`);
 - the producer (producers/enqueue.py) admitting jobs under the staleness bound;
 - a worker pool (`rollout workers` in a child process: arq workers running episodes);
@@ -269,7 +269,7 @@ def _live_view(progress: Progress, snap: MonitorSnapshot | None) -> Group:
 def start_pool(config_path: Path, profile: Profile, log_path: Path, redis_url: str, ns: str) -> subprocess.Popen:
     """`rollout workers` in its own session: the demo decides when it drains. The Redis URL (maybe
     with a password) travels in the child's environment, never in a file or on its command line."""
-    cmd = [sys.executable, "-m", "pipeline.cli", "workers", "--config", str(config_path),
+    cmd = [sys.executable, "-m", "scripts.cli", "workers", "--config", str(config_path),
            "--processes", str(profile.worker_processes)]
     env = {**os.environ, ENV_REDIS_URL: redis_url, ENV_NAMESPACE: ns}
     with open(log_path, "ab") as log:

@@ -224,6 +224,9 @@ async def test_sliding_puzzle_groups_through_the_worker_job_path(redis, redis_ur
         mask = sample.loss_mask_array().tolist()
         assert 0 in mask and mask[0] == 1 and mask[-1] == 1  # ends on the model's winning move
         assert sample.reward_components["max_step_batch"] == 2  # the group's two episodes step as one batch
+        # SlidingPuzzleEnv.global_post_process_and_metrics on the group, in every sample's components
+        assert sample.reward_components["nemo_rl/sliding_puzzle_success_rate"] == 1.0
+        assert sample.reward_components["nemo_rl/group_size"] == 2
 
 
 async def test_concurrent_episodes_step_as_one_batch():
@@ -261,3 +264,74 @@ async def test_sliding_puzzle_as_a_ray_actor():
             ray.shutdown()
     assert sample.status == Status.COMPLETED and sample.reward == 1.0, sample.metadata
     assert sample.metadata["turns"] == len(plan) + 1
+
+
+async def test_group_metrics_from_global_post_process_and_metrics():
+    """NeMo-RL's `global_post_process_and_metrics` runs once per group, on the group's scored
+    episodes as one batch (here: one solves the puzzle, one never answers in format and is cut
+    by max_turns): SlidingPuzzleEnv's success rate is 0.5 in both samples' components."""
+    import asyncio
+
+    sp = _sliding()
+    task, game = _task(sp, seed=19)
+    plan = _plan(sp.SlidingPuzzleGameLogic, game)
+
+    class HalfBabbler(PuzzlePlayer):
+        async def generate(self, tokens, sampling, *, rid, routing_key):
+            if routing_key.endswith("/1"):
+                ids = chat_tokens().encode("no action here")
+                return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
+                                  weight_version="1", text="", cached_tokens=0, latency_s=0.0)
+            return await super().generate(tokens, sampling, rid=rid, routing_key=routing_key)
+
+    env = _env(max_turns=len(plan) + 1)
+    settings = EpisodeSettings.from_config(PipelineConfig(), env.config, SamplingParams(max_new_tokens=64))
+    runner = EpisodeRunner(HalfBabbler(plan), chat_tokens(), env, settings)
+    solved, babbled = await asyncio.gather(*(runner.run(task, f"{task.id}/{i}") for i in range(2)))
+    assert solved.reward == 1.0 and babbled.status == Status.TRUNCATED
+    for sample in (solved, babbled):
+        assert sample.reward_components["nemo_rl/sliding_puzzle_success_rate"] == 0.5
+        assert sample.reward_components["nemo_rl/group_size"] == 2
+    assert env.metrics.groups == 1 and not env.metrics.open
+    # a later episode of the same task object is a group of its own
+    again = await _play(env, task, PuzzlePlayer(plan))
+    assert again.reward_components["nemo_rl/sliding_puzzle_success_rate"] == 1.0
+    assert again.reward_components["nemo_rl/group_size"] == 1
+
+
+class FailingMetricsEnv:
+    """A NeMo-RL environment of our own (its interface): every answer right, metrics broken."""
+
+    def __init__(self, cfg=None):
+        pass
+
+    def step(self, message_log_batch, metadata):
+        import torch
+
+        n = len(message_log_batch)
+        return ([{"role": "environment", "content": "ok"}] * n, metadata, [None] * n, torch.ones(n),
+                torch.ones(n), [None] * n)
+
+    def global_post_process_and_metrics(self, batch):
+        raise RuntimeError("metrics backend down")
+
+
+class Sayer(PuzzlePlayer):
+    async def generate(self, tokens, sampling, *, rid, routing_key):
+        ids = chat_tokens().encode("done")
+        return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
+                          weight_version="1", text="", cached_tokens=0, latency_s=0.0)
+
+
+async def test_failing_metrics_never_change_a_reward():
+    require_nemo_rl()
+    env = NemoRLEnvironment("m", EnvConfig(kind="nemo_rl", options={"cls": f"{__name__}:FailingMetricsEnv"}))
+    task = Task(id="m1", env="m", prompt="hi")
+    sample = await _play(env, task, Sayer([]))
+    assert sample.status == Status.COMPLETED and sample.reward == 1.0
+    assert sample.reward_components["nemo_rl/metrics_error"] == "RuntimeError: metrics backend down"
+    assert env.metrics.failures == 1
+    off = NemoRLEnvironment("m", EnvConfig(kind="nemo_rl", options={"cls": f"{__name__}:FailingMetricsEnv",
+                                                                       "metrics": False}))
+    sample = await _play(off, task, Sayer([]))
+    assert off.metrics is None and not any(k.startswith("nemo_rl/") for k in sample.reward_components)

@@ -94,6 +94,7 @@ class SimConfig:
     seed: int = 0
     tokenizer_path: str = ""  # "" = the shared test tokenizer
     answers: dict[str, str] = field(default_factory=dict)  # question text -> label (from --tasks)
+    puzzle: bool = False  # play sliding-puzzle moves (NeMo-RL's SlidingPuzzleEnv games), see `_puzzle_move`
 
 
 @dataclass
@@ -361,6 +362,8 @@ class SimEngine:
     async def _run(
         self, running: _Running, input_ids: list[int], routing_key: str, params: dict[str, Any]
     ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
+        if self.config.puzzle:
+            return await self._run_puzzle(running, input_ids, params)
         plan_ids, plan_lps, done = self._plan(input_ids, routing_key)
         budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
         budget = len(plan_ids) if budget is None else budget
@@ -409,6 +412,31 @@ class SimEngine:
                 return running.produced
             running.produced += chunk
         return running.produced
+
+    async def _run_puzzle(
+        self, running: _Running, input_ids: list[int], params: dict[str, Any]
+    ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
+        """`--puzzle`: one sliding-puzzle move, cut at the first of the request's `stop` strings
+        as SGLang cuts it (the output ends with the stop string's tokens, finish `stop`)."""
+        move = _puzzle_move(self.tokenizer.decode(input_ids, skip_special_tokens=False))
+        text = f"I slide {move}. <action>{move}</action> That is my move."
+        stops = params.get("stop") or []
+        hits = [(text.find(s), s) for s in ([stops] if isinstance(stops, str) else stops) if s and s in text]
+        if hits:
+            at, stop = min(hits)
+            ids = self._encode(text[: at + len(stop)])
+            finish: dict[str, Any] = {"type": "stop", "matched": stop}
+        else:
+            ids = self._encode(text) + [self.eos_id]
+            finish = {"type": "stop", "matched": self.eos_id}
+        budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+        if budget is not None and len(ids) > budget:
+            ids, finish = ids[:budget], {"type": "length", "length": budget}
+        produced = await self._emit(running, len(ids))
+        if produced < len(ids):
+            self.stats["aborted"] += 1
+            finish = {"type": "abort", "message": running.message}
+        return ids[:produced], [-0.5] * produced, finish, self._spans(running, produced)
 
     # ------------------------------------------------------------ policy
 
@@ -514,6 +542,81 @@ def _offered_tools(context: str) -> list[dict[str, Any]]:
     return tools
 
 
+_BOARD_ROW = re.compile(r"^(\d+) \|(.*)\|$")
+_ACTION = re.compile(r"<action>\s*(.*?)\s*</action>", re.S)
+# a move names the direction the tile next to the gap slides: (row, col) of that tile from the gap
+_SLIDES = {"up": (1, 0), "down": (-1, 0), "left": (0, 1), "right": (0, -1)}
+
+
+def _puzzle_move(context: str) -> str:
+    """The next move of a shortest solution of the sliding puzzle in `context`: its last drawn
+    board (rows `1 | 1  2  3 |`, 0 = the gap), with every `<action>move</action>` written after
+    the board applied; `view` when no board is drawn (or it is solved or unsolvable here)."""
+    board: list[list[int]] = []
+    end = pos = 0
+    rows: list[str] = []
+    for line in context.split("\n"):
+        pos += len(line) + 1
+        m = _BOARD_ROW.match(line)
+        if m and int(m.group(1)) == len(rows) + 1:
+            rows.append(m.group(2))
+            parsed = _parse_board(rows)
+            if parsed is not None:
+                board, end = parsed, pos
+        else:
+            rows = [m.group(2)] if m and m.group(1) == "1" else []
+    if not board:
+        return "view"
+    for action in _ACTION.findall(context[end:]):
+        board = _slide(board, action.strip().lower()) or board
+    size = len(board)
+    goal = tuple(list(range(1, size * size)) + [0])
+    start = tuple(v for row in board for v in row)
+    seen, frontier = {start: ""}, [start]
+    while frontier and goal not in seen and len(seen) < 200_000:
+        nxt = []
+        for state in frontier:
+            grid = [list(state[r * size : (r + 1) * size]) for r in range(size)]
+            for move in _SLIDES:
+                after = _slide(grid, move)
+                key = tuple(v for row in after for v in row) if after else None
+                if key is not None and key not in seen:
+                    seen[key] = seen[state] + " " + move if seen[state] else move
+                    nxt.append(key)
+        frontier = nxt
+    path = seen.get(goal, "")
+    return path.split()[0] if path else "view"
+
+
+def _parse_board(rows: list[str]) -> list[list[int]] | None:
+    """The rows drawn so far as a board when they make a whole one (each tile once, one gap)."""
+    n = len(rows)
+    if n < 2 or any(len(r) != len(rows[0]) for r in rows) or len(rows[0]) % n:
+        return None
+    width = len(rows[0]) // n
+    cells = [r[c * width : (c + 1) * width].strip() for r in rows for c in range(n)]
+    if not all(v == "" or v.isdigit() for v in cells):
+        return None
+    values = [int(v) if v else 0 for v in cells]
+    if sorted(values) != list(range(n * n)):
+        return None
+    return [values[r * n : (r + 1) * n] for r in range(n)]
+
+
+def _slide(board: list[list[int]], move: str) -> list[list[int]] | None:
+    """The board after `move` (the tile beside the gap slides into it), None if it cannot."""
+    if move not in _SLIDES:
+        return None
+    size = len(board)
+    gr, gc = next((r, c) for r in range(size) for c in range(size) if board[r][c] == 0)
+    tr, tc = gr + _SLIDES[move][0], gc + _SLIDES[move][1]
+    if not (0 <= tr < size and 0 <= tc < size):
+        return None
+    after = [row[:] for row in board]
+    after[gr][gc], after[tr][tc] = after[tr][tc], 0
+    return after
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -592,6 +695,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help="probability to call a tool first when the prompt offers tools (default %(default)s)")
     answers.add_argument("--malformed-rate", type=float, default=d.malformed_rate,
                          help="probability that a tool call is broken JSON (default %(default)s)")
+    answers.add_argument("--puzzle", action="store_true",
+                         help="play sliding-puzzle games instead of answering questions (NeMo-RL's SlidingPuzzleEnv, "
+                              "`kind: nemo_rl` multi_turn): each turn is one move '<action>up</action>' of a shortest "
+                              "solution of the last board drawn in the context, cut at the request's stop strings")
     answers.add_argument("--seed", type=int, default=d.seed,
                          help="seed of every turn's plan, with the routing key (default %(default)s)")
     length = p.add_argument_group("response length (lognormal filler tokens before the answer: the long tail)")
@@ -626,7 +733,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         length_mu=args.length_mu, length_sigma=args.length_sigma, max_filler_tokens=args.max_filler_tokens,
         token_latency_s=args.token_latency_s, latency_sigma=args.latency_sigma, slots=args.slots,
         context_length=args.context_length, weight_version=args.weight_version, seed=args.seed,
-        startup_s=args.startup_s,
+        startup_s=args.startup_s, puzzle=args.puzzle,
         tokenizer_path=args.tokenizer, answers=load_answers(args.tasks) if args.tasks else {},
     )
 

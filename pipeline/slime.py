@@ -77,6 +77,17 @@ class BatchStats:
     filtered: int = 0
     samples_failed: int = 0  # handed over with remove_sample=True
     due: int = 0  # groups due at this step (due-first), the most seen at once
+    # an environment's own batch metrics, carried as namespaced reward components ("nemo_rl/success_rate"):
+    # env -> name -> values over the step's samples
+    env_metrics: dict[str, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
+
+    def add_group(self, group: SampleGroup) -> None:
+        self.rewards[group.env].extend(group.rewards())
+        self.samples_failed += sum(s.status is Status.FAILED for s in group.samples)
+        for sample in group.samples:
+            for name, value in sample.reward_components.items():
+                if "/" in name and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.env_metrics[group.env][name].append(float(value))
 
     def metrics(self, ready: int, pending: int, counters: dict[str, int]) -> dict[str, float]:
         m: dict[str, float] = {
@@ -99,6 +110,9 @@ class BatchStats:
                 m[f"{METRIC_PREFIX}/staleness_hist/{k}"] = count
         for env, rewards in self.rewards.items():
             m[f"{METRIC_PREFIX}/reward_mean/{env}"] = sum(rewards) / len(rewards)
+        for env, named in self.env_metrics.items():
+            for name, values in named.items():
+                m[f"{METRIC_PREFIX}/env/{env}/{name}"] = sum(values) / len(values)
         for name, value in counters.items():
             m[f"{METRIC_PREFIX}/counters/{name}"] = value
         return m
@@ -273,8 +287,7 @@ class RedisDataSource(_DataSourceBase):
                 raise TimeoutError(f"rollout {rid}: only {len(entries)}/{n} groups after {self.settings.wait_timeout_s:.0f}s")
         for entry in entries:
             stats.staleness.append(staleness(version, self._oldest(entry.group)))
-            stats.rewards[entry.group.env].extend(entry.group.rewards())
-            stats.samples_failed += sum(s.status is Status.FAILED for s in entry.group.samples)
+            stats.add_group(entry.group)
         stats.wait_s = time.monotonic() - started
         self._warn_stale_storm(rid, version, stats, len(entries))
         return entries, stats

@@ -71,6 +71,26 @@ def test_rollout_returns_batch_times_n_contiguous(redis_url, namespace):
     ds.close()
 
 
+def test_an_environments_own_metrics_reach_the_step_metrics(redis_url, namespace):
+    """NeMo-RL's global_post_process_and_metrics (workers/envs/plugins.py) rides on each sample as
+    namespaced reward components; the step reports their mean per environment, nothing else of them."""
+    import msgspec
+
+    groups = []
+    for i, rate in enumerate((1.0, 0.0)):
+        group = make_group(f"m{i}:0", n=4, seed=i, env="puzzle")
+        samples = [msgspec.structs.replace(s, reward_components={"nemo_rl/success_rate": rate, "correct": True,
+                                                                  "nemo_rl/note": "text"})
+                   for s in group.samples]
+        groups.append(msgspec.structs.replace(group, samples=samples))
+    _push(redis_url, namespace, groups)
+    ds = RedisDataSource(_args(redis_url, namespace))
+    out = generate_rollout(ds.args, 0, ds)
+    env_keys = {k: v for k, v in out.metrics.items() if k.startswith("rollout/pipeline/env/")}
+    assert env_keys == {"rollout/pipeline/env/puzzle/nemo_rl/success_rate": 0.5}
+    ds.close()
+
+
 def test_a_failed_episode_is_handed_over_removed_from_the_loss(redis_url, namespace):
     """An episode failed by an outage keeps its tokens for the record, but slime must not train
     on them with the reward 0 the outage gave them: remove_sample zeroes its loss mask."""

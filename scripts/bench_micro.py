@@ -15,13 +15,17 @@ import time
 import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Union
+
+import msgspec
+import numpy as np
 
 from pipeline.buffer import GroupBuffer
 from pipeline.keys import TRAINER_GROUP, Keys
 from pipeline.redis_conn import connect
-from pipeline.schema import SampleGroup, decode_group, encode
+from pipeline.schema import Prompt, Sample, SampleGroup, SchemaError, Status, Task, decode_group, encode
 from pipeline.slime import RedisDataSource, to_trainer_group
+from pipeline.slime_samples import mask_list
 from pipeline.synthetic import make_group
 from scripts.report import Figure
 from scripts.timing import ratio
@@ -92,18 +96,21 @@ def bench_codec(*, quick: bool) -> list[Figure]:
             fns["json"] = (lambda x=as_lists: json.loads(json.dumps(x)), max(3, calls // 40))
         best = _best_interleaved(fns)
         payload = encode(group)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         parts = _best_interleaved({"encode": (lambda g=group: encode(g), calls),
                                    "decode": (lambda p=payload: decode_group(p), calls)})
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (10 * calls)
         shape = f"{n} x {tokens // n // 1024}k tokens"
         r = ratio(best["pickle"], best["ours"])
         met = r >= CODEC_GOAL
         print(f"[codec] {shape}: encode+decode {best['ours'] * us:.1f} us (encode {parts['encode'] * us:.1f}, "
-              f"decode+checks {parts['decode'] * us:.1f}) vs pickle of lists {best['pickle'] * us:,.0f} us: "
+              f"decode+checks {parts['decode'] * us:.1f}; {faults:.1f} page faults a call) vs pickle of lists {best['pickle'] * us:,.0f} us: "
               f"{r:.0f}x, goal >= {CODEC_GOAL:g}x {'met' if met else 'MISSED'}", flush=True)
         details = {
             "samples": n, "tokens": tokens, "response_tokens": n * response_len, "wire_bytes": len(payload),
             "encode_us": round(parts["encode"] * us, 2), "decode_us": round(parts["decode"] * us, 2),
             "pickle_bytes": len(pickle.dumps(as_lists, protocol=pickle.HIGHEST_PROTOCOL)),
+            "page_faults_per_call": round(faults, 2),
         }
         figures.append(Figure(
             section="codec", name=f"msgspec encode+decode ({shape}, typed, invariants checked)",
@@ -321,3 +328,188 @@ def _tolist_only(entries: list[Any]) -> float:
             s.loss_mask_array().tolist()
             s.log_prob_array().tolist()
     return time.perf_counter() - started
+
+
+# ------------------------------------------------------------------ design alternatives
+# Not a `rollout bench` section: the evidence behind two designs that were measured and not
+# adopted (docs/benchmarks.md, "codec" and "trainer hand-off"). Run:
+#     python -m scripts.bench_micro alternatives
+
+# prototypes of the layouts codec_layouts compares (SampleGroup's fields, other arrangements)
+class _Row(Sample, array_like=True, gc=False):
+    pass
+
+
+class _Rows(msgspec.Struct, kw_only=True, array_like=True, gc=False, tag=2):
+    group_id: str
+    task: Task
+    admission_version: int
+    n_samples: int
+    samples: list[_Row]
+    worker_id: str = ""
+    timings: dict[str, float] = {}
+    epoch: int = 0
+    attempt: int = 0
+    __post_init__ = SampleGroup.__post_init__  # the same checks
+
+
+class _Cold(msgspec.Struct, array_like=True, gc=False):
+    reward_components: dict[str, Any]
+    weight_versions: list[str]
+    policy_versions: list[int]
+    policy_run: int
+    prompt: Prompt
+    response: str
+    label: Union[str, None]
+    metadata: dict[str, Any]
+
+
+class _Columns(msgspec.Struct, array_like=True, gc=False, tag=3):
+    group_id: str
+    task: Task
+    admission_version: int
+    n_samples: int
+    worker_id: str
+    timings: dict[str, float]
+    epoch: int
+    attempt: int
+    token_bytes: list[int]
+    response_lengths: list[int]
+    rewards: list[float]
+    statuses: list[Status]
+    tokens: memoryview
+    loss_mask: memoryview
+    rollout_log_probs: memoryview
+    cold: msgspec.Raw  # list[_Cold], decoded when the samples are built
+
+
+class _Hot(msgspec.Struct, array_like=True, gc=False):
+    tokens: memoryview
+    response_length: int
+    loss_mask: memoryview
+    rollout_log_probs: memoryview
+    reward: float
+    status: Status
+
+
+class _HotGroup(msgspec.Struct, array_like=True, gc=False):
+    group_id: str
+    task: Task
+    samples: list[_Hot]
+
+
+def codec_layouts() -> list[dict[str, Any]]:
+    """encode+decode of each codec shape in four wire layouts, side by side with pickle of lists:
+    the map layout in use; the same structs as msgpack arrays (array_like, tagged); a columnar
+    group (one byte array per field, per-sample lengths, the other per-sample fields as one
+    blob), with its samples left unbuilt and built; and a floor: the six fields the trainer needs,
+    as arrays, no other field and no checks."""
+    enc = msgspec.msgpack.Encoder()
+    rows_dec, cols_dec, cold_dec = (msgspec.msgpack.Decoder(_Rows), msgspec.msgpack.Decoder(_Columns),
+                                    msgspec.msgpack.Decoder(list[_Cold]))
+    hot_dec = msgspec.msgpack.Decoder(_HotGroup)
+
+    def encode_columns(g: SampleGroup) -> bytes:
+        ss = g.samples
+        cold = enc.encode([_Cold(s.reward_components, s.weight_versions, s.policy_versions, s.policy_run, s.prompt,
+                                s.response, s.label, s.metadata) for s in ss])
+        return enc.encode(_Columns(
+            g.group_id, g.task, g.admission_version, g.n_samples, g.worker_id, g.timings, g.epoch, g.attempt,
+            [len(s.tokens) for s in ss], [s.response_length for s in ss], [s.reward for s in ss], [s.status for s in ss],
+            b"".join([s.tokens for s in ss]), b"".join([s.loss_mask for s in ss]),
+            b"".join([s.rollout_log_probs for s in ss]), msgspec.Raw(cold)))
+
+    def decode_columns(data: bytes) -> Any:  # the same invariants, on the columns
+        c = cols_dec.decode(data)
+        if not len(c.token_bytes) == len(c.response_lengths) == len(c.rewards) == c.n_samples:
+            raise SchemaError("sample count")
+        if sum(c.token_bytes) != len(c.tokens) or sum(c.response_lengths) != len(c.loss_mask) \
+                or 4 * len(c.loss_mask) != len(c.rollout_log_probs):
+            raise SchemaError("column lengths")
+        for t, n, r in zip(c.token_bytes, c.response_lengths, c.rewards):
+            if t & 3 or n < 0 or 4 * n > t or r != r:
+                raise SchemaError("sample")
+        return c
+
+    def build_samples(c: Any) -> list[Sample]:
+        out, t0, m0 = [], 0, 0
+        for t, n, r, st, k in zip(c.token_bytes, c.response_lengths, c.rewards, c.statuses, cold_dec.decode(c.cold)):
+            out.append(Sample(
+                tokens=c.tokens[t0:t0 + t], response_length=n, loss_mask=c.loss_mask[m0:m0 + n],
+                rollout_log_probs=c.rollout_log_probs[4 * m0:4 * (m0 + n)], reward=r, status=st,
+                reward_components=k.reward_components, weight_versions=k.weight_versions,
+                policy_versions=k.policy_versions, policy_run=k.policy_run, prompt=k.prompt, response=k.response,
+                label=k.label, metadata=k.metadata))
+            t0, m0 = t0 + t, m0 + n
+        return out
+
+    rows = []
+    for n, prompt_len, response_len in CODEC_SHAPES:
+        group = make_group("codec:0", n=n, prompt_len=prompt_len, response_len=response_len)
+        as_rows = _Rows(**{**_fields(group), "samples": [_Row(**_fields(s)) for s in group.samples]})
+        hot = _HotGroup(group.group_id, group.task, [_Hot(s.tokens, s.response_length, s.loss_mask,
+                                                        s.rollout_log_probs, s.reward, s.status) for s in group.samples])
+        assert [bytes(s.tokens) for s in build_samples(decode_columns(encode_columns(group)))] == \
+            [bytes(s.tokens) for s in group.samples]
+        as_lists = _as_lists(group)
+        calls = max(20, 400 // n)
+        best = _best_interleaved({
+            "pickle of lists": (lambda x=as_lists: pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)),
+                                max(3, calls // 20)),
+            "map (in use)": (lambda g=group: decode_group(encode(g)), calls),
+            "array_like": (lambda g=as_rows: rows_dec.decode(enc.encode(g)), calls),
+            "columnar, samples unbuilt": (lambda g=group: decode_columns(encode_columns(g)), calls),
+            "columnar, samples built": (lambda g=group: build_samples(decode_columns(encode_columns(g))), calls),
+            "floor: 6 fields, no checks": (lambda g=hot: hot_dec.decode(enc.encode(g)), calls),
+        }, loops=7)
+        shape = f"{n} x {(prompt_len + response_len) // 1024}k"
+        pickle_s = best.pop("pickle of lists")
+        print(f"[codec layouts] {shape}: pickle of lists {pickle_s * 1e6:,.0f} us; "
+              + "; ".join(f"{name} {s * 1e6:.1f} us = {ratio(pickle_s, s):.0f}x" for name, s in best.items()), flush=True)
+        rows.append({"shape": shape, "pickle_us": pickle_s * 1e6, **{k: v * 1e6 for k, v in best.items()}})
+    return rows
+
+
+def handoff_token_ints(rounds: int = 10) -> dict[str, dict[str, float]]:
+    """CPU seconds (user + kernel) of a 64 x 16 x 4k batch's lists, built as `to_trainer_group`
+    builds them (per sample: tokens, loss mask from its runs, log-probs), with the tokens made by
+    `tolist()` (a fresh int object per id above 256) or taken from a process-wide table of shared
+    int objects (`table.take(ids).tolist()`: no int allocated). The two take turns round by round;
+    each round's lists stay alive until its end, like a batch. On the benchmark's uniform random
+    ids (the hand-off section's groups) and on Zipf(1.1)-distributed ids (closer to text)."""
+    vocab = 150_000
+    table = np.array(range(vocab), dtype=object)
+    rng = np.random.default_rng(0)
+    zipf_ids = rng.permutation(vocab)
+    log_probs = [-rng.random(3584, dtype=np.float32) for _ in range(64 * 16)]
+    mask = np.ones(3584, dtype=np.uint8)
+    batches = {
+        "uniform ids": [rng.integers(0, vocab, 4096, dtype=np.int32) for _ in range(64 * 16)],
+        "zipf ids": [zipf_ids[np.minimum(rng.zipf(1.1, 4096), vocab) - 1].astype(np.int32) for _ in range(64 * 16)],
+    }
+    out: dict[str, dict[str, float]] = {}
+    for data, tokens in batches.items():
+        cpu: dict[str, list[float]] = {"tolist": [], "shared-int table": []}
+        for _ in range(rounds):
+            for way, convert in (("tolist", lambda a: a.tolist()), ("shared-int table", lambda a: table.take(a).tolist())):
+                started = time.process_time()
+                lists = [(convert(t), mask_list(mask), lp.tolist()) for t, lp in zip(tokens, log_probs)]
+                cpu[way].append(time.process_time() - started)
+                del lists
+        out[data] = {f"{way} {stat}": round(fn(v), 4) for way, v in cpu.items()
+                     for stat, fn in (("min_s", min), ("median_s", statistics.median))}
+        print(f"[handoff token ints] {data}: " + ", ".join(f"{k} {v:.3f}" for k, v in out[data].items()), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["alternatives"]:
+        sys.exit("usage: python -m scripts.bench_micro alternatives")
+    import gc
+
+    gc.disable()  # as in to_trainer_group's build: no collection walks the lists being built
+    handoff_token_ints()
+    gc.enable()
+    codec_layouts()

@@ -48,6 +48,7 @@ from pipeline.staleness import (
     engine_policy_version,
     label_versions,
     lag_floor,
+    places_to_keep,
     staleness,
 )
 from pipeline.state import PipelineState, TrainerInfo
@@ -341,7 +342,7 @@ class RedisDataSource(_DataSourceBase):
         if waited_out:
             await self._give_up_waiting(rid, [g for g, c in clock_of.items()
                                               if g not in by_group and c <= due_clock(rid, eta)])
-        reserve = 0 if waited_out else self._places_to_keep(clock_of, set(by_group), rid, n)
+        reserve = 0 if waited_out else places_to_keep(clock_of, set(by_group), rollout_id=rid, batch_size=n, eta=eta)
 
         def age(e: Entry) -> tuple[int, tuple[int, ...]]:
             return clock_of[e.group.group_id], tuple(int(x) for x in e.stream_id.split("-"))
@@ -352,21 +353,6 @@ class RedisDataSource(_DataSourceBase):
         fresh = [e for e in taken if await self._still_fresh(e, rid, stats)]
         self._kept_stale.difference_update(e.stream_id for e in taken)
         return fresh
-
-    def _places_to_keep(self, clock_of: dict[str, int], ready: set[str], rid: int, n: int) -> int:
-        """Places this step keeps for groups still generating: for each clock t, the groups of
-        clock <= t it must take minus those of them already here."""
-        by_clock: dict[int, tuple[int, int]] = {}
-        for gid, clock in clock_of.items():
-            total, here = by_clock.get(clock, (0, 0))
-            by_clock[clock] = (total + 1, here + (gid in ready))
-        reserve = total = here = 0
-        for clock in sorted(by_clock):
-            total += by_clock[clock][0]
-            here += by_clock[clock][1]
-            must = total - max(0, clock + self.settings.eta - rid) * n
-            reserve = max(reserve, must - here)
-        return reserve
 
     async def _open_clocks(self) -> dict[str, int]:
         """`{ns}:open` as group id -> admission clock, without groups this process trained (a

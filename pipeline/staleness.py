@@ -9,6 +9,7 @@ slot back. eta = 0 is synchronous training.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Set
 
 
 class StalePolicy(str, enum.Enum):
@@ -33,6 +34,25 @@ def due_clock(rollout_id: int, eta: int) -> int:
     """The highest admission clock due at step `rollout_id`: a group admitted against
     `{ns}:version` = a is due at step a + eta, the last step whose lag stays <= eta."""
     return rollout_id - eta
+
+
+def places_to_keep(clock_of: Mapping[str, int], ready: Set[str], *, rollout_id: int, batch_size: int, eta: int) -> int:
+    """Due-first: how many places step `rollout_id` keeps for groups still generating. A group of
+    admission clock t must be trained by step t + eta and each later step takes `batch_size`, so
+    of the R(t) open groups with clock <= t, at least R(t) - (t + eta - rollout_id) * batch_size
+    must come from this step; the places kept are the most, over t, of those not `ready` yet.
+    `clock_of`: open group id -> admission clock; `ready`: the ids this step could take now."""
+    by_clock: dict[int, tuple[int, int]] = {}
+    for gid, clock in clock_of.items():
+        total, here = by_clock.get(clock, (0, 0))
+        by_clock[clock] = (total + 1, here + (gid in ready))
+    reserve = total = here = 0
+    for clock in sorted(by_clock):
+        total += by_clock[clock][0]
+        here += by_clock[clock][1]
+        must = total - max(0, clock + eta - rollout_id) * batch_size
+        reserve = max(reserve, must - here)
+    return reserve
 
 
 def admission_headroom(*, eta: int, version: int, batch_size: int, admitted: int, discarded: int) -> int:

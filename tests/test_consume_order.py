@@ -202,3 +202,21 @@ def test_a_group_delivered_again_after_it_was_trained_is_not_trained_twice(redis
         cluster.close()
         source.close()
     assert "it was already trained at rollout 0" in caplog.text
+
+
+def test_places_kept_are_what_the_deadlines_need_and_no_more():
+    """eta 2, B 8: clock 0 admits 24 groups, so step 0 must take 8 of them (24 - 2 x 8); with
+    none ready it keeps 8 places. Later clocks only count once their own deadline is near."""
+    from pipeline.staleness import places_to_keep
+
+    clock0 = {f"a{i}": 0 for i in range(24)}
+    assert places_to_keep(clock0, set(), rollout_id=0, batch_size=8, eta=2) == 8
+    assert places_to_keep(clock0, {"a0", "a1", "a2"}, rollout_id=0, batch_size=8, eta=2) == 5
+    # step 1: 12 of clock 0 left (4 ready) and clock 1's 12: clock 0 needs 12 - 1 x 8 = 4 now,
+    # clocks <= 1 need 24 - 2 x 8 = 8 now (steps 2 and 3 take 16): 4 here, 4 places kept
+    left = {f"a{i}": 0 for i in range(12)} | {f"b{i}": 1 for i in range(12)}
+    assert places_to_keep(left, {"a0", "a1", "a2", "a3"}, rollout_id=1, batch_size=8, eta=2) == 4
+    assert places_to_keep(left, {"a0", "a1", "b0", "b1", "b2", "b3", "b4", "b5"}, rollout_id=1, batch_size=8,
+                          eta=2) == 2  # clock 0 still needs 2 more of its own
+    assert places_to_keep(left, {f"b{i}" for i in range(8)} | {"a0", "a1", "a2", "a3"}, rollout_id=1,
+                          batch_size=8, eta=2) == 0

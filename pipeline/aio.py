@@ -1,9 +1,11 @@
-"""A private event loop on a daemon thread, so synchronous callers (slime's rollout
-manager) can use the asyncio Redis client whether or not they run inside a loop."""
+"""asyncio helpers: a private event loop on a daemon thread, so synchronous callers (slime's
+rollout manager) can use the asyncio Redis client whether or not they run inside a loop; a
+`wait_for` that never swallows a cancel."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Awaitable
 from typing import TypeVar
@@ -26,3 +28,35 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
         self.loop.close()
+
+
+async def wait_for(awaitable: Awaitable[T], timeout: float | None) -> T:
+    """`asyncio.wait_for` without its race before Python 3.12: when the caller is cancelled just as
+    the inner awaitable finishes or times out, that wait_for returns (or raises TimeoutError) and
+    the cancel is lost, so a cancelled loop runs on (a producer told to stop admitted its whole
+    epoch). `asyncio.timeout` (3.11+, what 3.12's wait_for is built on) counts cancellations and
+    hands the caller's on; on 3.10, `asyncio.wait` raises the caller's cancel as it comes."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(timeout):
+            return await awaitable
+    inner = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({inner}, timeout=timeout)
+    except BaseException:
+        inner.cancel()
+        raise
+    if not done:
+        inner.cancel()
+        await asyncio.wait({inner})  # let it unwind; a cancel of ours here propagates
+        raise asyncio.TimeoutError()
+    return inner.result()
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event` at most `timeout` seconds; True if it is set. A cancel always propagates."""
+    try:
+        await wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        return event.is_set()
+    return True
+

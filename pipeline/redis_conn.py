@@ -167,6 +167,13 @@ class OutageRetry(Retry):
                 # retry (its handshake may still be cut) must not restart the budget
                 if depth == 0:
                     self.ok()
+                if _cancelling() > cancels_before:
+                    # a cancel that arrived during the call and was swallowed: redis-py sends with
+                    # asyncio.wait_for(writer.drain(), socket_timeout), and before Python 3.12
+                    # wait_for returns the inner result when a cancel meets a finished drain. The
+                    # command ran; the caller was cancelled and hears so now, or it runs on (a
+                    # producer told to stop admitted its whole epoch).
+                    raise asyncio.CancelledError()
                 return result
             finally:
                 _RETRY_DEPTH.reset(token)

@@ -51,6 +51,7 @@ if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo im
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from pipeline.aio import wait_event
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.keys import Counter, Keys
@@ -186,10 +187,7 @@ class Producer:
         """Sleep one poll interval (woken early by stop); the next loop re-reads v and counters."""
         self.stats.waits += 1
         started = time.monotonic()
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=self.options.poll_s)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(stop, self.options.poll_s)  # a cancel while polling always propagates
         self.stats.wait_s += time.monotonic() - started
 
     async def _refresh_limits(self) -> None:

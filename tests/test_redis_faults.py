@@ -243,3 +243,26 @@ async def test_a_cancel_turned_into_a_timeout_is_not_retried():
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
     assert calls == [1]
+
+
+@pytest.mark.skipif(not hasattr(asyncio.Task, "cancelling"), reason="Task.cancelling: Python >= 3.11")
+async def test_a_cancel_swallowed_by_a_finished_send_still_stops_the_caller(redis, keys):
+    """redis-py sends with asyncio.wait_for(writer.drain(), socket_timeout); before Python 3.12 a
+    cancel that meets a finished drain is dropped and the command's reply returned. A loop of
+    commands told to stop must stop (a producer cancelled mid-epoch admitted the whole epoch)."""
+    stopped_at = []
+    for attempt in range(20):
+        counter = f"{keys.ns}:loop:{attempt}"
+
+        async def loop_of_commands():
+            while True:
+                await redis.incr(counter)
+
+        task = asyncio.ensure_future(loop_of_commands())
+        await asyncio.sleep(0.005 * (attempt % 5))
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done and task.cancelled(), f"attempt {attempt}: a cancelled loop of Redis commands ran on"
+        stopped_at.append(int(await redis.get(counter) or 0))
+        await asyncio.sleep(0.02)
+        assert int(await redis.get(counter) or 0) == stopped_at[-1]

@@ -1,12 +1,19 @@
-"""Shared pieces of the run-level chaos tests: the slime-side trainer thread and the
-worker-liveness waits. Each test brings its own producer, workers and faults."""
+"""Shared pieces of the run-level chaos tests: the slime-side trainer thread, the run's parts
+(tasks, pipeline config, simulated engine and worker processes) and the worker-liveness waits.
+Each test brings its own parameters, producer and faults."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -58,6 +65,12 @@ class Trainer(threading.Thread):
     def trained_tasks(self, epoch: int = 0) -> set[str]:
         return {t for t, e in self.trained() if e == epoch}
 
+    def lost_and_duplicates(self, task_ids: Iterable[str]) -> tuple[list[str], dict[tuple[str, int], int]]:
+        """The epoch-0 tasks never trained, and each (task, epoch) trained more than once (with its count)."""
+        per_task = Tally(self.trained())
+        lost = sorted(set(task_ids) - {t for t, e in per_task if e == 0})
+        return lost, {t: c for t, c in per_task.items() if c > 1}
+
     def run(self) -> None:
         source = RedisDataSource(self.args)
         try:
@@ -88,6 +101,10 @@ def trained_key(group_id: str) -> tuple[str, int]:
     return task, int(tail.split("r")[0])
 
 
+async def counters(redis, keys: Keys) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+
+
 async def live_workers(redis, keys: Keys) -> list[str]:
     return [w.decode() for w in await redis.zrange(keys.workers, 0, -1)]
 
@@ -97,6 +114,90 @@ async def wait_workers(redis, keys: Keys, count: int, timeout: float = 90.0) -> 
     while len(await live_workers(redis, keys)) < count:
         assert time.monotonic() < deadline, f"fewer than {count} workers heart-beating after {timeout}s"
         await asyncio.sleep(0.2)
+
+
+# ------------------------------------------------------------------ a run's parts
+
+def write_tasks(path: Path, ns: str, count: int) -> list[str]:
+    """`count` arithmetic tasks (`{ns}-t{i}`: "What is i + i?") as a JSONL file; their ids."""
+    ids = [f"{ns}-t{i}" for i in range(count)]
+    lines = [json.dumps({"id": tid, "env": "arith", "prompt": f"What is {i} + {i}?", "label": str(2 * i)})
+             for i, tid in enumerate(ids)]
+    path.write_text("\n".join(lines) + "\n")
+    return ids
+
+
+def pipeline_config(redis_url: str, ns: str, engine_url: str, tokenizer: str, *, batch: int, n: int, eta: int,
+                    max_response_tokens: int, concurrency: int, dead_after_s: float, poll_delay_s: float,
+                    max_tries: int) -> dict:
+    """The pipeline config of a chaos run: the arithmetic environment on the simulated engine."""
+    return {
+        "redis": {"url": redis_url, "namespace": ns},
+        "engine": {"url": engine_url, "tokenizer": tokenizer, "max_retries": 2, "retry_backoff_s": 0.05},
+        "rollout": {"n_samples_per_prompt": n, "rollout_batch_size": batch, "eta": eta,
+                    "max_response_tokens": max_response_tokens},
+        "environments": {"arith": {"kind": "arithmetic"}},
+        "workers": {"concurrency": concurrency, "heartbeat_s": 0.5, "dead_after_s": dead_after_s,
+                    "poll_delay_s": poll_delay_s, "max_tries": max_tries},
+    }
+
+
+@dataclass
+class SimRun:
+    """What `sim_run` started: the config (as written to `config_path`) and the worker processes;
+    the test's producer task, when it sets one, runs with `stop_event=stop`."""
+
+    data: dict
+    config_path: str
+    workers: list  # workers.sim.processes.WorkerProcess, in start order
+    tmp_path: Path
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    producer: Optional[asyncio.Task] = None  # run_producer(..., stop_event=stop), stopped on the way out
+
+    def start_worker(self) -> Any:
+        """One more `rollout workers` process on the same config (log `w{index}.log`)."""
+        from workers.sim.processes import WorkerProcess
+
+        worker = WorkerProcess(self.config_path, log_path=str(self.tmp_path / f"w{len(self.workers)}.log")).start()
+        self.workers.append(worker)
+        return worker
+
+
+@asynccontextmanager
+async def sim_run(redis, keys: Keys, redis_url: str, tmp_path: Path, *, sim: dict, workers: int = 2,
+                  **config: Any) -> AsyncIterator[SimRun]:
+    """The simulated SGLang engine over HTTP (`SimConfig(**sim)`, 64 slots, the test tokenizer),
+    `pipeline_config(redis_url, keys.ns, ..., **config)` written to `tmp_path/pipeline.yaml`, and
+    `workers` `rollout workers` processes on it, heart-beating (seen through `redis`) when the run
+    is handed over. On the way out: the producer task stopped, every worker process (started here
+    or by `SimRun.start_worker`; a frozen one resumed first) stopped, then the engine."""
+    from workers.sim.engine import SimConfig, serve_sim_engine
+    from workers.sim.processes import write_config
+    from workers.sim.tokenizer import default_tokenizer_path
+
+    tokenizer = default_tokenizer_path()
+    async with serve_sim_engine(SimConfig(**{"slots": 64, **sim}, tokenizer_path=tokenizer)) as engine:
+        data = pipeline_config(redis_url, keys.ns, engine.url, tokenizer, **config)
+        run = SimRun(data, write_config(data, tmp_path / "pipeline.yaml"), [], tmp_path)
+        try:
+            for _ in range(workers):
+                run.start_worker()
+            await wait_workers(redis, keys, workers)
+            yield run
+        finally:
+            try:
+                await stop_producer(run.stop, run.producer)
+            finally:
+                for w in run.workers:
+                    w.signal(signal.SIGCONT)  # a SIGSTOPped worker acts on SIGTERM only once resumed
+                    w.stop(grace_s=5)
+
+
+async def stop_producer(stop: asyncio.Event, producer: Optional[asyncio.Task]) -> None:
+    """Set the producer's stop event and wait (15 s at most) for its task to end, errors and all."""
+    stop.set()
+    if producer is not None and not producer.done():
+        await asyncio.wait_for(asyncio.gather(producer, return_exceptions=True), 15)
 
 
 # ------------------------------------------------------------------ lost replies

@@ -34,7 +34,7 @@ from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
-from tests.chaos_helpers import Trainer, wait_workers
+from tests.chaos_helpers import Trainer, counters, sim_run, write_tasks
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
 
@@ -43,24 +43,6 @@ BATCH, N, ETA = 4, 2, 2
 KILLS = 3
 DOWN_S = 0.5  # how long redis-server stays dead before it is started again
 LOST_S = 1.0  # everysec: the AOF tail a machine crash may lose, cut at each kill (third case)
-
-
-def _config(redis_url: str, ns: str, engine_url: str, tokenizer: str) -> dict:
-    return {
-        "redis": {"url": redis_url, "namespace": ns},
-        "engine": {"url": engine_url, "tokenizer": tokenizer, "max_retries": 2, "retry_backoff_s": 0.05},
-        "rollout": {"n_samples_per_prompt": N, "rollout_batch_size": BATCH, "eta": ETA, "max_response_tokens": 128},
-        "environments": {"arith": {"kind": "arithmetic"}},
-        "workers": {"concurrency": 4, "heartbeat_s": 0.5, "dead_after_s": 3.0, "poll_delay_s": 0.05, "max_tries": 6},
-    }
-
-
-def _write_tasks(path: Path, ns: str) -> list[str]:
-    ids = [f"{ns}-t{i}" for i in range(TASKS)]
-    lines = [json.dumps({"id": tid, "env": "arith", "prompt": f"What is {i} + {i}?", "label": str(2 * i)})
-             for i, tid in enumerate(ids)]
-    path.write_text("\n".join(lines) + "\n")
-    return ids
 
 
 class AofTail(threading.Thread):
@@ -102,8 +84,7 @@ class AofTail(threading.Thread):
 
 async def _state(redis, keys: Keys) -> dict:
     """Where the pipeline stands (printed when a run stalls)."""
-    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
-    return {"counters": counters, "queue": await redis.zcard(keys.queue),
+    return {"counters": await counters(redis, keys), "queue": await redis.zcard(keys.queue),
             "stream": await redis.xlen(keys.groups), "requeue": await redis.llen(keys.requeue),
             "workers": await redis.zcard(keys.workers),
             "groups_info": await redis.xinfo_groups(keys.groups)}
@@ -111,10 +92,10 @@ async def _state(redis, keys: Keys) -> dict:
 
 async def _snapshot(redis, keys: Keys) -> dict:
     """What a restart must keep: the stream's entries, the counters, the trainer's pending ids."""
-    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+    counts = await counters(redis, keys)
     # group ids (the `id` field), so that an entry acknowledged (XDEL) by a save in between is told apart
     entries = [f.get(b"id", sid).decode() for sid, f in await redis.xrange(keys.groups)] if await redis.exists(keys.groups) else []
-    return {"entries": entries, "counters": counters}
+    return {"entries": entries, "counters": counts}
 
 
 @pytest.mark.parametrize("fsync,cut_s", [
@@ -124,15 +105,11 @@ async def _snapshot(redis, keys: Keys) -> dict:
 ])
 async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut_s, namespace, tmp_path):
     from producers.enqueue import ProducerOptions, run_producer
-    from workers.sim.engine import SimConfig, serve_sim_engine
-    from workers.sim.processes import WorkerProcess, write_config
-    from workers.sim.tokenizer import default_tokenizer_path
 
     rng = random.Random(13)
     keys = Keys(namespace)
-    task_ids = _write_tasks(tmp_path / "tasks.jsonl", namespace)
-    tokenizer = default_tokenizer_path()
-    sim = SimConfig(token_latency_s=0.004, latency_sigma=0.5, length_sigma=0.5, slots=64, tokenizer_path=tokenizer)
+    task_ids = write_tasks(tmp_path / "tasks.jsonl", namespace, TASKS)
+    sim = dict(token_latency_s=0.004, latency_sigma=0.5, length_sigma=0.5)
     (tmp_path / "redis").mkdir()
     server = LocalRedis(appendonly=True, appendfsync=fsync, data_dir=str(tmp_path / "redis")).start()
     redis = connect(server.url)
@@ -140,92 +117,78 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
     tail.start()
     kills: list[dict] = []
     try:
-        async with serve_sim_engine(sim) as engine:
-            data = _config(server.url, namespace, engine.url, tokenizer)
-            config_path = write_config(data, tmp_path / "pipeline.yaml")
-            workers = [WorkerProcess(config_path, log_path=str(tmp_path / f"w{i}.log")).start() for i in range(2)]
-            stop = asyncio.Event()
-            producer = None
-            try:
-                await wait_workers(redis, keys, 2)
-                epoch0 = set(task_ids)
-                saved: list[str] = []  # group ids of the steps whose save() returned
+        async with sim_run(redis, keys, server.url, tmp_path, sim=sim, batch=BATCH, n=N, eta=ETA, max_response_tokens=128,
+                           concurrency=4, dead_after_s=3.0, poll_delay_s=0.05, max_tries=6) as run:
+            epoch0 = set(task_ids)
+            saved: list[str] = []  # group ids of the steps whose save() returned
 
-                def after_step(rid: int) -> None:
-                    saved.extend(trainer.trained_groups[len(saved):])
+            def after_step(rid: int) -> None:
+                saved.extend(trainer.trained_groups[len(saved):])
 
-                trainer = Trainer(server.url, namespace, batch=BATCH, n=N, eta=ETA, max_steps=3 * TASKS // BATCH,
-                                  done=lambda t: epoch0 <= t.trained_tasks(0), after_step=after_step,
-                                  wait_timeout_s=25.0 if cut_s else 60.0)
-                trainer.start()
-                producer = asyncio.create_task(run_producer(
-                    parse_config(data), tmp_path / "tasks.jsonl", follow=True, stop_event=stop,
-                    options=ProducerOptions(max_requeues=3),
-                ))
-                while trainer.is_alive() and trainer.steps < 2:  # a few steps in: a lost second is a suffix
-                    await asyncio.sleep(0.1)
-                while trainer.is_alive() and len(kills) < KILLS:
-                    await asyncio.sleep(rng.uniform(0.6, 1.0))
-                    if not trainer.is_alive():
-                        break
-                    before = await _snapshot(redis, keys)
-                    acked_before = list(saved)
-                    server.stop(kill=True)  # SIGKILL: no shutdown, no last fsync
-                    killed_at = time.monotonic()
-                    aof_bytes_cut = tail.cut_last(cut_s) if cut_s else 0
-                    # what survived, read from a copy of the AOF before any client reconnects
-                    copy = tmp_path / f"copy{len(kills)}"
-                    shutil.copytree(tmp_path / "redis", copy, ignore=shutil.ignore_patterns("redis.log"))
-                    with LocalRedis(appendonly=True, data_dir=str(copy)) as survivor:
-                        probe = connect(survivor.url)
-                        after = await _snapshot(probe, keys)
-                        await probe.aclose()
-                    await asyncio.sleep(max(0.0, DOWN_S - (time.monotonic() - killed_at)))
-                    server.start()  # same port, same AOF
-                    kills.append({
-                        "at_step": trainer.steps, "down_s": round(time.monotonic() - killed_at, 2),
-                        "aof_bytes_cut": aof_bytes_cut,
-                        "entries_lost": len(set(before["entries"]) - set(after["entries"]) - set(trainer.trained_groups)),
-                        # only what the snapshot had and the AOF did not: writes between the
-                        # snapshot and the kill show up as negative moves and are not losses
-                        "counter_moves_lost": {k: v - after["counters"].get(k, 0) for k, v in before["counters"].items()
-                                               if v > after["counters"].get(k, 0) and k != Counter.RUNNING},
-                        "acked_groups_before": len(acked_before),
-                    })
-                await asyncio.to_thread(trainer.join, 150)
-                if trainer.error is not None or trainer.is_alive():
-                    print("\nCHAOS redis AOF stalled:", json.dumps({
-                        "kills": kills, "trained": len(trainer.trained_groups),
-                        "trained_epoch0": len(trainer.trained_tasks(0)),
-                        "trained_twice": sum(c > 1 for c in Tally(trainer.trained()).values()),
-                        "state": await _state(redis, keys)}, default=str))
-                trainer.join_and_check(1)
-                stop.set()
-                stats = await asyncio.wait_for(producer, 60)  # raises if the producer crashed
-                crashed = [w.proc.returncode for w in workers if w.proc.poll() is not None]
-            finally:
-                stop.set()
-                if producer is not None and not producer.done():
-                    await asyncio.wait_for(asyncio.gather(producer, return_exceptions=True), 15)
-                for w in workers:
-                    w.stop(grace_s=5)
-        counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+            trainer = Trainer(server.url, namespace, batch=BATCH, n=N, eta=ETA, max_steps=3 * TASKS // BATCH,
+                              done=lambda t: epoch0 <= t.trained_tasks(0), after_step=after_step,
+                              wait_timeout_s=25.0 if cut_s else 60.0)
+            trainer.start()
+            run.producer = asyncio.create_task(run_producer(
+                parse_config(run.data), tmp_path / "tasks.jsonl", follow=True, stop_event=run.stop,
+                options=ProducerOptions(max_requeues=3),
+            ))
+            while trainer.is_alive() and trainer.steps < 2:  # a few steps in: a lost second is a suffix
+                await asyncio.sleep(0.1)
+            while trainer.is_alive() and len(kills) < KILLS:
+                await asyncio.sleep(rng.uniform(0.6, 1.0))
+                if not trainer.is_alive():
+                    break
+                before = await _snapshot(redis, keys)
+                acked_before = list(saved)
+                server.stop(kill=True)  # SIGKILL: no shutdown, no last fsync
+                killed_at = time.monotonic()
+                aof_bytes_cut = tail.cut_last(cut_s) if cut_s else 0
+                # what survived, read from a copy of the AOF before any client reconnects
+                copy = tmp_path / f"copy{len(kills)}"
+                shutil.copytree(tmp_path / "redis", copy, ignore=shutil.ignore_patterns("redis.log"))
+                with LocalRedis(appendonly=True, data_dir=str(copy)) as survivor:
+                    probe = connect(survivor.url)
+                    after = await _snapshot(probe, keys)
+                    await probe.aclose()
+                await asyncio.sleep(max(0.0, DOWN_S - (time.monotonic() - killed_at)))
+                server.start()  # same port, same AOF
+                kills.append({
+                    "at_step": trainer.steps, "down_s": round(time.monotonic() - killed_at, 2),
+                    "aof_bytes_cut": aof_bytes_cut,
+                    "entries_lost": len(set(before["entries"]) - set(after["entries"]) - set(trainer.trained_groups)),
+                    # only what the snapshot had and the AOF did not: writes between the
+                    # snapshot and the kill show up as negative moves and are not losses
+                    "counter_moves_lost": {k: v - after["counters"].get(k, 0) for k, v in before["counters"].items()
+                                           if v > after["counters"].get(k, 0) and k != Counter.RUNNING},
+                    "acked_groups_before": len(acked_before),
+                })
+            await asyncio.to_thread(trainer.join, 150)
+            if trainer.error is not None or trainer.is_alive():
+                print("\nCHAOS redis AOF stalled:", json.dumps({
+                    "kills": kills, "trained": len(trainer.trained_groups),
+                    "trained_epoch0": len(trainer.trained_tasks(0)),
+                    "trained_twice": sum(c > 1 for c in Tally(trainer.trained()).values()),
+                    "state": await _state(redis, keys)}, default=str))
+            trainer.join_and_check(1)
+            run.stop.set()
+            stats = await asyncio.wait_for(run.producer, 60)  # raises if the producer crashed
+            crashed = [w.proc.returncode for w in run.workers if w.proc.poll() is not None]
+        counts = await counters(redis, keys)
         dead = await redis.xlen(keys.dead) if await redis.exists(keys.dead) else 0
     finally:
         tail.running = False
         await redis.aclose()
         server.close()
 
-    per_task = Tally(trainer.trained())
-    lost = sorted(set(task_ids) - {t for t, e in per_task if e == 0})
-    duplicates = {t: c for t, c in per_task.items() if c > 1}
+    lost, duplicates = trainer.lost_and_duplicates(task_ids)
     report = {
         "appendfsync": fsync, "tasks": TASKS, "steps": trainer.steps, "groups_trained": len(trainer.trained_groups),
         "kills": kills, "lost": len(lost), "duplicates": len(duplicates), "processes_crashed": len(crashed),
         "producer": {"admitted": stats.admitted, "requeued": stats.requeued},
-        "duplicate_pushes_refused": counters.get(Counter.DUPLICATES, 0),
-        "jobs_failed": counters.get(Counter.FAILED, 0), "dead_letters": dead,
-        "enqueued": counters.get(Counter.ENQUEUED, 0), "buffered": counters.get(Counter.BUFFERED, 0),
+        "duplicate_pushes_refused": counts.get(Counter.DUPLICATES, 0),
+        "jobs_failed": counts.get(Counter.FAILED, 0), "dead_letters": dead,
+        "enqueued": counts.get(Counter.ENQUEUED, 0), "buffered": counts.get(Counter.BUFFERED, 0),
     }
     print(f"\nCHAOS redis AOF ({fsync}) report:", json.dumps(report))
     assert len(kills) == KILLS, report

@@ -19,14 +19,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections import Counter as Tally
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
-from tests.chaos_helpers import LossyProxy, Trainer, wait_workers
+from tests.chaos_helpers import LossyProxy, Trainer, counters, sim_run, write_tasks
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
@@ -36,87 +34,51 @@ RATE = 50  # 1 reply in RATE is lost
 OUTAGE_S = 2.0
 
 
-def _config(redis_url: str, ns: str, engine_url: str, tokenizer: str) -> dict:
-    return {
-        "redis": {"url": redis_url, "namespace": ns},
-        "engine": {"url": engine_url, "tokenizer": tokenizer, "max_retries": 2, "retry_backoff_s": 0.05},
-        "rollout": {"n_samples_per_prompt": N, "rollout_batch_size": BATCH, "eta": ETA, "max_response_tokens": 128},
-        "environments": {"arith": {"kind": "arithmetic"}},
-        "workers": {"concurrency": 4, "heartbeat_s": 0.5, "dead_after_s": 3.0, "poll_delay_s": 0.05, "max_tries": 4},
-    }
-
-
-def _write_tasks(path: Path, ns: str) -> list[str]:
-    ids = [f"{ns}-t{i}" for i in range(TASKS)]
-    lines = [json.dumps({"id": tid, "env": "arith", "prompt": f"What is {i} + {i}?", "label": str(2 * i)})
-             for i, tid in enumerate(ids)]
-    path.write_text("\n".join(lines) + "\n")
-    return ids
-
-
 async def test_lost_replies_and_an_outage_lose_nothing_and_count_true(redis, redis_server, keys, namespace, tmp_path):
     from producers.enqueue import ProducerOptions, run_producer
-    from workers.sim.engine import SimConfig, serve_sim_engine
-    from workers.sim.processes import WorkerProcess, write_config
-    from workers.sim.tokenizer import default_tokenizer_path
 
-    task_ids = _write_tasks(tmp_path / "tasks.jsonl", namespace)
-    tokenizer = default_tokenizer_path()
-    sim = SimConfig(token_latency_s=0.002, latency_sigma=0.5, length_sigma=0.5, slots=64, tokenizer_path=tokenizer)
+    task_ids = write_tasks(tmp_path / "tasks.jsonl", namespace, TASKS)
+    sim = dict(token_latency_s=0.002, latency_sigma=0.5, length_sigma=0.5)
     proxy = LossyProxy(redis_server.port, rate=0.0, seed=13).start()
     outage: dict = {}
     try:
-        async with serve_sim_engine(sim) as engine:
-            data = _config(proxy.url, namespace, engine.url, tokenizer)
-            config_path = write_config(data, tmp_path / "pipeline.yaml")
-            workers = [WorkerProcess(config_path, log_path=str(tmp_path / f"w{i}.log")).start() for i in range(2)]
-            stop = asyncio.Event()
-            producer = None
-            try:
-                await wait_workers(redis, keys, 2)
-                proxy.rate = 1 / RATE  # from here on every client loses replies
+        async with sim_run(redis, keys, proxy.url, tmp_path, sim=sim, batch=BATCH, n=N, eta=ETA, max_response_tokens=128,
+                           concurrency=4, dead_after_s=3.0, poll_delay_s=0.05, max_tries=4) as run:
+            proxy.rate = 1 / RATE  # from here on every client loses replies
 
-                def after_step(rid: int) -> None:
-                    if rid == 3:
-                        outage["dropped_before"] = proxy.dropped
-                        proxy.down(OUTAGE_S)
+            def after_step(rid: int) -> None:
+                if rid == 3:
+                    outage["dropped_before"] = proxy.dropped
+                    proxy.down(OUTAGE_S)
 
-                epoch0 = set(task_ids)
-                trainer = Trainer(proxy.url, namespace, batch=BATCH, n=N, eta=ETA, max_steps=3 * TASKS // BATCH,
-                                  done=lambda t: epoch0 <= t.trained_tasks(0), after_step=after_step,
-                                  wait_timeout_s=40.0)
-                trainer.start()  # publishes {ns}:trainer: the producer waits for it
-                producer = asyncio.create_task(run_producer(
-                    parse_config(data), tmp_path / "tasks.jsonl", follow=True, stop_event=stop,
-                    options=ProducerOptions(max_requeues=3),
-                ))
-                await asyncio.to_thread(trainer.join_and_check, 180)
-                stop.set()
-                stats = await asyncio.wait_for(producer, 60)  # raises if the producer crashed
-                proxy.rate = 0.0
-                # drain: every admitted job pushed or failed, nothing running
-                deadline = time.monotonic() + 60
-                while time.monotonic() < deadline:
-                    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
-                    if (not await redis.zcard(keys.queue) and counters.get(Counter.RUNNING, 0) == 0
-                            and counters.get(Counter.ENQUEUED, 0)
-                            == counters.get(Counter.BUFFERED, 0) + counters.get(Counter.FAILED, 0)):
-                        break
-                    await asyncio.sleep(0.2)
-                crashed = [w.proc.returncode for w in workers if w.proc.poll() is not None]
-            finally:
-                stop.set()
-                if producer is not None and not producer.done():
-                    await asyncio.wait_for(asyncio.gather(producer, return_exceptions=True), 15)
-                for w in workers:
-                    w.stop(grace_s=5)
+            epoch0 = set(task_ids)
+            trainer = Trainer(proxy.url, namespace, batch=BATCH, n=N, eta=ETA, max_steps=3 * TASKS // BATCH,
+                              done=lambda t: epoch0 <= t.trained_tasks(0), after_step=after_step,
+                              wait_timeout_s=40.0)
+            trainer.start()  # publishes {ns}:trainer: the producer waits for it
+            run.producer = asyncio.create_task(run_producer(
+                parse_config(run.data), tmp_path / "tasks.jsonl", follow=True, stop_event=run.stop,
+                options=ProducerOptions(max_requeues=3),
+            ))
+            await asyncio.to_thread(trainer.join_and_check, 180)
+            run.stop.set()
+            stats = await asyncio.wait_for(run.producer, 60)  # raises if the producer crashed
+            proxy.rate = 0.0
+            # drain: every admitted job pushed or failed, nothing running
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                counts = await counters(redis, keys)
+                if (not await redis.zcard(keys.queue) and counts.get(Counter.RUNNING, 0) == 0
+                        and counts.get(Counter.ENQUEUED, 0)
+                        == counts.get(Counter.BUFFERED, 0) + counts.get(Counter.FAILED, 0)):
+                    break
+                await asyncio.sleep(0.2)
+            crashed = [w.proc.returncode for w in run.workers if w.proc.poll() is not None]
     finally:
         proxy.close()
 
-    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
-    per_task = Tally(trainer.trained())
-    lost = sorted(set(task_ids) - {t for t, e in per_task if e == 0})
-    duplicates = {t: c for t, c in per_task.items() if c > 1}
+    counts = await counters(redis, keys)
+    lost, duplicates = trainer.lost_and_duplicates(task_ids)
     in_stream = await redis.xlen(keys.groups)
     consumed = [await redis.llen(k) async for k in redis.scan_iter(match=Keys(namespace).consumed_pattern)]
     report = {
@@ -124,9 +86,9 @@ async def test_lost_replies_and_an_outage_lose_nothing_and_count_true(redis, red
         "replies": proxy.replies, "replies_lost": proxy.dropped, "connections_refused_in_outage": proxy.refused,
         "lost": len(lost), "duplicates": len(duplicates), "workers_crashed": len(crashed),
         "producer": {"admitted": stats.admitted, "requeued": stats.requeued, "refused": stats.refused},
-        "counters": {k: counters.get(k, 0) for k in (Counter.ENQUEUED, Counter.BUFFERED, Counter.ACCEPTED,
-                                                       Counter.FAILED, Counter.DUPLICATES, Counter.DEAD,
-                                                       Counter.RUNNING, Counter.REQUEUED)},
+        "counters": {k: counts.get(k, 0) for k in (Counter.ENQUEUED, Counter.BUFFERED, Counter.ACCEPTED,
+                                                     Counter.FAILED, Counter.DUPLICATES, Counter.DEAD,
+                                                     Counter.RUNNING, Counter.REQUEUED)},
         "in_stream": in_stream, "dead_letters": await redis.xlen(keys.dead),
     }
     print("\nCHAOS redis lost replies report:", json.dumps(report))
@@ -135,11 +97,11 @@ async def test_lost_replies_and_an_outage_lose_nothing_and_count_true(redis, red
     assert lost == [] and duplicates == {}, report
     assert crashed == [], report
     # counters = ground truth
-    assert counters.get(Counter.ENQUEUED, 0) == stats.admitted + stats.requeued, report
-    assert counters.get(Counter.ENQUEUED, 0) == counters.get(Counter.BUFFERED, 0) + counters.get(Counter.FAILED, 0), report
-    assert counters.get(Counter.ACCEPTED, 0) == len(trainer.trained_groups), report
-    assert counters.get(Counter.BUFFERED, 0) == len(trainer.trained_groups) + in_stream, report
-    assert counters.get(Counter.DEAD, 0) == report["dead_letters"], report
-    assert counters.get(Counter.RUNNING, 0) == 0, report
-    assert counters.get(Counter.REQUEUED, 0) == await redis.llen(keys.requeue) + stats.requeued + stats.refused, report
+    assert counts.get(Counter.ENQUEUED, 0) == stats.admitted + stats.requeued, report
+    assert counts.get(Counter.ENQUEUED, 0) == counts.get(Counter.BUFFERED, 0) + counts.get(Counter.FAILED, 0), report
+    assert counts.get(Counter.ACCEPTED, 0) == len(trainer.trained_groups), report
+    assert counts.get(Counter.BUFFERED, 0) == len(trainer.trained_groups) + in_stream, report
+    assert counts.get(Counter.DEAD, 0) == report["dead_letters"], report
+    assert counts.get(Counter.RUNNING, 0) == 0, report
+    assert counts.get(Counter.REQUEUED, 0) == await redis.llen(keys.requeue) + stats.requeued + stats.refused, report
     assert all(n == BATCH for n in consumed), consumed

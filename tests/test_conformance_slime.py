@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 from conformance_support import require_slime
 
+from tests.source_helpers import push_groups, read_counters, source_args
+
 pytestmark = pytest.mark.conformance
 
 N = 4
@@ -72,49 +74,18 @@ def slime():
 
 def _args(redis_url, ns, **extra) -> Namespace:
     """What slime's argument parser would hand the data source and RolloutManager."""
-    base = dict(
-        # the pipeline's flags
-        pipeline_redis_url=redis_url, pipeline_namespace=ns, pipeline_eta=2, pipeline_wait_log_s=0.2,
-        pipeline_wait_timeout_s=20,
+    return source_args(
+        # the pipeline's flags (and slime's batch shape)
+        redis_url, ns, eta=2, batch=B, n=N, pipeline_wait_timeout_s=20,
         # slime's
-        rollout_batch_size=B, n_samples_per_prompt=N, global_batch_size=B * N, micro_batch_size=1,
+        global_batch_size=B * N, micro_batch_size=1,
         advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None,
         use_dynamic_batch_size=False, max_tokens_per_gpu=None, balance_data=False, balance_by_flops=False,
         update_weights_interval=1, rollout_global_dataset=True, allgather_cp=False,
         custom_reward_post_process_path="pipeline.slime.post_process_rewards",
         custom_convert_samples_to_train_data_path=None,
+        **extra,
     )
-    base.update(extra)
-    return Namespace(**base)
-
-
-def _push(redis_url, ns, groups):
-    from pipeline.buffer import GroupBuffer
-    from pipeline.keys import Keys
-    from pipeline.redis_conn import connect
-
-    async def go():
-        client = connect(redis_url)
-        buf = GroupBuffer(client, Keys(ns))
-        await buf.ensure_group()
-        for g in groups:
-            await buf.push(g)
-        await client.aclose()
-
-    asyncio.run(go())
-
-
-def _counters(redis_url, ns) -> dict[str, int]:
-    from pipeline.keys import Keys
-    from pipeline.redis_conn import connect
-
-    async def go():
-        client = connect(redis_url)
-        raw = await client.hgetall(Keys(ns).counters)
-        await client.aclose()
-        return {k.decode(): int(v) for k, v in raw.items()}
-
-    return asyncio.run(go())
 
 
 def _manager(slime, args):
@@ -193,7 +164,7 @@ def test_rollout_samples_are_slimes_and_rollout_manager_converts_them(slime, red
     from pipeline.synthetic import make_group
 
     rollout = slime.modules["slime.ray.rollout"]
-    _push(redis_url, namespace, [make_group(f"g{i}:0", n=N, seed=i, prompt_len=16, response_len=8) for i in range(B)])
+    push_groups(redis_url, namespace, [make_group(f"g{i}:0", n=N, seed=i, prompt_len=16, response_len=8) for i in range(B)])
     args = _args(redis_url, namespace)
     ds = slime.pipeline.RedisDataSource(args)
     try:
@@ -283,7 +254,7 @@ def test_a_group_with_an_episode_whose_env_failed_to_start_trains_in_slime(slime
     assert "environment server refused the session" in str(failed.metadata)
     group = SampleGroup(group_id="calc-1:0", task=task, admission_version=0, n_samples=N, samples=[*ok, failed],
                         worker_id="conformance")
-    _push(redis_url, namespace, [group, _group("other:0", admission_version=0, weight_versions=["1"])])
+    push_groups(redis_url, namespace, [group, _group("other:0", admission_version=0, weight_versions=["1"])])
 
     args = _args(redis_url, namespace)
     ds = slime.pipeline.RedisDataSource(args)
@@ -411,7 +382,7 @@ def test_resume_sequence_of_train_async_with_engine_versions_restarting(slime, r
     k = 5
     eta = 1
     # the run before the crash: steps 0..k trained, checkpoint k saved (acks everything <= k)
-    _push(redis_url, namespace, [
+    push_groups(redis_url, namespace, [
         _group(f"old{i}:0", admission_version=i // B, weight_versions=[str(i // B + 1)], seed=i)
         for i in range(B * (k + 1))
     ])
@@ -429,21 +400,21 @@ def test_resume_sequence_of_train_async_with_engine_versions_restarting(slime, r
         start_rollout_id = k + 1  # 2. loaded_rollout_id + 1
         ds.load(start_rollout_id - 1)
         # 3. the weight push labels the engines "1"; workers produce groups of policy k + 1
-        _push(redis_url, namespace, [
+        push_groups(redis_url, namespace, [
             _group(f"new{i}:0", admission_version=k + 1, weight_versions=["1"], seed=100 + i) for i in range(B)
         ])
         out, samples = _rollout(slime, args, start_rollout_id, ds)  # 4.
         assert [g[0].metadata["pipeline"]["group_id"] for g in out.samples] == ["new0:0", "new1:0"]
         assert all(type(s) is slime.Sample for s in samples)
-        counters = _counters(redis_url, namespace)
+        counters = read_counters(redis_url, namespace)
         assert counters.get(Counter.STALE, 0) == 0, counters
         # next step: generated while k + 1 trains (label still "1"), then label "2"
-        _push(redis_url, namespace, [
+        push_groups(redis_url, namespace, [
             _group(f"next{i}:0", admission_version=k + 1, weight_versions=["1", "2"], seed=200 + i) for i in range(B)
         ])
         out, _ = _rollout(slime, args, start_rollout_id + 1, ds)
         assert [g[0].metadata["pipeline"]["group_id"] for g in out.samples] == ["next0:0", "next1:0"]
-        assert _counters(redis_url, namespace).get(Counter.STALE, 0) == 0
+        assert read_counters(redis_url, namespace).get(Counter.STALE, 0) == 0
     finally:
         ds.close()
 

@@ -19,26 +19,11 @@ from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import Sample, SampleGroup, Status, Task, encode  # noqa: E402
 from pipeline.slime import RedisDataSource, generate_rollout  # noqa: E402
 from pipeline.synthetic import make_group  # noqa: E402
+from tests.source_helpers import push_groups, source_args  # noqa: E402
 
 
 def _args(redis_url, ns, ledger_dir=None, **extra):
-    base = dict(pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=2, n_samples_per_prompt=4,
-                pipeline_eta=10, pipeline_wait_log_s=0.2)
-    if ledger_dir is not None:
-        base["pipeline_ledger_dir"] = str(ledger_dir)
-    base.update(extra)
-    return SimpleNamespace(**base)
-
-
-def _push(redis_url, ns, groups):
-    async def go():
-        client = connect(redis_url)
-        buf = GroupBuffer(client, Keys(ns))
-        await buf.ensure_group()
-        for g in groups:
-            await buf.push(g)
-        await client.aclose()
-    asyncio.run(go())
+    return source_args(redis_url, ns, eta=10, ledger_dir=ledger_dir, **extra)
 
 
 def _stream_len(redis_url, ns):
@@ -102,7 +87,7 @@ def _assert_same_as_trainer(ledger, rid, batch):
 
 def test_ledger_is_what_slime_received_exactly_once_across_a_crash(redis_url, namespace, tmp_path):
     groups = [_varied_group(f"c{i}:0", i, failed=(1,) if i == 3 else ()) for i in range(8)]
-    _push(redis_url, namespace, groups)
+    push_groups(redis_url, namespace, groups)
     d = tmp_path / "ledger"
     ds = RedisDataSource(_args(redis_url, namespace, d))
     got = {rid: generate_rollout(ds.args, rid, ds).samples for rid in range(3)}
@@ -137,7 +122,7 @@ def test_ledger_is_what_slime_received_exactly_once_across_a_crash(redis_url, na
 
 
 def test_crash_between_write_and_ack_rewrites_the_same_file(redis_url, namespace, tmp_path):
-    _push(redis_url, namespace, [_varied_group(f"w{i}:0", i) for i in range(4)])
+    push_groups(redis_url, namespace, [_varied_group(f"w{i}:0", i) for i in range(4)])
     d = tmp_path / "ledger"
     ds = RedisDataSource(_args(redis_url, namespace, d))
     first = generate_rollout(ds.args, 0, ds).samples
@@ -164,7 +149,7 @@ def test_crash_between_write_and_ack_rewrites_the_same_file(redis_url, namespace
 def test_crash_after_ack_keeps_the_written_step(redis_url, namespace, tmp_path):
     """The ack went through but the step record was not deleted: the entries are gone from
     the stream, and the step's file (written before the ack) must not be overwritten."""
-    _push(redis_url, namespace, [_varied_group(f"k{i}:0", i) for i in range(2)])
+    push_groups(redis_url, namespace, [_varied_group(f"k{i}:0", i) for i in range(2)])
     d = tmp_path / "ledger"
     ds = RedisDataSource(_args(redis_url, namespace, d))
     batch = generate_rollout(ds.args, 0, ds).samples
@@ -198,7 +183,7 @@ def test_crash_after_ack_keeps_the_written_step(redis_url, namespace, tmp_path):
 def test_off_by_default_writes_nothing(redis_url, namespace, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("ROLLOUT_LEDGER_DIR", raising=False)
-    _push(redis_url, namespace, [make_group(f"o{i}:0", n=4, seed=i) for i in range(2)])
+    push_groups(redis_url, namespace, [make_group(f"o{i}:0", n=4, seed=i) for i in range(2)])
     ds = RedisDataSource(_args(redis_url, namespace))
     assert ds.ledger is None and ds.settings.ledger_dir == ""
     generate_rollout(ds.args, 0, ds)
@@ -209,7 +194,7 @@ def test_off_by_default_writes_nothing(redis_url, namespace, tmp_path, monkeypat
 
 def test_env_var_turns_it_on(redis_url, namespace, tmp_path, monkeypatch):
     monkeypatch.setenv("ROLLOUT_LEDGER_DIR", str(tmp_path / "led"))
-    _push(redis_url, namespace, [make_group(f"e{i}:0", n=4, seed=i) for i in range(2)])
+    push_groups(redis_url, namespace, [make_group(f"e{i}:0", n=4, seed=i) for i in range(2)])
     ds = RedisDataSource(_args(redis_url, namespace))
     generate_rollout(ds.args, 0, ds)
     ds.save(0)
@@ -408,7 +393,7 @@ def test_show_renders_dead_letters(redis_url, namespace):
     from pipeline.show import main as show
 
     # a group of the wrong size, dead-lettered by the trainer
-    _push(redis_url, namespace, [_tool_group("calc-2:0")])
+    push_groups(redis_url, namespace, [_tool_group("calc-2:0")])
     ds = RedisDataSource(_args(redis_url, namespace))
     with pytest.raises(ConfigError):
         ds.get_samples(1)

@@ -9,40 +9,17 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
-from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect
 from pipeline.schema import Requeue, RequeueReason, Status, decode_requeue
 from pipeline.slime import LocalRolloutOutput, LocalSample, RedisDataSource, generate_rollout, post_process_rewards
 from pipeline.synthetic import make_group
+from tests.source_helpers import push_groups, read_counters, source_args
 
 
 def _args(redis_url, ns, **extra):
-    base = dict(pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=2, n_samples_per_prompt=4,
-                pipeline_eta=1, pipeline_wait_log_s=0.2)
-    base.update(extra)
-    return SimpleNamespace(**base)
-
-
-def _push(redis_url, ns, groups):
-    async def go():
-        client = connect(redis_url)
-        buf = GroupBuffer(client, Keys(ns))
-        await buf.ensure_group()
-        for g in groups:
-            await buf.push(g)
-        await client.aclose()
-    asyncio.run(go())
-
-
-def _counters(redis_url, ns):
-    async def go():
-        client = connect(redis_url)
-        raw = await client.hgetall(Keys(ns).counters)
-        await client.aclose()
-        return {k.decode(): int(v) for k, v in raw.items()}
-    return asyncio.run(go())
+    return source_args(redis_url, ns, eta=1, **extra)
 
 
 def _ids(batch):
@@ -50,7 +27,7 @@ def _ids(batch):
 
 
 def test_rollout_returns_batch_times_n_contiguous(redis_url, namespace):
-    _push(redis_url, namespace, [make_group(f"t{i}:0", n=4, seed=i) for i in range(5)])
+    push_groups(redis_url, namespace, [make_group(f"t{i}:0", n=4, seed=i) for i in range(5)])
     ds = RedisDataSource(_args(redis_url, namespace))
     out = generate_rollout(ds.args, 0, ds)
     assert isinstance(out, LocalRolloutOutput)
@@ -83,7 +60,7 @@ def test_an_environments_own_metrics_reach_the_step_metrics(redis_url, namespace
                                                                   "nemo_rl/note": "text"})
                    for s in group.samples]
         groups.append(msgspec.structs.replace(group, samples=samples))
-    _push(redis_url, namespace, groups)
+    push_groups(redis_url, namespace, groups)
     ds = RedisDataSource(_args(redis_url, namespace))
     out = generate_rollout(ds.args, 0, ds)
     env_keys = {k: v for k, v in out.metrics.items() if k.startswith("rollout/pipeline/env/")}
@@ -97,7 +74,7 @@ def test_a_failed_episode_is_handed_over_removed_from_the_loss(redis_url, namesp
     group = make_group("tfail:0", n=4, rewards=[1.0, 0.0, 1.0, 0.0])
     failed = msgspec.structs.replace(group.samples[1], status=Status.FAILED)
     group = msgspec.structs.replace(group, samples=[group.samples[0], failed, *group.samples[2:]])
-    _push(redis_url, namespace, [group, make_group("tok:0", n=4, seed=1)])
+    push_groups(redis_url, namespace, [group, make_group("tok:0", n=4, seed=1)])
     ds = RedisDataSource(_args(redis_url, namespace))
     out = generate_rollout(ds.args, 0, ds)
     removed = {g[0].metadata["pipeline"]["group_id"]: [x.remove_sample for x in g] for g in out.samples}
@@ -117,7 +94,7 @@ def test_a_failed_episode_is_handed_over_removed_from_the_loss(redis_url, namesp
 
 def test_get_samples_blocks_until_groups_arrive(redis_url, namespace):
     ds = RedisDataSource(_args(redis_url, namespace))
-    timer = threading.Timer(0.5, _push, (redis_url, namespace, [make_group(f"late{i}:0", n=4) for i in range(2)]))
+    timer = threading.Timer(0.5, push_groups, (redis_url, namespace, [make_group(f"late{i}:0", n=4) for i in range(2)]))
     timer.start()
     started = time.monotonic()
     batch = ds.get_samples(2)
@@ -127,7 +104,7 @@ def test_get_samples_blocks_until_groups_arrive(redis_url, namespace):
 
 
 def test_crash_then_load_replays_identical_batches_and_save_acks(redis_url, namespace):
-    _push(redis_url, namespace, [make_group(f"c{i}:0", n=4, seed=i) for i in range(8)])
+    push_groups(redis_url, namespace, [make_group(f"c{i}:0", n=4, seed=i) for i in range(8)])
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=10))
     got = {rid: generate_rollout(ds.args, rid, ds).samples for rid in range(3)}
     ds.save(0)  # checkpoint after step 0; steps 1 and 2 were consumed, then the trainer dies
@@ -151,17 +128,17 @@ def test_crash_then_load_replays_identical_batches_and_save_acks(redis_url, name
     ds3.load(3)
     with pytest.raises(TimeoutError, match="0/2 groups"):
         ds3.get_samples(2)
-    assert _counters(redis_url, namespace)[Counter.ACCEPTED] == 8
+    assert read_counters(redis_url, namespace)[Counter.ACCEPTED] == 8
     ds3.close()
 
 
 def test_partial_read_before_crash_is_not_lost(redis_url, namespace):
-    _push(redis_url, namespace, [make_group("only:0", n=4)])
+    push_groups(redis_url, namespace, [make_group("only:0", n=4)])
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_wait_timeout_s=0.5))
     with pytest.raises(TimeoutError):
         ds.get_samples(2)  # took one, waited for a second that never came
     ds._loop.close()
-    _push(redis_url, namespace, [make_group("next:0", n=4)])
+    push_groups(redis_url, namespace, [make_group("next:0", n=4)])
     ds2 = RedisDataSource(_args(redis_url, namespace))
     ds2.load(None)
     assert _ids(ds2.get_samples(2)) == ["only:0", "next:0"]
@@ -172,10 +149,10 @@ def test_partial_read_before_crash_is_not_lost(redis_url, namespace):
 def test_staleness_policies(redis_url, namespace, policy):
     fresh = [make_group(f"f{i}:0", n=4, admission_version=5) for i in range(2)]
     stale = msgspec.structs.replace(make_group("old:1r2", n=4, admission_version=1), epoch=1, attempt=2)
-    _push(redis_url, namespace, [stale, *fresh])
+    push_groups(redis_url, namespace, [stale, *fresh])
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=2, pipeline_stale_policy=policy))
     out = generate_rollout(ds.args, 5, ds)  # version 5, eta 2: version 1 is 4 steps old
-    counters = _counters(redis_url, namespace)
+    counters = read_counters(redis_url, namespace)
     assert counters[Counter.STALE] == 1
     if policy == "keep":
         assert _ids(out.samples) == ["old:1r2", "f0:0"]
@@ -199,12 +176,12 @@ def test_staleness_policies(redis_url, namespace, policy):
 
 def test_zero_variance_filter_keeps_batch_full(redis_url, namespace):
     groups = [make_group("flat:0", n=4, rewards=[1.0] * 4), make_group("a:0", n=4), make_group("b:0", n=4)]
-    _push(redis_url, namespace, groups)
+    push_groups(redis_url, namespace, groups)
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_filter_zero_variance=True))
     out = generate_rollout(ds.args, 0, ds)
     assert _ids(out.samples) == ["a:0", "b:0"]
     assert out.metrics["rollout/pipeline/groups_filtered"] == 1
-    assert _counters(redis_url, namespace)[Counter.FILTERED] == 1
+    assert read_counters(redis_url, namespace)[Counter.FILTERED] == 1
     ds.close()
 
 
@@ -212,7 +189,7 @@ def test_group_size_mismatch_drains_every_wrong_group_then_stops_once(redis_url,
     """One error for the lot, not one trainer crash per wrong-sized group; the right-sized
     groups stay for the restarted trainer."""
     wrong = [make_group(f"three{i}:0", n=3) for i in range(3)]
-    _push(redis_url, namespace, [wrong[0], make_group("ok:0", n=4), *wrong[1:]])
+    push_groups(redis_url, namespace, [wrong[0], make_group("ok:0", n=4), *wrong[1:]])
     ds = RedisDataSource(_args(redis_url, namespace))
     with pytest.raises(ConfigError, match=r"3 group\(s\) have a size other than n_samples_per_prompt 4"):
         ds.get_samples(2)
@@ -225,7 +202,7 @@ def test_group_size_mismatch_drains_every_wrong_group_then_stops_once(redis_url,
 def test_add_samples_requeues_groups(redis_url, namespace):
     group = make_group("r:1r1", n=4)
     task = msgspec.structs.replace(group.task, metadata={"tools": ["calc"]})
-    _push(redis_url, namespace, [msgspec.structs.replace(group, task=task, epoch=1, attempt=1)])
+    push_groups(redis_url, namespace, [msgspec.structs.replace(group, task=task, epoch=1, attempt=1)])
     ds = RedisDataSource(_args(redis_url, namespace))
     batch = ds.get_samples(1)
     ds.add_samples(batch)
@@ -238,7 +215,7 @@ def test_add_samples_requeues_groups(redis_url, namespace):
 
 
 def test_publishes_version_trainer_info_and_engine(redis_url, namespace):
-    _push(redis_url, namespace, [make_group(f"v{i}:0", n=4, admission_version=3) for i in range(2)])
+    push_groups(redis_url, namespace, [make_group(f"v{i}:0", n=4, admission_version=3) for i in range(2)])
     ds = RedisDataSource(_args(redis_url, namespace, sglang_router_ip="10.1.2.3", sglang_router_port=3000))
     generate_rollout(ds.args, 3, ds)
     async def read():
@@ -311,17 +288,17 @@ def test_evaluation_runs_slimes_eval_rollout_and_leaves_the_buffer_alone(redis_u
     modules["slime.utils.async_utils"].run = asyncio.run
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
-    _push(redis_url, namespace, [make_group("e0:0", n=4)])
+    push_groups(redis_url, namespace, [make_group("e0:0", n=4)])
     ds = RedisDataSource(_args(redis_url, namespace))
     out = generate_rollout(ds.args, 7, ds, evaluation=True)
     assert out.data == {"aime": {"rewards": [1.0]}} and calls == [(ds.args, 7)]
-    assert len(ds) == 1 and _counters(redis_url, namespace).get(Counter.ACCEPTED, 0) == 0  # training data untouched
+    assert len(ds) == 1 and read_counters(redis_url, namespace).get(Counter.ACCEPTED, 0) == 0  # training data untouched
     ds.close()
 
 
 def test_a_stale_storm_is_named_once(redis_url, namespace, caplog):
     stale = [make_group(f"old{i}:0", n=4, admission_version=0) for i in range(4)]
-    _push(redis_url, namespace, [*stale, make_group("new:0", n=4, admission_version=6), make_group("new2:0", n=4, admission_version=7)])
+    push_groups(redis_url, namespace, [*stale, make_group("new:0", n=4, admission_version=6), make_group("new2:0", n=4, admission_version=7)])
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=1, pipeline_stale_policy="drop", rollout_batch_size=1))
     with caplog.at_level("WARNING", logger="pipeline.slime"):
         generate_rollout(ds.args, 6, ds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections import Counter as Tally
 from pathlib import Path
@@ -12,20 +13,29 @@ import msgspec
 import pytest
 from arq.constants import job_key_prefix
 from arq.jobs import deserialize_job
-from arq.worker import Worker, func
 
-from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, parse_config
-from pipeline.jobqueue import JOB_FUNCTION, create_arq_pool, job_deserializer, job_serializer
+from pipeline.jobqueue import JOB_FUNCTION, job_deserializer
 from pipeline.keys import Counter
 from pipeline.schema import Requeue, RequeueReason, Task, decode_job, encode, encode_task_json
 from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
-from pipeline.synthetic import make_group
 from producers.admission import Admission, Limits
 from producers.enqueue import ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
+from workers.envs.base import (
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    StepResult,
+    ToolCall,
+    Verification,
+)
+from workers.envs.local import initial_messages
+from workers.settings import build_worker, stop_worker
+from workers.sim.engine import serve_sim_engine
 
 NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
 
@@ -339,40 +349,69 @@ def test_cli_plain_run_exits_when_all_admitted(tmp_path, redis_url, namespace):
 
 # ---------------------------------------------------------------- the bound, end to end
 
-async def _flaky_run_group(ctx, payload: bytes) -> None:
-    """A worker job: a synthetic group after a short random delay; every 5th task's first
-    try fails out of tries (counted failed + discarded, task handed back for requeue)."""
-    job = decode_job(payload)
-    keys, buffer = ctx["keys"], ctx["buffer"]
-    await asyncio.sleep(random.uniform(0, 0.01))
-    if job.attempt == 0 and int(job.task.id.rsplit("-", 1)[1]) % 5 == 0:
-        pipe = ctx["redis"].pipeline(transaction=True)
-        pipe.hincrby(keys.counters, Counter.FAILED, 1)
-        pipe.hincrby(keys.counters, Counter.DISCARDED, 1)
-        pipe.rpush(keys.requeue, handed_back(job.task, job.epoch, job.attempt, RequeueReason.FAILED))
-        pipe.zrem(keys.open, job.job_id)  # it left without training (workers.jobs._dead_letter does the same)
-        await pipe.execute()
-        return
-    group = make_group(job.job_id, n=job.n_samples, prompt_len=4, response_len=4,
-                       admission_version=job.admission_version, env=job.task.env, seed=hash(job.job_id) % 1000)
-    await buffer.push(msgspec.structs.replace(group, task=job.task, epoch=job.epoch, attempt=job.attempt))
+class DownOnFirstAttempt(Environment):
+    """A plugin environment (run by the real worker) whose server refuses every session of every
+    5th task until its first attempt is spent: the real failure path (the group fails, out of
+    tries it is dead-lettered and the task handed back as attempt 1, in place) runs in the test."""
+
+    starts: dict[str, int] = {}
+    refused_per_task = 2  # the n = 2 episodes of its one try (workers.max_tries 1)
+
+    async def start(self, task: Task) -> EnvSession:
+        seen = self.starts[task.id] = self.starts.get(task.id, 0) + 1
+        if int(task.id.rsplit("-", 1)[1]) % 5 == 0 and seen <= self.refused_per_task:
+            raise EnvError("POST /seed_session: connection refused (injected outage)")
+        return _OneTurnSession(task)
+
+
+class _OneTurnSession(EnvSession):
+    def __init__(self, task: Task):
+        self.messages = initial_messages(task)
+        self.tools: list[dict] = []
+
+    async def step(self, calls: list[ToolCall]) -> StepResult:
+        return StepResult(messages=[], done=True)
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        return Verification(reward=1.0)
 
 
 async def test_bound_holds_at_every_instant_with_real_worker_and_trainer(tmp_path, redis_url, redis, keys, namespace):
-    """Producer restarts in a loop, a real arq worker runs jobs, the real slime-side data
-    source trains B groups per step and advances v; a sampler reads (v, enqueued,
-    discarded) atomically every millisecond: admitted beyond the bound must stay 0."""
+    """Producer restarts in a loop, the real arq worker (`build_worker`, the simulated engine over
+    HTTP, a plugin environment that is down for every 5th task's first attempt) runs the jobs, the
+    real slime-side data source trains B groups per step and advances v; a sampler reads (v,
+    enqueued, discarded) atomically in a loop: admitted beyond the bound must stay 0."""
     batch, eta, n_tasks = 6, 1, 72
     tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 48, "b": 24})
-    config = make_config(redis_url, namespace, {"a": 2, "b": 1}, batch=batch, eta=eta)
-    arq_pool = await create_arq_pool(redis_url, keys)
-    worker = Worker(
-        functions=[func(_flaky_run_group, name=JOB_FUNCTION)], redis_pool=arq_pool, queue_name=keys.queue,
-        job_serializer=job_serializer, job_deserializer=job_deserializer, poll_delay=0.005, max_jobs=16,
-        handle_signals=False, ctx={"keys": keys, "buffer": GroupBuffer(redis, keys), "redis": redis},
-    )
-    worker_task = asyncio.create_task(worker.async_run())
-    args = SimpleNamespace(pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=batch,
+    DownOnFirstAttempt.starts.clear()
+    env = {"kind": f"{__name__}.DownOnFirstAttempt", "on_failure": "retry_all_failed",
+           "timeouts": {"start": {"retries": 0}}}
+    async with serve_sim_engine() as sim:
+        config = parse_config({
+            "redis": {"url": redis_url, "namespace": namespace},
+            "engine": {"url": sim.url, "max_retries": 1, "retry_backoff_s": 0.01},
+            "rollout": {"rollout_batch_size": batch, "eta": eta, "n_samples_per_prompt": 2,
+                        "sampling": {"temperature": 0.7, "max_new_tokens": 64}},
+            "environments": {"a": {**env, "weight": 2}, "b": {**env, "weight": 1}},
+            "workers": {"max_tries": 1, "poll_delay_s": 0.005, "heartbeat_s": 0.5, "dead_after_s": 2.0},
+        })
+        async with running_worker(config, concurrency=16):
+            await _train_under_restarting_producer(tmp_path, redis, keys, config, tasks, batch=batch, eta=eta,
+                                                   n_tasks=n_tasks)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(config, *, concurrency):
+    worker = build_worker(config, concurrency=concurrency, handle_signals=False)
+    task = asyncio.create_task(worker.async_run())
+    try:
+        yield worker
+    finally:
+        await stop_worker(worker, task)
+
+
+async def _train_under_restarting_producer(tmp_path, redis, keys, config, tasks, *, batch, eta, n_tasks):
+    args = SimpleNamespace(pipeline_redis_url=config.redis.url, pipeline_namespace=keys.ns, rollout_batch_size=batch,
                            n_samples_per_prompt=2, pipeline_eta=eta, pipeline_wait_timeout_s=60.0)
     trained: list[str] = []
 
@@ -405,10 +444,10 @@ async def test_bound_holds_at_every_instant_with_real_worker_and_trainer(tmp_pat
         await asyncio.sleep(0)
     await trainer
     await producer
-    await worker.close()
-    await asyncio.gather(worker_task, return_exceptions=True)
     counters = await PipelineState(redis, keys).counters()
     assert len(excess) > 100 and max(excess) == 0  # never beyond the bound, and it did run at it
     assert sorted(gid.rsplit(":", 1)[0] for gid in trained) == sorted(t.id for t in tasks)  # each task trained once
-    assert counters[Counter.FAILED] == sum(1 for t in tasks if int(t.id.rsplit("-", 1)[1]) % 5 == 0)
+    down = [t.id for t in tasks if int(t.id.rsplit("-", 1)[1]) % 5 == 0]
+    assert all(DownOnFirstAttempt.starts[t] == DownOnFirstAttempt.refused_per_task + 2 for t in down)
+    assert sorted(gid for gid in trained if gid.endswith("r1")) == sorted(f"{t}:0r1" for t in down)
     assert counters[Counter.ACCEPTED] == n_tasks

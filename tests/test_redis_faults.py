@@ -254,7 +254,7 @@ async def test_a_cancel_swallowed_by_a_finished_send_still_stops_the_caller(redi
     for attempt in range(20):
         counter = f"{keys.ns}:loop:{attempt}"
 
-        async def loop_of_commands():
+        async def loop_of_commands(counter: str = counter) -> None:
             while True:
                 await redis.incr(counter)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -19,7 +19,7 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def run(self, coro: Awaitable[T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def close(self) -> None:
@@ -59,4 +59,3 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
     except asyncio.TimeoutError:
         return event.is_set()
     return True
-

@@ -57,7 +57,7 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     pass
 
 
-class RedisSection(_Section):
+class RedisSection(_Section, frozen=True):
     url: str = ""  # empty = $ROLLOUT_REDIS_URL or redis://127.0.0.1:6379/0
     namespace: str = DEFAULT_NAMESPACE
 
@@ -70,7 +70,7 @@ class RedisSection(_Section):
         return self.url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
 
 
-class EngineSection(_Section):
+class EngineSection(_Section, frozen=True):
     url: str = "auto"  # "auto" = follow `{ns}:engine` published by the slime side
     tokenizer: str = ""  # path or name loadable by transformers.AutoTokenizer
     request_timeout_s: PosFloat = 600.0
@@ -79,7 +79,7 @@ class EngineSection(_Section):
     max_context_tokens: PosInt = 32768
 
 
-class RolloutSection(_Section):
+class RolloutSection(_Section, frozen=True):
     n_samples_per_prompt: PosInt = 8
     rollout_batch_size: PosInt = 32  # groups per training step (B)
     eta: NonNegInt = 2  # staleness bound
@@ -92,7 +92,7 @@ class RolloutSection(_Section):
     max_requeues: NonNegInt = 3
 
 
-class WorkersSection(_Section):
+class WorkersSection(_Section, frozen=True):
     concurrency: PosInt = 32  # groups run at once per process (arq max_jobs)
     job_timeout_s: PosFloat = 3600.0
     max_tries: PosInt = 3
@@ -107,7 +107,7 @@ class WorkersSection(_Section):
                              f"(2 x workers.heartbeat_s = {2 * self.heartbeat_s}): live workers would be reaped")
 
 
-class CallBudget(_Section):
+class CallBudget(_Section, frozen=True):
     """Timeout and retry budget of one kind of environment call."""
 
     timeout_s: PosFloat = 30.0
@@ -115,14 +115,14 @@ class CallBudget(_Section):
     backoff_s: NonNegFloat = 0.5
 
 
-class EnvTimeouts(_Section):
+class EnvTimeouts(_Section, frozen=True):
     start: CallBudget = CallBudget()
     step: CallBudget = CallBudget()
     verify: CallBudget = CallBudget(timeout_s=60.0)
     verify_deadline_s: PosFloat = 300.0  # aggregate deadline for one episode's verification
 
 
-class EnvConfig(_Section):
+class EnvConfig(_Section, frozen=True):
     """One environment, as in OpenReward's train_config.yaml (plus our kinds)."""
 
     kind: str  # registered kind ("math", "code", "nemo_gym", "openreward", ...) or a dotted path
@@ -150,7 +150,7 @@ class EnvConfig(_Section):
             raise ValueError(f"min_reward {self.min_reward} > max_reward {self.max_reward}")
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(_Section, frozen=True):
     redis: RedisSection = RedisSection()
     engine: EngineSection = EngineSection()
     rollout: RolloutSection = RolloutSection()
@@ -269,7 +269,7 @@ _TRAINER_SOURCES = {
 }
 
 
-class TrainerSettings(_Section):
+class TrainerSettings(_Section, frozen=True):
     """Settings of the slime data source / rollout function.
 
     Read from slime's `args` (set them in `--custom-config-path x.yaml`, keys

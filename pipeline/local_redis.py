@@ -67,9 +67,10 @@ class LocalRedis:
         SIGKILL (`stop(kill=True)`) replays it."""
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, not {appendfsync!r}")
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
+        binary = shutil.which("redis-server")
+        if binary is None:
             raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
+        self.binary = binary
         self.port = port or free_port()
         self.appendonly = appendonly
         self.appendfsync = appendfsync

@@ -13,7 +13,7 @@ import re
 import sys
 import threading
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -204,7 +204,8 @@ class WandbLogger:
             ) from None
         mode = mode or os.environ.get("WANDB_MODE", "online")
         self.run = wandb.init(
-            project=project, name=f"monitor-{namespace}", mode=mode, dir=run_dir, job_type="pipeline-monitor",
+            # $WANDB_MODE may hold any string: wandb.init checks it (its annotation is a Literal)
+            project=project, name=f"monitor-{namespace}", mode=cast(Any, mode), dir=run_dir, job_type="pipeline-monitor",
             config={"namespace": namespace}, reinit=True,
         )
 

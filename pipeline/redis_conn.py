@@ -66,7 +66,7 @@ CONNECT_TIMEOUT_S = 5.0
 SOCKET_TIMEOUT_S = 30.0  # read timeout; longer than any BLOCK the pipeline uses (1 s)
 OP_TTL_S = 3600  # how long an operation key remembers that its writes were applied
 
-RETRY_ERRORS: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+RETRY_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
 
 class RedisUnavailable(RedisConnectionError):
@@ -113,7 +113,9 @@ class OutageRetry(Retry):
     __slots__ = ("budget_s", "where", "_outage")
 
     def __init__(self, budget_s: float, where: str = "", *, cap_s: float = 1.0, base_s: float = 0.05):
-        super().__init__(EqualJitterBackoff(cap=cap_s, base=base_s), -1, supported_errors=RETRY_ERRORS)
+        # redis.asyncio.retry.Retry annotates supported_errors as RedisError subclasses, but only
+        # catches them (`except self._supported_errors`): OSError and asyncio.TimeoutError are fine
+        super().__init__(EqualJitterBackoff(cap=cap_s, base=base_s), -1, supported_errors=RETRY_ERRORS)  # type: ignore[arg-type]
         self.budget_s = budget_s
         self.where = where
         self._outage = _Outage()

@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group, RenderableType
@@ -160,7 +161,7 @@ def conversation(messages: list[dict[str, Any]], turn_log: list[dict[str, Any]])
     return out
 
 
-def render_sample(group: SampleGroup, j: int, *, context: list[tuple[str, Any]] = (), tokenizer: Any = None) -> Group:
+def render_sample(group: SampleGroup, j: int, *, context: Sequence[tuple[str, Any]] = (), tokenizer: Any = None) -> Group:
     """One episode of `group`: header, conversation, mask, reward."""
     s = group.samples[j]
     meta = s.metadata
@@ -211,7 +212,7 @@ def render_sample(group: SampleGroup, j: int, *, context: list[tuple[str, Any]] 
     return Group(*parts)
 
 
-def render_group(group: SampleGroup, samples: list[int], *, context: list[tuple[str, Any]] = (),
+def render_group(group: SampleGroup, samples: list[int], *, context: Sequence[tuple[str, Any]] = (),
                  tokenizer: Any = None) -> Group:
     return Group(*[render_sample(group, j, context=context, tokenizer=tokenizer) for j in samples])
 

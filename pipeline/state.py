@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -43,7 +42,7 @@ class PipelineState:
         await run_once(self.redis, self.keys.op(op_id or new_op_id()), stage)
 
     async def counters(self) -> dict[str, int]:
-        raw = await self.redis.hgetall(self.keys.counters)
+        raw = await self.redis.hgetall(self.keys.counters)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         return {k.decode(): int(v) for k, v in raw.items()}
 
     # policy version -------------------------------------------------------
@@ -68,11 +67,11 @@ class PipelineState:
 
     # trainer settings ---------------------------------------------------------
     async def set_trainer_info(self, info: TrainerInfo) -> None:
-        mapping: Mapping[str, int] = msgspec.structs.asdict(info)
-        await self.redis.hset(self.keys.trainer, mapping=mapping)
+        mapping: dict[str, int] = msgspec.structs.asdict(info)
+        await self.redis.hset(self.keys.trainer, mapping=mapping)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
 
     async def get_trainer_info(self) -> TrainerInfo | None:
-        raw = await self.redis.hgetall(self.keys.trainer)
+        raw = await self.redis.hgetall(self.keys.trainer)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         if not raw:
             return None
         values = {k.decode(): int(v) for k, v in raw.items()}
@@ -80,7 +79,7 @@ class PipelineState:
 
     # policy clock (pipeline/staleness.py "policy versions") ---------------------
     async def get_policy(self) -> PolicyStamp | None:
-        raw = await self.redis.hmget(self.keys.policy, "run", "version", "labels")
+        raw = await self.redis.hmget(self.keys.policy, ["run", "version", "labels"])  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         if raw[0] is None or raw[1] is None:
             return None
         labels = msgspec.json.decode(raw[2], type=dict[str, int]) if raw[2] else {}
@@ -88,10 +87,10 @@ class PipelineState:
 
     async def begin_run(self) -> int:
         """A new trainer process: a new run number, and no published version until its first rollout."""
-        run = int(await self.redis.hincrby(self.keys.runs, "count", 1))
+        run = int(await self.redis.hincrby(self.keys.runs, "count", 1))  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.keys.policy)
-        pipe.hset(self.keys.policy, "run", run)
+        pipe.hset(self.keys.policy, "run", str(run))
         await pipe.execute()
         return run
 
@@ -100,7 +99,7 @@ class PipelineState:
     ) -> None:
         """At each rollout: the run's branch point, the engines' version, and the admission clock."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.runs, str(run), start)
+        pipe.hset(self.keys.runs, str(run), str(start))
         pipe.hset(self.keys.policy, mapping={
             "run": run, "version": engine_version, "rollout": rollout_id, "labels": msgspec.json.encode(labels or {}),
         })
@@ -108,7 +107,7 @@ class PipelineState:
         await pipe.execute()
 
     async def run_starts(self) -> dict[int, int]:
-        raw = await self.redis.hgetall(self.keys.runs)
+        raw = await self.redis.hgetall(self.keys.runs)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         return {int(k): int(v) for k, v in raw.items() if k != b"count"}
 
 

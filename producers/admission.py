@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from arq.constants import job_key_prefix, result_key_prefix
+from redis.typing import EncodableT
 
 from pipeline.config import ConfigError, RolloutSection
 from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
@@ -238,7 +239,7 @@ class Admission:
         still what the caller saw (-1 otherwise)."""
         keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id),
                 self.keys.op(new_op_id()), self.keys.open]
-        args = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
+        args: list[EncodableT] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
                 job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms),
                 job.job_id, job.admission_version]
         return int(await self._requeue(keys=keys, args=args))

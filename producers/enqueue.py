@@ -210,7 +210,7 @@ class Producer:
         return f"e{epoch}"
 
     async def _position(self) -> int:
-        raw = await self.redis.hget(self.keys.cursor, self._cursor_field(self.epoch))
+        raw = await self.redis.hget(self.keys.cursor, self._cursor_field(self.epoch))  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         return int(raw) if raw is not None else 0
 
     def _order_from_cursor(self, position: int) -> _EpochStream:
@@ -267,7 +267,7 @@ class Producer:
     async def _drain_requeue(self) -> str:
         """Admit requeued tasks first. Returns "empty" or "blocked" (no headroom)."""
         while True:
-            head = await self.redis.lindex(self.keys.requeue, 0)
+            head = await self.redis.lindex(self.keys.requeue, 0)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
             if head is None:
                 return "empty"
             outcome = await self._admit_requeued(head)
@@ -282,7 +282,7 @@ class Producer:
             return await self._give_up(head, "?", f"undecodable requeue entry: {exc}")
         # the attempt count is per (task, epoch): another epoch's hand-backs are another budget
         attempts_field = job_id_for(entry.task.id, entry.epoch)
-        raw = await self.redis.hget(self.admission.attempts_key, attempts_field)
+        raw = await self.redis.hget(self.admission.attempts_key, attempts_field)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         admitted = int(raw) if raw is not None else 0  # highest attempt admitted so far
         if entry.attempt < admitted:  # a repeated hand-back (replayed discard): its successor is admitted
             log.info("requeue entry for %s: attempt %d is already admitted; dropped", entry.group_id, admitted)
@@ -323,9 +323,9 @@ class Producer:
         mine = self.index.fingerprint(self.options.seed, self.weights)
         if self.options.reset_cursor:
             await self.redis.delete(self.keys.cursor)
-        stored = await self.redis.hget(self.keys.cursor, FINGERPRINT_FIELD)
+        stored = await self.redis.hget(self.keys.cursor, FINGERPRINT_FIELD)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         if stored is None:
-            await self.redis.hset(self.keys.cursor, FINGERPRINT_FIELD, mine)
+            await self.redis.hset(self.keys.cursor, FINGERPRINT_FIELD, mine)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         elif stored.decode() != mine:
             raise ConfigError(
                 f"{self.keys.cursor} was written for other tasks, seed or weights ({stored.decode()[:60]}...) than "
@@ -337,7 +337,7 @@ class Producer:
         size = self.index.epoch_size(self.weights)
         epoch = 0
         while True:
-            raw = await self.redis.hget(self.keys.cursor, self._cursor_field(epoch))
+            raw = await self.redis.hget(self.keys.cursor, self._cursor_field(epoch))  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
             if raw is None or int(raw) < size:
                 return epoch
             epoch += 1

@@ -51,7 +51,7 @@ class _Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
     pass
 
 
-class FieldMap(_Options):
+class FieldMap(_Options, frozen=True):
     """Which row fields make a Task. Names may be dotted paths into nested objects."""
 
     id: Union[str, None] = "id"  # a row without it gets a content-hash id; None = always hash
@@ -72,7 +72,7 @@ NEMO_SKILLS_FIELDS = FieldMap(id="id", prompt="problem", label="expected_answer"
 OPENREWARD_FIELDS = FieldMap(id="task_spec.id", prompt="prompt", label=None, metadata=["task_spec", "split", "index", "environment"])
 
 
-class DatasetOptions(_Options):
+class DatasetOptions(_Options, frozen=True):
     source: Source
     files: list[str] = []  # jsonl / parquet / nemo_gym / nemo_skills: paths or globs, relative to the config file
     fields: Union[FieldMap, None] = None  # None = the source's default mapping
@@ -211,6 +211,7 @@ def nemo_gym_prompt(row: Any) -> list[dict[str, Any]]:
     problems = input_problems(params)
     if problems:
         raise SchemaError("; ".join(f"field {where}: {reason}" for where, reason in problems[:5]))
+    assert isinstance(params, dict)  # input_problems reports anything else
     return prompt_messages(params)
 
 

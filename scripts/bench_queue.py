@@ -106,6 +106,7 @@ async def _pickup_latency(profile: Profile, settings: RedisSettings, count: int)
         for i in range(count):
             started = time.perf_counter()
             job = await pool.enqueue_job("noop_job", b"x", _job_id=f"{queue}-{i}", _queue_name=queue)
+            assert job is not None  # None: the job id was taken, and each is new
             await job.result(timeout=10, poll_delay=0.002)
             latencies.append(time.perf_counter() - started)
             await asyncio.sleep(0.013 * (i % 7))  # land at different points of the poll cycle

@@ -68,7 +68,7 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
     await state.publish_policy(run=await state.begin_run(), start=0, engine_version=0, rollout_id=0)
     lags: list[float] = []
     worker = build_worker(config, concurrency=max(1, concurrency // n_samples), handle_signals=False)
-    task = asyncio.create_task(worker.async_run())
+    worker_task = asyncio.create_task(worker.async_run())
     while CTX_KEY not in worker.ctx:  # startup (tokenizer load) is not steady-state lag
         await asyncio.sleep(0.01)
     started = time.perf_counter()
@@ -77,8 +77,8 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
         await asyncio.sleep(0.05)
     elapsed = time.perf_counter() - started
     sampler.cancel()
-    await stop_worker(worker, task)
-    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}
+    await stop_worker(worker, worker_task)
+    counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
     engine = await asyncio.to_thread(_engine_stats, engine_url)
     await redis.aclose()
     lag_ms = np.asarray(lags) * 1000 if lags else np.zeros(1)

@@ -345,7 +345,7 @@ async def _watch(trainer: Trainer, pool: subprocess.Popen, producer: asyncio.Tas
     console.print()
 
 
-def _private_redis(choice: str, console: Console) -> LocalRedis | FakeRedisServer:
+def _private_redis(choice: str, console: Console) -> contextlib.AbstractContextManager[LocalRedis | FakeRedisServer]:
     """A redis-server on a free port, or fakeredis in a subprocess on a machine without one."""
     if choice == "server" or (choice == "auto" and shutil.which("redis-server")):
         return LocalRedis(detached=True)

@@ -127,7 +127,7 @@ async def run_group(ctx: dict[str, Any], payload: bytes) -> dict[str, Any]:
         await _dead_letter(w, job_id, f"job {job_id}: {exc}", payload)
         return {"status": "dead", "reason": str(exc)}
     if job_try > max_tries:
-        last = await w.buffer.redis.hget(w.keys.job_errors, job_id)
+        last = await w.buffer.redis.hget(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         reason = f"job {job_id}: out of tries ({max_tries}); last error: {last.decode() if last else 'unknown'}"
         return await _out_of_tries(w, job, job_id, reason, payload)
     if job_try > 1 and await w.buffer.redis.exists(w.keys.dedup(job.job_id)):
@@ -147,7 +147,7 @@ async def _run_counted(
     try:
         group = await _within(run_episodes(w, job, job_try), soft_s)
         stream_id = await w.buffer.push(group, **_push_counters(group))
-        await w.buffer.redis.hdel(w.keys.job_errors, job_id)
+        await w.buffer.redis.hdel(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         if stream_id is None:
             return await _duplicate(w, job)
         return {"status": "pushed", "stream_id": stream_id}
@@ -219,7 +219,7 @@ async def _retry_or_give_up(
     log.warning("%s", reason, exc_info=not isinstance(exc, GroupFailed))
     if job_try >= w.config.workers.max_tries:
         return await _out_of_tries(w, job, job_id, reason, payload)
-    await w.buffer.redis.hset(w.keys.job_errors, job_id, reason[:2000])
+    await w.buffer.redis.hset(w.keys.job_errors, job_id, reason[:2000])  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
     raise Retry(defer=random.uniform(0.5, 1.5) * min(30.0, 2.0**job_try))
 
 
@@ -233,7 +233,7 @@ async def _out_of_tries(w: WorkerContext, job: PromptJob, job_id: str, reason: s
     refuses any later push of the group."""
     outcome = await _dead_letter(w, job_id, reason, payload, requeue=job)
     if outcome is REFUSED:
-        await w.buffer.redis.hdel(w.keys.job_errors, job_id)
+        await w.buffer.redis.hdel(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         return {"status": "duplicate", "stream_id": None}
     return {"status": "dead", "reason": reason}
 

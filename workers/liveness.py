@@ -208,7 +208,7 @@ class Liveness:
         our set (its SREM lost) and in arq's queue with its in-progress key, so neither arq nor
         the reaper (we are alive) would ever re-run it, and its admission slot stays held. The
         re-run pushes through the dedup marker: stored once."""
-        recorded = {job.decode() for job in await self.redis.smembers(self.keys.worker_jobs(self.worker_id))}
+        recorded = {job.decode() for job in await self.redis.smembers(self.keys.worker_jobs(self.worker_id))}  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         ghosts = sorted(recorded - self._running)
         if not ghosts:
             return 0

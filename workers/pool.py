@@ -144,9 +144,9 @@ class Pool:
             if not alive:
                 return 1 if self.failed else 0
             if self.stop_at is not None and now - self.stop_at >= self.kill_after_s:
-                for proc in alive:
-                    log.error("worker process %d still running %.0fs after the signal; SIGKILL", proc.pid, now - self.stop_at)
-                    proc.kill()
+                for child in alive:
+                    log.error("worker process %d still running %.0fs after the signal; SIGKILL", child.pid, now - self.stop_at)
+                    child.kill()
                 self.stop_at = None  # once
             return None
         for i, proc in enumerate(self.children):

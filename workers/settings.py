@@ -157,6 +157,7 @@ class RolloutWorker(Worker):
                 self.job_counter = self.job_counter - 1
                 self.sem.release()
                 continue
+            assert score is not None  # taken: ZSCORE found the job
             t = self.loop.create_task(self.run_job(job_id, int(score)))
             t.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
             self.tasks[job_id] = t

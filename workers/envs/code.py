@@ -50,7 +50,7 @@ from workers.envs.toolless import ToollessSession
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 
 
-class CodeOptions(Options):
+class CodeOptions(Options, frozen=True):
     reward: Literal["fraction", "all_pass"] = "fraction"
     limits: Limits = Limits()
     parallel: int = 2  # sandbox runs at once per episode
@@ -93,8 +93,9 @@ def value_checks(code: str) -> Union[list[ValueCheck], None]:
         body = ast.parse(code).body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    if body and all(isinstance(node, ast.Assert) for node in body):
-        return _checks_of(body)
+    asserts = [node for node in body if isinstance(node, ast.Assert)]
+    if body and len(asserts) == len(body):
+        return _checks_of(asserts)
     return _humaneval_checks(body)
 
 

@@ -33,7 +33,7 @@ from workers.envs.toolless import ToollessSession
 AnswerForm = Literal["boxed", "any"]
 
 
-class MathOptions(Options):
+class MathOptions(Options, frozen=True):
     answer: AnswerForm = "any"  # "boxed": only \boxed{...} counts
     check_in: Literal["process", "inline"] = "process"
     processes: int = 2

@@ -74,7 +74,7 @@ MAX_COMPONENTS = 32
 MAX_COMPONENT_CHARS = 200
 
 
-class NemoGymOptions(Options):
+class NemoGymOptions(Options, frozen=True):
     url: str  # the resources server, e.g. http://127.0.0.1:8000
     model: str = "policy"  # `model` of the Responses object sent to /verify
     max_connections: int = 256
@@ -180,7 +180,7 @@ class NemoGymSession(EnvSession):
         }
         status, text = await self._post("/verify", body, timeouts.verify, deadline_in(timeouts.verify_deadline_s))
         try:
-            answer = json.loads(text) if status < 300 else None
+            answer: Any = json.loads(text) if status < 300 else None  # not 2xx: None["reward"] raises TypeError
             reward = float(answer["reward"])
         except (ValueError, TypeError, KeyError) as exc:
             raise EnvError(f"nemo_gym {self.env.name!r} /verify: HTTP {status}: {text[:300]}") from exc

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 CLOSE_TIMEOUT_S = 10.0
 
 
-class OpenRewardOptions(Options):
+class OpenRewardOptions(Options, frozen=True):
     environment: str  # "owner/name" on the platform, or an environment of a local server
     base_url: Union[str, None] = None  # environment server; None = the SDK's default
     variant: Union[str, None] = None

@@ -67,7 +67,7 @@ TOOL_RESULT_KEYS = ("tool_name", "tool_output", "status", "error_message")
 _THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
-class RetrainOptions(Options):
+class RetrainOptions(Options, frozen=True):
     cls: str  # dotted path of the retrain Environment subclass (one instance per episode)
     kwargs: dict[str, Any] = {}  # its constructor's keyword arguments
     reward_calculator: Union[str, None] = None  # dotted path of a RewardCalculator class or factory

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_REDUCERS = {
+_REDUCERS: dict[str, Callable[[list[float]], float]] = {
     "sum": sum,
     "mean": lambda xs: sum(xs) / len(xs),
     "max": max,

@@ -560,7 +560,11 @@ async def run_python(
     """
     if test is not None and evaluate is not None:
         raise ValueError("run_python: test or evaluate, not both")
-    request = None if test is None and evaluate is None else (("exec", test) if test is not None else ("eval", evaluate))
+    request: Union[tuple[str, str], None] = None
+    if test is not None:
+        request = ("exec", test)
+    elif evaluate is not None:
+        request = ("eval", evaluate)
     isolation = probe_isolation()
     uid = _UID_BASE + next(_uid_counter) % 1000 if isolation.own_uid else None
     workdir = Path(tempfile.mkdtemp(prefix="sandbox-"))

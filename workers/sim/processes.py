@@ -17,11 +17,14 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO, TypeVar
 
 import yaml
 
 from pipeline.config import PipelineConfig
 from pipeline.local_redis import free_port
+
+_Child = TypeVar("_Child", bound="ChildProcess")
 
 
 class ChildProcess:
@@ -29,9 +32,9 @@ class ChildProcess:
         self.args = [sys.executable, "-m", "scripts.cli", *args]
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self._log: IO[bytes] | int | None = None
 
-    def start(self) -> ChildProcess:
+    def start(self: _Child) -> _Child:
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
         return self
@@ -56,7 +59,7 @@ class ChildProcess:
         if self._log not in (None, subprocess.DEVNULL):
             self._log.close()  # type: ignore[union-attr]
 
-    def __enter__(self) -> ChildProcess:
+    def __enter__(self: _Child) -> _Child:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ from pipeline.config import PipelineConfig
 from pipeline.schema import Sample, SamplingParams, Task
 from workers.chat import ChatTokens
 from workers.engine import EngineClient
-from workers.envs.base import Environment
+from workers.envs.base import Environment, EnvSession, EpisodeRecord, StepResult, ToolCall, Verification
+from workers.envs.local import initial_messages
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.tokenizer import load_test_tokenizer
@@ -199,3 +200,17 @@ def serve_openreward(*env_classes: type) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+class OneTurnSession(EnvSession):
+    """A plugin environment's session: the task's prompt, one model turn, reward 1."""
+
+    def __init__(self, task: Task):
+        self.messages = initial_messages(task)
+        self.tools: list[dict] = []
+
+    async def step(self, calls: list[ToolCall]) -> StepResult:
+        return StepResult(messages=[], done=True)
+
+    async def verify(self, episode: EpisodeRecord) -> Verification:
+        return Verification(reward=1.0)

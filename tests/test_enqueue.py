@@ -24,16 +24,12 @@ from pipeline.state import PipelineState, TrainerInfo
 from producers.admission import Admission, Limits
 from producers.enqueue import ProducerOptions, main, run_producer
 from producers.task_index import TaskIndex
+from tests.env_helpers import OneTurnSession
 from workers.envs.base import (
     EnvError,
     Environment,
     EnvSession,
-    EpisodeRecord,
-    StepResult,
-    ToolCall,
-    Verification,
 )
-from workers.envs.local import initial_messages
 from workers.settings import build_worker, stop_worker
 from workers.sim.engine import serve_sim_engine
 
@@ -361,19 +357,7 @@ class DownOnFirstAttempt(Environment):
         seen = self.starts[task.id] = self.starts.get(task.id, 0) + 1
         if int(task.id.rsplit("-", 1)[1]) % 5 == 0 and seen <= self.refused_per_task:
             raise EnvError("POST /seed_session: connection refused (injected outage)")
-        return _OneTurnSession(task)
-
-
-class _OneTurnSession(EnvSession):
-    def __init__(self, task: Task):
-        self.messages = initial_messages(task)
-        self.tools: list[dict] = []
-
-    async def step(self, calls: list[ToolCall]) -> StepResult:
-        return StepResult(messages=[], done=True)
-
-    async def verify(self, episode: EpisodeRecord) -> Verification:
-        return Verification(reward=1.0)
+        return OneTurnSession(task)
 
 
 async def test_bound_holds_at_every_instant_with_real_worker_and_trainer(tmp_path, redis_url, redis, keys, namespace):

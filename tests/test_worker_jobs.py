@@ -23,17 +23,13 @@ from pipeline.schema import (
 )
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
+from tests.env_helpers import OneTurnSession
 from tests.policy_helpers import trainer_started
 from workers.envs.base import (
     EnvError,
     Environment,
     EnvSession,
-    EpisodeRecord,
-    StepResult,
-    ToolCall,
-    Verification,
 )
-from workers.envs.local import initial_messages
 from workers.jobs import CTX_KEY, run_group
 from workers.settings import _build_context, build_worker, stop_worker
 from workers.sim.engine import serve_sim_engine
@@ -220,19 +216,7 @@ class OutageEnvironment(Environment):
         seen = self.starts[task.id] = self.starts.get(task.id, 0) + 1
         if task.metadata.get("down") or (task.metadata.get("flaky") and seen == 1):
             raise EnvError("POST /seed_session: connection refused (injected outage)")
-        return _OneTurnSession(task)
-
-
-class _OneTurnSession(EnvSession):
-    def __init__(self, task: Task):
-        self.messages = initial_messages(task)
-        self.tools: list[dict] = []
-
-    async def step(self, calls: list[ToolCall]) -> StepResult:
-        return StepResult(messages=[], done=True)
-
-    async def verify(self, episode: EpisodeRecord) -> Verification:
-        return Verification(reward=1.0)
+        return OneTurnSession(task)
 
 
 async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_failed_one(redis, redis_url, keys, namespace):

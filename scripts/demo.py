@@ -44,6 +44,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pipeline.aio import wait_for
 from pipeline.config import ENV_NAMESPACE, check_redis_url, parse_config
 from pipeline.fake_redis import FakeRedisServer
 from pipeline.keys import Counter, Keys
@@ -317,7 +318,7 @@ async def run_demo(
         finally:
             trainer.stop_event.set()
             stop.set()
-            await asyncio.wait_for(asyncio.gather(producer, return_exceptions=True), timeout=10)
+            await wait_for(asyncio.gather(producer, return_exceptions=True), timeout=10)
             await asyncio.to_thread(stop_pool, pool, config.workers.drain_grace_s + 10)
             final = await snapshot(redis, Keys(ns))
             await redis.aclose()

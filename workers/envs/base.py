@@ -21,6 +21,7 @@ from typing import Any, TypeVar, Union
 
 import msgspec
 
+from pipeline.aio import wait_for
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
 
@@ -142,7 +143,7 @@ async def call_once(
     failures: list[BaseException] = []
     for attempt in range(budget.retries + 1):
         try:
-            return await asyncio.wait_for(fn(), budget.timeout_s)
+            return await wait_for(fn(), budget.timeout_s)
         except Exception as exc:  # noqa: BLE001 - classified by `unsent`
             if not unsent(exc):
                 raise

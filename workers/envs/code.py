@@ -38,6 +38,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
@@ -336,7 +337,7 @@ class CodeSession(ToollessSession):
         if program is None:
             return shaped(config, [0.0], terminal=terminal, components={**base, "passed": 0, "error": "no code block"})
         try:
-            verdicts = await asyncio.wait_for(
+            verdicts = await wait_for(
                 self.env.run_tests(program, self.tests), config.timeouts.verify_deadline_s
             )
         except asyncio.TimeoutError as exc:

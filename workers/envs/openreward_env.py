@@ -42,6 +42,7 @@ from typing import Any, Union
 
 import aiohttp
 
+from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
@@ -228,7 +229,7 @@ class OpenRewardSession(EnvSession):
         if session is None:
             return
         try:
-            await asyncio.wait_for(session.__aexit__(None, None, None), CLOSE_TIMEOUT_S)
+            await wait_for(session.__aexit__(None, None, None), CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not fail the episode; the server reaps it
             log.warning("openreward %r: closing session failed: %r", self.env.name, exc)
 

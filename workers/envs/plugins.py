@@ -32,6 +32,7 @@ from typing import Any, Union
 
 import msgspec
 
+from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, StepResult, Verification
@@ -387,7 +388,7 @@ class GroupMetrics:
         self.groups += 1
         fn = self.env.impl.global_post_process_and_metrics
         try:
-            returned = await asyncio.wait_for(
+            returned = await wait_for(
                 call_maybe_async(fn, rollout_batch(entries)), self.env.config.timeouts.verify.timeout_s
             )
             metrics = returned[1] if isinstance(returned, (tuple, list)) else returned
@@ -478,7 +479,7 @@ class NemoRLSession(ToollessSession):
 
     async def step_text(self, message: dict[str, Any]) -> StepResult:
         self.log.append({"role": "assistant", "content": str(message.get("content") or "")})
-        observation, metadata, stops, reward, terminated, answer = await asyncio.wait_for(
+        observation, metadata, stops, reward, terminated, answer = await wait_for(
             self.env.batcher.step(list(self.log), self.metadata), self.env.config.timeouts.step.timeout_s
         )
         observation = dict(observation) if observation else {"role": "environment", "content": ""}

@@ -41,6 +41,7 @@ import json
 import re
 from typing import Any, Union
 
+from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import (
@@ -233,7 +234,7 @@ class RetrainSession(EnvSession):
     async def _step(self, action: dict[str, Any]) -> tuple[dict[str, Any], float, bool, bool]:
         where = f"{self.where}: step ({action['action_type']})"
         try:
-            returned = await asyncio.wait_for(self.impl.step(action), self.env.config.timeouts.step.timeout_s)
+            returned = await wait_for(self.impl.step(action), self.env.config.timeouts.step.timeout_s)
         except asyncio.TimeoutError as exc:  # a step is not idempotent: never sent twice
             raise EnvError(f"{where}: no answer in {self.env.config.timeouts.step.timeout_s}s") from exc
         if not isinstance(returned, tuple) or len(returned) != 5:

@@ -29,6 +29,7 @@ from typing import TypeVar, Union
 
 import aiohttp
 
+from pipeline.aio import wait_for
 from pipeline.config import CallBudget, EnvConfig
 from workers.envs.base import EnvError, Verification
 
@@ -128,7 +129,7 @@ async def call_with_budget(
             if timeout <= 0:
                 raise EnvError(f"{what}: deadline passed after {attempt} attempt(s){_history(failures)}")
         try:
-            return await asyncio.wait_for(fn(), timeout)
+            return await wait_for(fn(), timeout)
         except EnvError:
             raise
         except Exception as exc:  # noqa: BLE001 - classified below

@@ -50,6 +50,8 @@ from typing import Any, Union
 
 import msgspec
 
+from pipeline.aio import wait_for
+
 log = logging.getLogger(__name__)
 
 _UNSHARE = ["unshare", "--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc"]
@@ -642,7 +644,7 @@ async def _run(
         jobs.append(_converse(channel, sentinel, request, said, limits.output_bytes + 4096))
     timed_out = False
     try:
-        await asyncio.wait_for(asyncio.gather(*jobs), limits.wall_s)
+        await wait_for(asyncio.gather(*jobs), limits.wall_s)
     except asyncio.TimeoutError:
         timed_out = True
     finally:

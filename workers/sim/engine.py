@@ -55,6 +55,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from pipeline.aio import wait_for
 from pipeline.sampling import sampling_errors
 from pipeline.schema import Task
 
@@ -407,7 +408,7 @@ class SimEngine:
                 await self._resumed.wait()
             chunk = min(step, n_tokens - running.produced)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(running.aborted.wait(), chunk * per_token)
+                await wait_for(running.aborted.wait(), chunk * per_token)
             if running.aborted.is_set():
                 return running.produced
             running.produced += chunk

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,7 +80,7 @@ def summarize(group: SampleGroup) -> GroupSummary:
 @dataclass
 class _Push:
     marker: str
-    fields: dict[str, Any]
+    fields: dict[Any, Any]  # stream entry fields (redis-py's xadd wants its own key/value union)
     deltas: dict[str, int]
     summary: bytes
     future: asyncio.Future
@@ -137,7 +137,7 @@ class GroupBuffer:
         while self._outbox:
             batch, self._outbox = self._outbox, []
             try:
-                results: list[str | None] | list[BaseException] = await self._store(batch)
+                results: Sequence[str | BaseException | None] = await self._store(batch)
             except Exception as exc:  # connection lost: every caller of this batch sees it
                 results = [exc] * len(batch)
             for item, result in zip(batch, results):
@@ -215,7 +215,7 @@ class GroupBuffer:
         """Put back a group the trainer handed back (slime's add_samples): no dedup check, but
         once per call (`op_id`), whatever replies are lost. It is open again at its admission
         clock (due-first takes it as the oldest it is)."""
-        fields = {"g": encode(group), "id": group.group_id}
+        fields: dict[Any, Any] = {"g": encode(group), "id": group.group_id}
 
         def stage(pipe: Pipeline) -> None:
             pipe.xadd(self.keys.groups, fields)
@@ -239,7 +239,7 @@ class GroupBuffer:
 
     def stage_dead_letter(self, pipe: Pipeline, *, source: str, reason: str, payload: bytes = b"", ref: str = "") -> None:
         """Add the dead letter to the caller's transaction (it applies with the caller's other writes)."""
-        fields = {"source": source, "reason": reason[:2000], "ref": ref, "payload": payload[:DEAD_PAYLOAD_MAX],
+        fields: dict[Any, Any] = {"source": source, "reason": reason[:2000], "ref": ref, "payload": payload[:DEAD_PAYLOAD_MAX],
                   "at": f"{time.time():.3f}"}
         if len(payload) > DEAD_PAYLOAD_MAX:
             fields["payload_bytes"] = str(len(payload))  # cut: the whole payload was this long
@@ -281,7 +281,7 @@ class GroupBuffer:
 
     async def _read_pending(self, consumer: str, count: int, exclude: frozenset[str]) -> list[Entry]:
         entries: list[Entry] = []
-        cursor = self._pending_cursor.get(consumer, "-")
+        cursor: str | None = self._pending_cursor.get(consumer, "-")
         while cursor is not None and len(entries) < count:
             rows = await self.redis.xpending_range(
                 self.keys.groups, TRAINER_GROUP, min=cursor, max="+", count=max(count, 64), consumername=consumer

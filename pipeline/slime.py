@@ -228,7 +228,7 @@ class RedisDataSource(_DataSourceBase):
         recorded: dict[int, list[str]] = {}
         for member in await self._redis.zrange(self.keys.recorded_steps, 0, -1):
             rid = int(member)
-            ids = [i.decode() for i in await self._redis.lrange(self.keys.consumed(rid), 0, -1)]
+            ids = [i.decode() for i in await self._redis.lrange(self.keys.consumed(rid), 0, -1)]  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
             if ids:
                 recorded[rid] = ids
         return dict(sorted(recorded.items()))
@@ -446,7 +446,8 @@ class RedisDataSource(_DataSourceBase):
                     return True
                 self._kept_stale.add(entry.stream_id)
                 stats.kept_stale += 1
-                await self.state.incr(**{Counter.STALE: 1})
+                stale_count: dict[str, Any] = {Counter.STALE: 1}  # Any: mypy would match it against op_id
+                await self.state.incr(**stale_count)
                 return True
             return await self._discard(entry, Counter.STALE, requeue=policy is StalePolicy.REQUEUE, stats=stats)
         rewards = group.rewards()
@@ -500,7 +501,8 @@ class RedisDataSource(_DataSourceBase):
         workers' stamp), from slime's loop law (pipeline/staleness.py), and the settings."""
         if self.first_rollout_id is None:
             self.first_rollout_id = rollout_id
-        law = {"start": self.first_rollout_id, "interval": self.update_interval, "loop": self.settings.trainer_loop}
+        law: dict[str, Any] = {"start": self.first_rollout_id, "interval": self.update_interval,
+                               "loop": self.settings.trainer_loop}
         labels = label_versions(rollout_id, **law, first_label=self.first_label)
         self._engine_version = engine_policy_version(rollout_id, **law)
         self._publish_settings()

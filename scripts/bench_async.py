@@ -148,7 +148,7 @@ class OccupancySampler(threading.Thread):
         super().__init__(daemon=True)
         import redis as redis_sync
 
-        self.client = redis_sync.Redis.from_url(redis_url)
+        self.client: Any = redis_sync.Redis.from_url(redis_url)  # sync client: redis-py types replies Awaitable | T
         self.keys, self.eta, self.batch = keys, eta, batch
         self.samples: list[float] = []
         self.recording = threading.Event()
@@ -158,7 +158,7 @@ class OccupancySampler(threading.Thread):
         while not self.stopped.wait(0.05):
             if not self.recording.is_set():
                 continue
-            enqueued, discarded = self.client.hmget(self.keys.counters, Counter.ENQUEUED, Counter.DISCARDED)
+            enqueued, discarded = self.client.hmget(self.keys.counters, [Counter.ENQUEUED, Counter.DISCARDED])
             version = int(self.client.get(self.keys.version) or 0)
             live = int(enqueued or 0) - int(discarded or 0)
             self.samples.append(live / ((self.eta + version + 1) * self.batch))

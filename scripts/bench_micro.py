@@ -7,6 +7,7 @@ and returns `Figure`s (value, baseline, ratio, goal).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import pickle
 import resource
@@ -88,18 +89,17 @@ def bench_codec(*, quick: bool) -> list[Figure]:
         tokens = n * (prompt_len + response_len)
         calls = max(20, 400 // n)  # cheap either way; more calls steady the ratio on a shared machine
         fns: dict[str, tuple[Callable[[], Any], int]] = {
-            "ours": (lambda g=group: decode_group(encode(g)), calls),
-            "pickle": (lambda x=as_lists: pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)),
-                       max(3, calls // 20)),
+            "ours": (functools.partial(_ours_roundtrip, group), calls),
+            "pickle": (functools.partial(_pickle_roundtrip, as_lists), max(3, calls // 20)),
         }
         if n == 1:
-            fns["json"] = (lambda x=as_lists: json.loads(json.dumps(x)), max(3, calls // 40))
+            fns["json"] = (functools.partial(_json_roundtrip, as_lists), max(3, calls // 40))
         best = _best_interleaved(fns)
         payload = encode(group)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        parts = _best_interleaved({"encode": (lambda g=group: encode(g), calls),
-                                   "decode": (lambda p=payload: decode_group(p), calls)})
-        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / (10 * calls)
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        parts = _best_interleaved({"encode": (functools.partial(encode, group), calls),
+                                   "decode": (functools.partial(decode_group, payload), calls)})
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before) / (10 * calls)
         shape = f"{n} x {tokens // n // 1024}k tokens"
         r = ratio(best["pickle"], best["ours"])
         met = r >= CODEC_GOAL
@@ -286,7 +286,23 @@ def _spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values)}
 
 
-def _fields(group: SampleGroup) -> dict[str, Any]:
+def _ours_roundtrip(group: SampleGroup) -> SampleGroup:
+    return decode_group(encode(group))
+
+
+def _pickle_roundtrip(obj: Any) -> Any:
+    return pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _json_roundtrip(obj: Any) -> Any:
+    return json.loads(json.dumps(obj))
+
+
+def _roundtrip(enc: msgspec.msgpack.Encoder, dec: msgspec.msgpack.Decoder, obj: Any) -> Any:
+    return dec.decode(enc.encode(obj))
+
+
+def _fields(group: msgspec.Struct) -> dict[str, Any]:
     return {f: getattr(group, f) for f in group.__struct_fields__}
 
 
@@ -350,7 +366,8 @@ class _Rows(msgspec.Struct, kw_only=True, array_like=True, gc=False, tag=2):
     timings: dict[str, float] = {}
     epoch: int = 0
     attempt: int = 0
-    __post_init__ = SampleGroup.__post_init__  # the same checks
+    def __post_init__(self) -> None:  # the same checks
+        SampleGroup.__post_init__(self)  # type: ignore[arg-type]  # same fields, duck-typed
 
 
 class _Cold(msgspec.Struct, array_like=True, gc=False):
@@ -416,8 +433,8 @@ def codec_layouts() -> list[dict[str, Any]]:
         return enc.encode(_Columns(
             g.group_id, g.task, g.admission_version, g.n_samples, g.worker_id, g.timings, g.epoch, g.attempt,
             [len(s.tokens) for s in ss], [s.response_length for s in ss], [s.reward for s in ss], [s.status for s in ss],
-            b"".join([s.tokens for s in ss]), b"".join([s.loss_mask for s in ss]),
-            b"".join([s.rollout_log_probs for s in ss]), msgspec.Raw(cold)))
+            memoryview(b"".join([s.tokens for s in ss])), memoryview(b"".join([s.loss_mask for s in ss])),
+            memoryview(b"".join([s.rollout_log_probs for s in ss])), msgspec.Raw(cold)))
 
     def decode_columns(data: bytes) -> Any:  # the same invariants, on the columns
         c = cols_dec.decode(data)
@@ -443,6 +460,10 @@ def codec_layouts() -> list[dict[str, Any]]:
             t0, m0 = t0 + t, m0 + n
         return out
 
+    def columnar(g: SampleGroup, *, build: bool) -> Any:
+        decoded = decode_columns(encode_columns(g))
+        return build_samples(decoded) if build else decoded
+
     rows = []
     for n, prompt_len, response_len in CODEC_SHAPES:
         group = make_group("codec:0", n=n, prompt_len=prompt_len, response_len=response_len)
@@ -454,13 +475,12 @@ def codec_layouts() -> list[dict[str, Any]]:
         as_lists = _as_lists(group)
         calls = max(20, 400 // n)
         best = _best_interleaved({
-            "pickle of lists": (lambda x=as_lists: pickle.loads(pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)),
-                                max(3, calls // 20)),
-            "map (in use)": (lambda g=group: decode_group(encode(g)), calls),
-            "array_like": (lambda g=as_rows: rows_dec.decode(enc.encode(g)), calls),
-            "columnar, samples unbuilt": (lambda g=group: decode_columns(encode_columns(g)), calls),
-            "columnar, samples built": (lambda g=group: build_samples(decode_columns(encode_columns(g))), calls),
-            "floor: 6 fields, no checks": (lambda g=hot: hot_dec.decode(enc.encode(g)), calls),
+            "pickle of lists": (functools.partial(_pickle_roundtrip, as_lists), max(3, calls // 20)),
+            "map (in use)": (functools.partial(_ours_roundtrip, group), calls),
+            "array_like": (functools.partial(_roundtrip, enc, rows_dec, as_rows), calls),
+            "columnar, samples unbuilt": (functools.partial(columnar, group, build=False), calls),
+            "columnar, samples built": (functools.partial(columnar, group, build=True), calls),
+            "floor: 6 fields, no checks": (functools.partial(_roundtrip, enc, hot_dec, hot), calls),
         }, loops=7)
         shape = f"{n} x {(prompt_len + response_len) // 1024}k"
         pickle_s = best.pop("pickle of lists")

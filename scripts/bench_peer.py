@@ -308,7 +308,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                                 log_path=str(workdir / "enqueue.log"))
         with workers, producer:
             source = RedisDataSource(args)  # publishes the trainer's settings: the producer starts admitting
-            client = redis_sync.Redis.from_url(server.url)
+            client: Any = redis_sync.Redis.from_url(server.url)  # sync client: redis-py types replies Awaitable | T
             ready = _wait_until(lambda: client.exists(Keys(ns).workers) and client.zcard(Keys(ns).queue) > 0, 60)
             result.notes.append(f"workers registered and jobs queued before the clock started: {ready}")
             try:

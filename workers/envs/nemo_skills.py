@@ -45,7 +45,7 @@ INSTALL_HINT = (
 )
 
 
-class NemoSkillsOptions(Options):
+class NemoSkillsOptions(Options, frozen=True):
     # a NeMo-Skills prompt config: a name (`generic/math`), a path to a .yaml, or the config
     # itself as a mapping ({user: ..., system: ..., few_shot_examples: {...}})
     prompt_config: Union[str, dict[str, Any]] = "generic/math"

@@ -90,7 +90,7 @@ class _PluginEnvironment(Environment):
 # ------------------------------------------------------------------ NeMo-RL
 
 
-class NemoRLOptions(Options):
+class NemoRLOptions(Options, frozen=True):
     cls: str  # dotted path of the environment class
     config: Union[dict[str, Any], None] = None  # passed as the constructor's single argument (NeMo-RL cfg)
     # true: NeMo-RL's rollout loop, `step` after every assistant turn (games); false: one `step` at verify
@@ -519,7 +519,7 @@ class NemoRLSession(ToollessSession):
 # ------------------------------------------------------------------ slime reward function
 
 
-class SlimeRMOptions(Options):
+class SlimeRMOptions(Options, frozen=True):
     function: str  # dotted path of `async def rm(args, sample)`
     args: dict[str, Any] = {}  # attributes of the `args` namespace it receives
     reward_key: Union[str, None] = None  # when rm returns a dict: the entry that is the reward

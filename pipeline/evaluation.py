@@ -136,11 +136,8 @@ def dataset_metrics(name: str, groups: list[SampleGroup], failed_groups: int = 0
 
 
 def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
-    """The `evaluation=True` branch of `pipeline.slime.generate_rollout` with eval datasets set."""
-    from pipeline.slime import RedisDataSource
-
-    if not isinstance(data_source, RedisDataSource):
-        raise TypeError("pipeline evaluation (pipeline_eval_datasets) needs --data-source-path pipeline.slime.RedisDataSource")
+    """The `evaluation=True` branch of `pipeline.slime.generate_rollout` with eval datasets set;
+    `data_source` is its `RedisDataSource` (checked there: this module does not import it)."""
     datasets = getattr(data_source, "_eval_datasets", None)
     if datasets is None:  # loaded once per trainer process
         datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets)

@@ -559,6 +559,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         if getattr(getattr(data_source, "settings", None), "eval_datasets", ""):
             from pipeline.evaluation import evaluate  # multi-turn, through the workers (pipeline_eval_datasets)
 
+            if not isinstance(data_source, RedisDataSource):
+                raise TypeError("pipeline evaluation (pipeline_eval_datasets) needs --data-source-path "
+                                "pipeline.slime.RedisDataSource")
+
             return evaluate(args, rollout_id, data_source)
         return _slime_eval(args, rollout_id)
     if not isinstance(data_source, RedisDataSource):

@@ -16,16 +16,13 @@ the caller (fine for tests and tiny runs).
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
 import re
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Literal, Union
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
+from workers.envs.checkers import CheckerPool
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
 from workers.envs.toolless import ToollessSession
@@ -92,7 +89,7 @@ class MathEnvironment(Environment):
     def __init__(self, name: str, config: EnvConfig):
         super().__init__(name, config)
         self.options = parse_options(name, config, MathOptions)
-        self._pool: Union[ProcessPoolExecutor, None] = None
+        self._checkers = CheckerPool(self.options.processes, f"math env {name!r}")
 
     async def start(self, task: Task) -> EnvSession:
         if task.label is None:
@@ -103,24 +100,10 @@ class MathEnvironment(Environment):
         args = (response, gold, self.options.answer, self.options.parse_timeout_s)
         if self.options.check_in == "inline":
             return check_answer(*args)
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor(), check_answer, *args)
-        except BrokenProcessPool as exc:  # a checker died (OOM-killed): start a fresh pool next time
-            self._pool = None
-            raise EnvError(f"math env {self.name!r}: checker process died") from exc
-
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
-            # spawn: the worker process has threads (event loop helpers, SDK pings); fork would copy their locks.
-            context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.options.processes, mp_context=context)
-        return self._pool
+        return await self._checkers.run(check_answer, *args)
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._checkers.close()
 
 
 class MathSession(ToollessSession):

@@ -26,15 +26,12 @@ its text could change the tokens the policy sampled.
 
 from __future__ import annotations
 
-import asyncio
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal, Union
 
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Message, Verification
+from workers.envs.checkers import CheckerPool
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
 from workers.envs.toolless import ToollessSession
@@ -142,7 +139,7 @@ class NemoSkillsEnvironment(Environment):
         super().__init__(name, config)
         self.options = parse_options(name, config, NemoSkillsOptions)
         self.prompt = build_prompt(name, self.options)
-        self._pool: Union[ProcessPoolExecutor, None] = None
+        self._checkers = CheckerPool(self.options.processes, f"nemo_skills env {name!r}")
 
     @staticmethod
     def check_task(task: Task) -> Union[str, None]:
@@ -159,23 +156,10 @@ class NemoSkillsEnvironment(Environment):
     async def grade(self, response: str, gold: str) -> tuple[float, Union[str, None]]:
         if self.options.check_in == "inline":
             return grade_math(response, gold)
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self._executor(), grade_math, response, gold)
-        except BrokenProcessPool as exc:
-            self._pool = None
-            raise EnvError(f"nemo_skills env {self.name!r}: grader process died") from exc
-
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:  # spawn: the worker has threads; spawn passes sys.path to the children
-            context = multiprocessing.get_context("spawn")
-            self._pool = ProcessPoolExecutor(max_workers=self.options.processes, mp_context=context)
-        return self._pool
+        return await self._checkers.run(grade_math, response, gold)
 
     async def aclose(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._checkers.close()
 
 
 class NemoSkillsSession(ToollessSession):

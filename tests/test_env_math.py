@@ -88,3 +88,22 @@ async def test_task_without_label_fails_the_episode_and_bad_options_name_the_key
         await env.start(Task(id="nolabel", env="m", prompt="?"))
     with pytest.raises(ConfigError, match=r"environments\.m\.options\.answr"):
         MathEnvironment("m", EnvConfig(kind="math", options={"answr": "boxed"}))
+
+
+def _die() -> None:  # a checker killed mid-check (OOM, a parser's C stack)
+    import os
+
+    os._exit(1)
+
+
+async def test_a_checker_that_dies_fails_that_check_and_the_next_one_runs():
+    from workers.envs.base import EnvError
+    from workers.envs.checkers import CheckerPool
+
+    pool = CheckerPool(1, "math env 'm'")
+    try:
+        with pytest.raises(EnvError, match="math env 'm': checker process died"):
+            await pool.run(_die)
+        assert await pool.run(pow, 2, 10) == 1024  # a fresh pool
+    finally:
+        pool.close()

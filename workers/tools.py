@@ -48,7 +48,7 @@ import functools
 import inspect
 import json
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -232,20 +232,26 @@ def _typed(raw: str, kind: Union[str, None]) -> Any:
 
 # ------------------------------------------------------------------ hermes / Qwen2.5 / Qwen3
 
-_HERMES_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)  # hermes, Qwen3-Coder, GLM-4.5
 
 
-def parse_hermes(text: str, tools: Tools = None) -> ParsedTurn:
-    """`<tool_call>{json}</tool_call>` blocks; an unclosed block is malformed."""
-    masked = _mask_reasoning(text)
-    out, cuts = _Builder(), []
-    for match in _HERMES_BLOCK.finditer(masked):
+def _tool_call_blocks(text: str, out: _Builder, cuts: list[tuple[int, int]]) -> Iterator[str]:
+    """The bodies of `<tool_call>...</tool_call>` blocks outside reasoning; each block's span is
+    cut from the content, and an unclosed block is an error, not a call."""
+    for match in _TOOL_CALL_BLOCK.finditer(_mask_reasoning(text)):
         cuts.append(match.span())
         if not match.group(2):
             out.error(f"{out.where()}: missing </tool_call>")
             continue
+        yield text[match.start(1) : match.end(1)]
+
+
+def parse_hermes(text: str, tools: Tools = None) -> ParsedTurn:
+    """`<tool_call>{json}</tool_call>` blocks; an unclosed block is malformed."""
+    out, cuts = _Builder(), list[tuple[int, int]]()
+    for body in _tool_call_blocks(text, out, cuts):
         try:
-            data = json.loads(text[match.start(1) : match.end(1)])
+            data = json.loads(body)
         except json.JSONDecodeError as exc:
             out.error(f"{out.where()}: invalid JSON ({exc.msg} at char {exc.pos})")
             continue
@@ -266,14 +272,8 @@ _QWEN3_PARAMETER = re.compile(
 
 def parse_qwen3_coder(text: str, tools: Tools = None) -> ParsedTurn:
     """`<tool_call><function=f><parameter=x>\\nvalue\\n</parameter></function></tool_call>`."""
-    masked = _mask_reasoning(text)
-    out, cuts = _Builder(), []
-    for match in _HERMES_BLOCK.finditer(masked):
-        cuts.append(match.span())
-        if not match.group(2):
-            out.error(f"{out.where()}: missing </tool_call>")
-            continue
-        body = text[match.start(1) : match.end(1)]
+    out, cuts = _Builder(), list[tuple[int, int]]()
+    for body in _tool_call_blocks(text, out, cuts):
         functions = list(_QWEN3_FUNCTION.finditer(body))
         if not functions:
             out.error(f"{out.where()}: expected <function=name> inside <tool_call>")
@@ -422,20 +422,13 @@ def parse_deepseek(text: str, tools: Tools = None) -> ParsedTurn:
 
 # ------------------------------------------------------------------ GLM-4.5 / 4.6
 
-_GLM_BLOCK = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _GLM_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 def parse_glm45(text: str, tools: Tools = None) -> ParsedTurn:
     """`<tool_call>f\\n<arg_key>k</arg_key>\\n<arg_value>v</arg_value>\\n...</tool_call>`."""
-    masked = _mask_reasoning(text)
-    out, cuts = _Builder(), []
-    for match in _GLM_BLOCK.finditer(masked):
-        cuts.append(match.span())
-        if not match.group(2):
-            out.error(f"{out.where()}: missing </tool_call>")
-            continue
-        body = text[match.start(1) : match.end(1)]
+    out, cuts = _Builder(), list[tuple[int, int]]()
+    for body in _tool_call_blocks(text, out, cuts):
         name_end = min((i for i in (body.find("\n"), body.find("<arg_key>")) if i >= 0), default=len(body))
         name, rest = body[:name_end].strip(), body[name_end:]
         pairs = _GLM_PAIR.findall(rest)

@@ -61,13 +61,16 @@ def test_a_disabled_gc_stays_disabled():
 
 def test_objects_the_process_froze_stay_frozen():
     """unfreeze would thaw the process's own frozen objects too: with any frozen, no freeze/unfreeze."""
-    entry = Entry("1-0", make_group("g:2", n=2))
+    entry = Entry("1-0", make_group("g:2", n=32, prompt_len=8, response_len=8))
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
         assert frozen > 0
         to_trainer_group(entry, 0)
-        assert gc.get_freeze_count() == frozen and gc.isenabled()
+        after = gc.get_freeze_count()
+        # unfreeze would leave 0, a freeze would add at least the 32 samples it built; a few frozen
+        # objects may die meanwhile (another test's thread letting go of them), so not an exact count
+        assert frozen - 16 <= after <= frozen and gc.isenabled(), (frozen, after)
     finally:
         gc.unfreeze()
 

@@ -146,3 +146,41 @@ async def test_budgets_truncate(chat):
         sample = await runner_for(client, chat, env_overrides={"max_turns": 1}).run(TASK, "e5")
         assert sample.status is Status.TRUNCATED and sample.metadata["turns"] == 1
         assert sample.loss_mask_array().all()  # the unanswered tool call got no observation tokens
+
+
+class _BrokenAt:
+    """A plugin environment that raises `exc` at `where` (start, verify): a bug or an outage."""
+
+    @staticmethod
+    def env(where: str, exc: BaseException):
+        from tests.env_helpers import OneTurnSession
+        from workers.envs.base import Environment
+
+        class Session(OneTurnSession):
+            async def verify(self, episode):
+                if where == "verify":
+                    raise exc
+                return await super().verify(episode)
+
+        class Env(Environment):
+            async def start(self, task):
+                if where == "start":
+                    raise exc
+                return Session(task)
+
+        return Env("broken", EnvConfig(kind="x"))
+
+
+@pytest.mark.parametrize("where", ["start", "verify"])
+async def test_an_environments_bug_fails_the_job_and_its_outage_fails_the_episode(where):
+    """A bug (TypeError, KeyError, ...) in an environment must reach the job (one try, dead
+    letter with its traceback: workers/jobs.py), not turn into a quiet failed episode in every
+    group; an outage (EnvError, a connection error) fails only that episode, with its reason."""
+    from tests.env_helpers import run_episodes
+    from workers.envs.base import EnvError
+
+    task = Task(id="t", env="broken", prompt="What is 6 * 7?", label="42")
+    with pytest.raises(TypeError, match="unsupported operand"):
+        await run_episodes(_BrokenAt.env(where, TypeError("unsupported operand")), task)
+    [sample] = await run_episodes(_BrokenAt.env(where, EnvError("POST /x: connection refused")), task)
+    assert sample.status is Status.FAILED and "connection refused" in sample.metadata["error"]

@@ -70,13 +70,10 @@ ARQ_WORKER_KEY = "arq_worker"  # the arq Worker itself (to tell Job.abort() from
 
 
 def soft_deadline_s(workers: Any) -> float:
-    """How long a group may run before it is handed back: `workers.soft_timeout_s` when set,
-    else `job_timeout_s` minus a margin (5 %, at least 60 s, at most half) that covers the
-    hand-back's Redis writes, so arq's hard timeout (which drops the job) is never reached."""
-    explicit = getattr(workers, "soft_timeout_s", None)
+    """How long a group may run before it is handed back: `workers.job_timeout_s` minus a margin
+    (5 %, at least 60 s, at most half) that covers the hand-back's Redis writes, so arq's hard
+    timeout (which drops the job) is never reached."""
     hard = float(workers.job_timeout_s)
-    if explicit:
-        return min(float(explicit), hard)
     return hard - min(hard / 2, max(60.0, hard * 0.05))
 
 

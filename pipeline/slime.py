@@ -524,7 +524,8 @@ class RedisDataSource(_DataSourceBase):
     def _publish_settings(self) -> None:
         s = self.settings
         self._run(self.state.set_trainer_info(
-            TrainerInfo(rollout_batch_size=s.rollout_batch_size, n_samples_per_prompt=s.n_samples_per_prompt, eta=s.eta)
+            TrainerInfo(rollout_batch_size=s.rollout_batch_size, n_samples_per_prompt=s.n_samples_per_prompt, eta=s.eta,
+                        hands_back=int(s.consume_order is ConsumeOrder.ARRIVAL and s.stale_policy is StalePolicy.REQUEUE))
         ))
         ip, port = getattr(self.args, "sglang_router_ip", None), getattr(self.args, "sglang_router_port", None)
         if s.publish_engine and ip and port:

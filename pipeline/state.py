@@ -22,6 +22,9 @@ class TrainerInfo(msgspec.Struct, kw_only=True):
     rollout_batch_size: int
     n_samples_per_prompt: int
     eta: int
+    # 1: the trainer hands stale groups back on `{ns}:requeue` (arrival order, stale_policy
+    # requeue), so a plain producer stays until every group it admitted was trained
+    hands_back: int = 0
 
 
 class PipelineState:

@@ -14,8 +14,9 @@
   in a worker) are admitted first, in *their own* epoch as the next attempt, under the
   fresh id `{task}:{epoch}r{attempt+1}`; after `--max-requeues` re-admissions of one
   (task, epoch) the entry goes to the dead-letter stream instead.
-- A plain run exits once every epoch is admitted and the requeue list is empty;
-  `--follow` keeps going with further epochs and keeps draining requeues.
+- A plain run exits once every epoch is admitted and the requeue list is empty, and, when the
+  trainer hands stale groups back (arrival order: `{ns}:trainer` hands_back), no group it
+  admitted is still open; `--follow` keeps going with further epochs and keeps draining requeues.
 - Nothing is admitted before the trainer has published its settings (`{ns}:trainer`: B,
   eta, n): admitting `(eta + 1) * B` on this config's own numbers could overshoot the
   trainer's bound. It logs that it waits every few seconds; `--without-trainer`
@@ -58,7 +59,7 @@ from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.staleness import admission_headroom
-from pipeline.state import PipelineState
+from pipeline.state import PipelineState, TrainerInfo
 from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
 from workers.validate import check_environments, check_tasks
@@ -113,6 +114,7 @@ class Producer:
         self._last_progress = time.monotonic()
         self._position_now = 0
         self._blocked = False  # the last batch found no headroom (logged at once when it starts)
+        self._trainer: TrainerInfo | None = None  # {ns}:trainer as last read
 
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event) -> ProducerStats:
@@ -128,6 +130,9 @@ class Producer:
                     await self._wait(stop)
                     continue
                 if not self._epoch_wanted():
+                    if await self._handed_back_work_may_come():
+                        await self._wait(stop)
+                        continue
                     break
                 progress = await self._admit_batch(order)
                 self._position_now = order.position
@@ -190,8 +195,23 @@ class Producer:
         await wait_event(stop, self.options.poll_s)  # a cancel while polling always propagates
         self.stats.wait_s += time.monotonic() - started
 
+    async def _handed_back_work_may_come(self) -> bool:
+        """A plain run has admitted its epochs; in arrival order the trainer hands stale groups back
+        to `{ns}:requeue` for this producer to re-admit, so it stays while any group it admitted is
+        still open (not trained, not given up)."""
+        if self._trainer is None or not self._trainer.hands_back:
+            return False
+        open_groups = int(await self.redis.zcard(self.keys.open))  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
+        now = time.monotonic()
+        if open_groups and now - self._last_progress >= self.options.progress_s:
+            self._last_progress = now
+            log.info("all epochs admitted; %d admitted group(s) not trained yet: staying to re-admit what the trainer "
+                     "hands back (it consumes in arrival order, stale_policy requeue); Ctrl-C to stop", open_groups)
+        return open_groups > 0
+
     async def _refresh_limits(self) -> None:
-        limits, warnings = resolve_limits(self.config.rollout, await self.state.get_trainer_info())
+        self._trainer = await self.state.get_trainer_info()
+        limits, warnings = resolve_limits(self.config.rollout, self._trainer)
         for warning in warnings:
             if warning not in self.stats.warnings:
                 self.stats.warnings.append(warning)

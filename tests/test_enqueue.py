@@ -16,7 +16,7 @@ from arq.jobs import deserialize_job
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.jobqueue import JOB_FUNCTION, job_deserializer
-from pipeline.keys import Counter
+from pipeline.keys import Counter, Keys
 from pipeline.schema import Requeue, RequeueReason, Task, decode_job, encode, encode_task_json
 from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.staleness import admission_headroom
@@ -435,3 +435,60 @@ async def _train_under_restarting_producer(tmp_path, redis, keys, config, tasks,
     assert all(DownOnFirstAttempt.starts[t] == DownOnFirstAttempt.refused_per_task + 2 for t in down)
     assert sorted(gid for gid in trained if gid.endswith("r1")) == sorted(f"{t}:0r1" for t in down)
     assert counters[Counter.ACCEPTED] == n_tasks
+
+
+async def test_a_plain_run_stays_while_an_arrival_order_trainer_may_hand_groups_back(
+        tmp_path, redis_url, redis, keys, namespace):
+    """In arrival order the trainer hands stale groups back to `{ns}:requeue` for the producer to
+    re-admit: a plain run (no --follow) that exited once its epoch was admitted left them there
+    and the trainer waited for a group nobody would re-admit (issue 17). It now stays while a
+    group it admitted is open; with a due-first trainer (nothing handed back) it exits at once."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 3})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=100, eta=0)
+    state = PipelineState(redis, keys)
+    options = ProducerOptions(wait_for_trainer=False, poll_s=0.01)
+    await state.set_trainer_info(TrainerInfo(rollout_batch_size=100, n_samples_per_prompt=2, eta=0, hands_back=1))
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, options=options))
+    await wait_for(lambda: _eq(lambda: redis.zcard(keys.queue), 3))
+    await asyncio.sleep(0.2)
+    assert not run.done()  # admitted all, stays: three groups open
+    first, second, third = (f"{t.id}:0" for t in tasks)
+    pipe = redis.pipeline(transaction=True)  # the trainer trains two and hands the third back (stale)
+    pipe.zrem(keys.open, first, second, third)
+    pipe.rpush(keys.requeue, handed_back(tasks[2]))
+    pipe.hincrby(keys.counters, Counter.DISCARDED, 1)
+    await pipe.execute()
+    await wait_for(lambda: _eq(lambda: redis.zscore(keys.open, f"{tasks[2].id}:0r1"), 0.0))  # re-admitted
+    assert not run.done()
+    await redis.zrem(keys.open, f"{tasks[2].id}:0r1")  # trained
+    stats = await asyncio.wait_for(run, 10)
+    assert stats.admitted == 3 and stats.requeued == 1
+
+    # a due-first trainer hands nothing back: the plain run exits once its epoch is admitted
+    other = Keys(f"{namespace}x")
+    await PipelineState(redis, other).set_trainer_info(TrainerInfo(rollout_batch_size=100, n_samples_per_prompt=2, eta=0))
+    again = make_config(redis_url, other.ns, {"a": 1}, batch=100, eta=0)
+    stats = await asyncio.wait_for(run_producer(again, tmp_path / "tasks.jsonl", redis=redis, options=options), 10)
+    assert stats.admitted == 3 and await redis.zcard(other.open) == 3
+
+
+def test_the_data_source_says_whether_it_hands_groups_back(redis_url, namespace):
+    import redis as redis_sync
+
+    from pipeline.slime import RedisDataSource
+
+    def published(order: str, policy: str) -> int:
+        ns = f"{namespace}{order[0]}{policy[0]}"
+        ds = RedisDataSource(SimpleNamespace(pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=2,
+                                             n_samples_per_prompt=2, pipeline_eta=1, pipeline_consume_order=order,
+                                             pipeline_stale_policy=policy))
+        ds.close()
+        client = redis_sync.Redis.from_url(redis_url)
+        try:
+            return int(client.hget(Keys(ns).trainer, "hands_back"))
+        finally:
+            client.close()
+
+    assert published("arrival", "requeue") == 1
+    assert published("arrival", "drop") == 0
+    assert published("due-first", "requeue") == 0

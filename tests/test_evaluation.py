@@ -59,8 +59,9 @@ async def _worker(config, concurrency=4):
     try:
         yield worker
     finally:
-        # `stop_worker`, with the cancellation repeated: now and then arq's poll loop outlives the
-        # first one (swallowed inside a Redis call) and an in-process worker would poll on forever
+        # `stop_worker`, with the cancellation repeated: a cancel swallowed inside a Redis call
+        # (redis-py's wait_for before Python 3.12) is handed on by the retry wrapper on 3.11+
+        # (docs/reliability.md), but not on 3.10, where an in-process worker would poll on forever
         while not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=1.0)

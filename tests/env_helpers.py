@@ -214,3 +214,14 @@ class OneTurnSession(EnvSession):
 
     async def verify(self, episode: EpisodeRecord) -> Verification:
         return Verification(reward=1.0)
+
+
+class ScriptedEngine:
+    """Base of the engine stand-ins that script a model's answers (EngineClient's surface):
+    no context-length limit, nothing to close; subclasses define `generate`."""
+
+    async def context_length(self):
+        return None
+
+    async def close(self):
+        pass

@@ -22,7 +22,7 @@ import pytest
 from pipeline.config import EnvConfig, PipelineConfig
 from pipeline.schema import SamplingParams, Status, Task
 from tests.conformance_support import require_nemo_rl
-from tests.env_helpers import chat_tokens
+from tests.env_helpers import ScriptedEngine, chat_tokens
 from workers.engine import Generation
 from workers.envs.plugins import NemoRLEnvironment
 from workers.episode import EpisodeRunner, EpisodeSettings
@@ -55,19 +55,13 @@ def _plan(logic, game) -> list[str]:
 
 
 @dataclass
-class PuzzlePlayer:
+class PuzzlePlayer(ScriptedEngine):
     """Engine stand-in: turn 0 asks to `view`, then plays the plan; each answer runs on past the
     action, so only SGLang's `stop` handling ends it right after `</action>`."""
 
     plan: list[str]
     stops: list = field(default_factory=list)
     calls: dict = field(default_factory=dict)  # episode (routing key) -> turns answered
-
-    async def context_length(self):
-        return None
-
-    async def close(self):
-        pass
 
     async def generate(self, tokens, sampling, *, rid, routing_key):
         chat = chat_tokens()

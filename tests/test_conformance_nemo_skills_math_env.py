@@ -17,7 +17,7 @@ import pytest
 from pipeline.config import EnvConfig, PipelineConfig
 from pipeline.schema import SamplingParams, Status, Task
 from tests.conformance_support import require_nemo_rl, require_nemo_skills
-from tests.env_helpers import chat_tokens
+from tests.env_helpers import ScriptedEngine, chat_tokens
 from workers.engine import Generation
 from workers.envs.nemo_skills import NemoSkillsEnvironment
 from workers.envs.plugins import NemoRLEnvironment
@@ -29,14 +29,8 @@ MODULE = "nemo_skills.training.nemo_rl.environments.math_environment"
 ANSWERS = {0: "So 6 * 7 = 42, and the answer is \\boxed{42}.", 1: "I think it is \\boxed{41}."}
 
 
-class Answerer:
+class Answerer(ScriptedEngine):
     """The model: episode i of a group answers ANSWERS[i] (right, then wrong), ending with EOS."""
-
-    async def context_length(self):
-        return None
-
-    async def close(self):
-        pass
 
     async def generate(self, tokens, sampling, *, rid, routing_key):
         chat = chat_tokens()

@@ -449,6 +449,14 @@ class RedisDataSource(_DataSourceBase):
                 stale_count: dict[str, Any] = {Counter.STALE: 1}  # Any: mypy would match it against op_id
                 await self.state.incr(**stale_count)
                 return True
+            if policy is StalePolicy.REQUEUE and self.settings.consume_order is ConsumeOrder.DUE_FIRST:
+                # due-first hands nothing back (hands_back 0: a plain `rollout enqueue` may have
+                # exited and a requeued task would be lost for the run); only a resume or a due
+                # group given up after due_wait_s gets here: dead-lettered with the reason
+                why = (f"stale under due-first: lag {staleness(version, self._oldest(group))} > eta {self.settings.eta} "
+                       f"at rollout {version} (a resume, or a due group that came after pipeline_due_wait_s); "
+                       "due-first hands nothing back to the producer")
+                return await self._discard(entry, Counter.STALE, requeue=False, stats=stats, dead_letter=why)
             return await self._discard(entry, Counter.STALE, requeue=policy is StalePolicy.REQUEUE, stats=stats)
         rewards = group.rewards()
         if self.settings.filter_zero_variance and len(set(rewards)) == 1:
@@ -471,10 +479,12 @@ class RedisDataSource(_DataSourceBase):
         await run_once(self._redis, self.keys.op(f"duplicate:{self.keys.groups}:{entry.stream_id}"), stage)
         return False
 
-    async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats) -> bool:
-        """Counters, the optional requeue entry and the ack in one transaction: a crash
-        cannot leave the entry pending after it was counted (it would be counted twice).
-        Keyed by the stream id (`run_once`): a retry after a lost reply applies nothing twice."""
+    async def _discard(self, entry: Entry, reason: str, *, requeue: bool, stats: BatchStats,
+                       dead_letter: str = "") -> bool:
+        """Counters, the optional requeue entry (or dead letter, with its reason) and the ack in
+        one transaction: a crash cannot leave the entry pending after it was counted (it would be
+        counted twice). Keyed by the stream id (`run_once`): a retry after a lost reply applies
+        nothing twice."""
         back = None
         if requeue:
             group = entry.group  # back into its own epoch, as the next attempt (producers/enqueue.py)
@@ -487,6 +497,9 @@ class RedisDataSource(_DataSourceBase):
             if back is not None:
                 pipe.rpush(self.keys.requeue, back)
                 pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
+            if dead_letter:
+                self.buffer.stage_dead_letter(pipe, source="groups", reason=dead_letter, payload=encode(entry.group),
+                                              ref=entry.stream_id)
             pipe.hincrby(self.keys.counters, reason, 1)
             pipe.hincrby(self.keys.counters, Counter.DISCARDED, 1)
             pipe.zrem(self.keys.open, entry.group.group_id)
@@ -593,8 +606,3 @@ def _slime_eval(args: Any, rollout_id: int) -> Any:
         ) from exc
     output, _aborted = run(eval_rollout(args, rollout_id))
     return output
-
-
-# slime in-process mode (pipeline/inprocess.py): --custom-generate-function-path pipeline.slime.generate,
-# --custom-rm-path pipeline.slime.reward
-from pipeline.inprocess import generate, reward  # noqa: E402, F401  (after the data source: inprocess imports it)

@@ -220,3 +220,45 @@ def test_places_kept_are_what_the_deadlines_need_and_no_more():
                           eta=2) == 2  # clock 0 still needs 2 more of its own
     assert places_to_keep(left, {f"b{i}" for i in range(8)} | {"a0", "a1", "a2", "a3"}, rollout_id=1,
                           batch_size=8, eta=2) == 0
+
+
+def test_due_first_never_hands_a_stale_group_back_while_hands_back_is_0(redis_url, namespace, caplog):
+    """Issue 25 item 4: a due group given up after due_wait_s that comes anyway, past eta, went
+    to `{ns}:requeue` under due-first while `{ns}:trainer` said hands_back 0, so a plain
+    `rollout enqueue` may have exited and the task was lost for the run. Due-first hands nothing
+    back now: the group is dead-lettered with the reason (counted stale and discarded)."""
+    args = _args(redis_url, namespace, "due-first", pipeline_due_wait_s=0.3)
+    args.pipeline_stale_policy = "requeue"  # the default
+    source = RedisDataSource(args)
+    cluster = Cluster(redis_url, namespace)
+    try:
+        source.publish(0)
+        late, a, b, c = cluster.admit("late", "a", "b", "c")
+        cluster.push(a)
+        cluster.push(b)
+        generate_rollout(source.args, 0, source)
+        source.save(0)
+        source.publish(1)
+        d, e = cluster.admit("d", "e")
+        cluster.push(c)
+        cluster.push(d)
+        generate_rollout(source.args, 1, source)  # `late` is due, given up after 0.3 s
+        source.save(1)
+        source.publish(2)
+        f, _g = cluster.admit("f", "g")
+        cluster.push(late)  # comes at last: lag 2 > eta 1
+        cluster.push(e)
+        cluster.push(f)
+        assert sorted(_group_ids(generate_rollout(source.args, 2, source))) == sorted([e, f])
+        hands_back = int(cluster.call(cluster.redis.hget(cluster.keys.trainer, "hands_back")) or 0)
+        requeued = cluster.call(cluster.redis.llen(cluster.keys.requeue))
+        dead = cluster.call(cluster.redis.xrange(cluster.keys.dead))
+        counters = cluster.counters()
+    finally:
+        cluster.close()
+        source.close()
+    assert requeued == 0 or hands_back == 1, "handed back to a producer told nothing comes back"
+    assert requeued == 0
+    reasons = [fields[b"reason"].decode() for _id, fields in dead]
+    assert len(reasons) == 1 and "stale under due-first" in reasons[0] and "lag 2 > eta 1" in reasons[0], reasons
+    assert counters[Counter.STALE] == counters[Counter.DISCARDED] == 1

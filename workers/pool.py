@@ -13,7 +13,8 @@ doubles per recent failure (2 s .. 60 s); more than `MAX_RESTARTS` failures with
 loop, e.g. Redis gone past its outage budget: the workers exit with status 3). A child
 that exits 0 drained on purpose (it got SIGTERM itself, e.g. from a process-group kill)
 and is not restarted. A pool told to stop restarts nothing, not even one whose backoff
-was running when the signal came.
+was running when the signal came, and a SIGTERM that arrives while a child is being started
+reaches that child too (`_spawn` forwards it once the child is in `self.children`).
 """
 
 from __future__ import annotations
@@ -104,13 +105,25 @@ class Pool:
         self.failures: list[float] = []  # monotonic times of unexpected exits
         self.restart_at: dict[int, float] = {}  # slot -> when its replacement may start
         self.restarts = 0
+        self.signalled: set[int] = set()  # pids already sent SIGTERM by the pool
         self.failed = False  # gave up on a crash loop
 
-    def _spawn(self) -> mp.process.BaseProcess:
+    def _spawn(self, slot: int) -> None:
+        """Start the child of `slot`. A signal handled while it starts (`_stop` runs between any
+        two bytecodes of `proc.start()`) cannot see it yet: once it is in `self.children`, a
+        pool that is stopping by then forwards the SIGTERM itself, so the child drains instead
+        of being SIGKILLed after the grace period."""
         proc = self.ctx.Process(target=self.target, args=self.args, daemon=False)
         proc.start()
+        self.children[slot] = proc
         log.info("started worker process %d", proc.pid)
-        return proc
+        if self.stopping and proc.pid is not None and proc.pid not in self.signalled:
+            self._terminate(proc)
+
+    def _terminate(self, proc: mp.process.BaseProcess) -> None:
+        assert proc.pid is not None
+        self.signalled.add(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
 
     def _stop(self, signum: int, _frame: Any) -> None:
         alive = [p for p in self.children if p is not None and p.is_alive()]
@@ -121,15 +134,16 @@ class Pool:
         self.restart_at.clear()  # a backoff that was running starts nothing
         for proc in alive:
             if proc.pid is not None:
-                os.kill(proc.pid, signal.SIGTERM)
+                self._terminate(proc)
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
-        for _ in range(self.processes):
+        self.children = [None] * self.processes
+        for slot in range(self.processes):
             if self.stopping:
                 break
-            self.children.append(self._spawn())
+            self._spawn(slot)
         while True:
             status = self._tick()
             if status is not None:
@@ -170,7 +184,7 @@ class Pool:
                 break
             if now >= when:
                 del self.restart_at[i]
-                self.children[i] = self._spawn()
+                self._spawn(i)
                 self.restarts += 1
         if not self.restart_at and all(p is None for p in self.children):
             return 0  # every child drained on its own

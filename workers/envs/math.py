@@ -1,8 +1,10 @@
 """`math`: single-turn answer checking with the `math-verify` library.
 
-The answer is read from the model's last assistant message: `\\boxed{...}` first,
-then (with `answer: any`, the default) plain forms math-verify recognises ("the
-answer is 1/2", "$x = 0.5$", a last number). The task's `label` is the gold answer
+The answer is read from the model's last assistant message: its last `\\boxed{...}`
+first (a self-correction "first \\boxed{3}, final answer \\boxed{4}" answers 4, as
+NeMo-Skills' `extract_answer` and lighteval read it; math-verify alone would parse both
+into the set {3, 4}), then (with `answer: any`, the default) plain forms math-verify
+recognises ("the answer is 1/2", "$x = 0.5$", a last number). The task's `label` is the gold answer
 (LaTeX or plain), or a GSM8K answer (the worked solution, then `#### 72`): then the
 gold is what follows the last `####` (`gold_answer`). Reward 1.0 when math-verify finds
 them equal, else 0.0; the extracted answer and the label go into the components.
@@ -53,6 +55,24 @@ def gold_answer(label: str) -> str:
     return answer.replace(",", "") if _THOUSANDS.fullmatch(answer) else answer
 
 
+def last_boxed(response: str) -> Union[str, None]:
+    """The last `\\boxed{...}` (or `\\fbox{...}`) of a response, braces balanced; None when there
+    is none or it never closes (a truncated answer). NeMo-Skills' `extract_answer` reads the last
+    one the same way (`rfind`, then brace matching)."""
+    start = max(response.rfind("\\boxed"), response.rfind("\\fbox"))
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(response)):
+        if response[i] == "{":
+            depth += 1
+        elif response[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return response[start : i + 1]
+    return None
+
+
 def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> tuple[float, Union[str, None]]:
     """(reward, extracted answer text). `gold` is the task's label (`gold_answer` reads a GSM8K
     one). Top level so a process pool can run it."""
@@ -66,7 +86,8 @@ def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -
     import threading
 
     timeout: Union[int, None] = timeout_s if threading.current_thread() is threading.main_thread() else None
-    predicted = parse(response, parsing_timeout=timeout)
+    # the last box alone: math-verify parses every box of a text into one set
+    predicted = parse(f"${boxed}$" if (boxed := last_boxed(response)) else response, parsing_timeout=timeout)
     if not predicted:
         return 0.0, None
     extracted = str(predicted[-1])

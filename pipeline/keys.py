@@ -140,6 +140,29 @@ class Keys:
         return self._k(f"worker:{worker_id}:jobs")
 
     @property
+    def job_owners(self) -> str:
+        """Hash arq job id -> the worker whose job set holds it (written with the set, in one
+        script): the orphan sweep asks it per job instead of walking every worker's set."""
+        return self._k("job_owners")
+
+    @property
+    def liveness_lease(self) -> str:
+        """String, expires after one heartbeat: the worker holding it runs this interval's sweep
+        (reaper and orphan check) for the whole cluster."""
+        return self._k("liveness:lease")
+
+    @property
+    def orphan_suspects(self) -> str:
+        """Hash arq job id -> Redis time it was first seen in progress with no owner (bounded by
+        `workers.liveness.ORPHAN_SCAN` per sweep; cleared when confirmed or owned)."""
+        return self._k("liveness:suspects")
+
+    @property
+    def orphan_cursor(self) -> str:
+        """String: where in the due queue the next orphan sweep goes on (0 after a full pass)."""
+        return self._k("liveness:cursor")
+
+    @property
     def job_errors(self) -> str:
         """Hash job id -> last error of a job that will be retried (for its dead letter)."""
         return self._k("job_errors")

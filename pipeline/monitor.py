@@ -7,7 +7,10 @@ Where each figure comes from:
   `arq:in-progress:<job_id>` (arq 0.28 `constants.in_progress_key_prefix`). arq's keys
   are global, but the ids in the queue are `Keys.arq_job_id(group id)` = `{ns}:...`, so
   another pipeline's jobs never count here. ready = due and not in progress, deferred =
-  score in the future, running = due and in progress.
+  score in the future, running = due and in progress: counted key by key when at most
+  MAX_DUE_JOBS_CHECKED jobs are due; past that, the jobs the workers record as running
+  (`Counter.RUNNING`, kept by workers/liveness.py's scripts), so a refresh costs
+  O(workers + a bounded sample) whatever the queue's length.
 - buffer: `GroupBuffer.depth()`; dead letters: XLEN `{ns}:dead`.
 - workers: zset `{ns}:workers` id -> last heartbeat (unix s); live = heard from
   within `dead_after_s`. Load = the jobs a worker records as running in
@@ -38,7 +41,7 @@ ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"  # arq 0.28 constants.in_progress_ke
 DEFAULT_WINDOW_S = 60.0
 DEFAULT_RECENT_N = 500
 DEFAULT_DEAD_AFTER_S = 20.0  # WorkersSection.dead_after_s
-MAX_DUE_JOBS_CHECKED = 50_000  # bound on the per-job in-progress check of a huge queue
+MAX_DUE_JOBS_CHECKED = 1000  # due jobs probed one by one per refresh; above it the workers' count
 
 
 # ------------------------------------------------------------------ snapshot
@@ -131,7 +134,8 @@ async def snapshot(
     trainer = await state.get_trainer_info()
     counters = await state.counters()
     ready, pending = await GroupBuffer(redis, keys).depth()
-    running = await _count_in_progress(redis, due_ids)
+    running = await _count_in_progress(redis, due_ids) if due <= len(due_ids) else min(
+        due, max(0, counters.get(Counter.RUNNING, 0)))
     workers = await _worker_statuses(redis, keys, beats, now, dead_after_s)
     recent = _decode_summaries(raw_recent)
     waiting = [version - v for v in await _waiting_admission_versions(redis, keys)]

@@ -1,13 +1,19 @@
-"""Worker liveness: heartbeats in `{ns}:workers` and a reaper every worker runs.
+"""Worker liveness: heartbeats in `{ns}:workers` and one sweep per interval for the cluster.
 
 arq re-runs a SIGKILLed worker's job only when its `arq:in-progress:<id>` key
 expires (job_timeout + 10 s: an hour for rollouts). Instead each worker records the
-jobs it runs in `{ns}:worker:<id>:jobs` and heart-beats; a worker silent for
-`dead_after_s` is reaped by whichever live worker notices first: one Lua script
+jobs it runs in `{ns}:worker:<id>:jobs` (and each job's owner in `{ns}:job_owners`) and
+heart-beats. A heartbeat costs Redis O(the worker's own jobs): the beat, and a reconcile of
+its own set. The beat also tries the sweep lease (`{ns}:liveness:lease`, SET NX PX one
+heartbeat): the one worker that takes it sweeps for everyone, so the cluster runs one sweep
+per interval whatever its size (workers are W, the sweep costs O(dead workers' jobs +
+ORPHAN_SCAN), not the O(W x W x J) of every worker walking every job set).
+The sweep's reaper: a worker silent for `dead_after_s` is reaped by one Lua script that
 deletes the in-progress keys of its jobs (they are still in arq's queue, so the next
 poll of any worker starts them again with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
+The sweep's orphan check releases jobs in progress that no worker owns (`_ORPHANS_LUA`).
 
 `running` = the number of jobs in all workers' job sets, by construction: a job counts +1
 when it enters its worker's set (SADD that added it) and -1 when it leaves (SREM that
@@ -39,7 +45,7 @@ log = logging.getLogger(__name__)
 # Worker job-set keys are derived inside the script (their ids are only known there),
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
 _REAP_LUA = """
--- KEYS: workers zset, counters hash, job_errors hash
+-- KEYS: workers zset, counters hash, job_errors hash, job owners hash
 -- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter
 local t = redis.call('TIME')
 local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
@@ -51,6 +57,7 @@ for _, worker in ipairs(dead) do
   for _, job in ipairs(jobs) do
     redis.call('DEL', ARGV[4] .. job)
     redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
+    if redis.call('HGET', KEYS[4], job) == worker then redis.call('HDEL', KEYS[4], job) end
   end
   -- every job in the set holds one `running` count (pushed or not): give them all back
   if #jobs > 0 then
@@ -64,71 +71,101 @@ return {#dead, released}
 """
 
 
-# Jobs at the head of the queue whose in-progress key has no owner among the live
-# workers' job sets: a worker died between arq marking a job in progress and our
-# recording it. Released when seen twice, one heartbeat apart (that window is ms long).
+# Jobs in progress (arq's in-progress key) that no worker's job set holds: a worker died
+# between arq marking the job in progress and our recording it. Ownership is read per job
+# from the owners hash (O(1) each), never by walking every worker's set. Each sweep first
+# re-checks the suspects of earlier sweeps (released once seen unowned for `min age`: the
+# start-to-record window is ms long), then looks at the next ORPHAN_SCAN due queue entries
+# from a cursor that wraps, so a queue of any length is covered in turns at a bounded cost.
 _ORPHANS_LUA = """
--- KEYS: queue zset, workers zset
--- ARGV: now (ms), how many queue entries to check, arq in-progress prefix, job-set key prefix, suffix
-local owned = {}
-for _, worker in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-  for _, job in ipairs(redis.call('SMEMBERS', ARGV[4] .. worker .. ARGV[5])) do
-    owned[job] = true
+-- KEYS: queue zset, job owners hash, suspects hash, cursor string, job_errors hash
+-- ARGV: now (ms, the queue's clock), how many queue entries to look at, arq in-progress prefix,
+--       min age (s) of a suspect before it is released, reason
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local function unowned(job)
+  return redis.call('HEXISTS', KEYS[2], job) == 0 and redis.call('EXISTS', ARGV[3] .. job) == 1
+end
+local released = {}
+local suspects = redis.call('HGETALL', KEYS[3])
+for i = 1, #suspects, 2 do
+  local job, since = suspects[i], tonumber(suspects[i + 1])
+  if not unowned(job) then
+    redis.call('HDEL', KEYS[3], job)
+  elseif now - since >= tonumber(ARGV[4]) then
+    redis.call('DEL', ARGV[3] .. job)
+    redis.call('HSET', KEYS[5], job, ARGV[5])
+    redis.call('HDEL', KEYS[3], job)
+    table.insert(released, job)
   end
 end
-local orphans = {}
-for _, job in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[2])) do
-  if not owned[job] and redis.call('EXISTS', ARGV[3] .. job) == 1 then
-    table.insert(orphans, job)
+local offset = tonumber(redis.call('GET', KEYS[4]) or '0')
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', offset, ARGV[2])
+for _, job in ipairs(due) do
+  if redis.call('HEXISTS', KEYS[3], job) == 0 and unowned(job) then
+    redis.call('HSET', KEYS[3], job, now)
   end
 end
-return orphans
+if #due < tonumber(ARGV[2]) then offset = 0 else offset = offset + #due end
+redis.call('SET', KEYS[4], offset)
+return released
 """
 _BEAT_LUA = """
--- KEYS: workers zset; ARGV: worker id. The score is Redis's clock, like the reaper's cutoff.
+-- KEYS: workers zset, sweep lease; ARGV: worker id, lease (ms).
+-- The score is Redis's clock, like the reaper's cutoff. Returns 1 when this beat took the
+-- lease: its worker runs this interval's sweep for the whole cluster.
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
-return 1
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
+return 0
 """
 
-# KEYS: worker job set, counters hash; ARGV: job id, running counter, +1 (start) or -1 (end)
+# KEYS: worker job set, counters hash, job owners hash
+# ARGV: job id, running counter, +1 (start) or -1 (end), worker id
 _JOB_LUA = """
 local changed
 if tonumber(ARGV[3]) > 0 then
   changed = redis.call('SADD', KEYS[1], ARGV[1])
+  if changed == 1 then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
 else
   changed = redis.call('SREM', KEYS[1], ARGV[1])
+  if changed == 1 and redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[4] then redis.call('HDEL', KEYS[3], ARGV[1]) end
 end
 if changed == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], tonumber(ARGV[3])) end
 return changed
 """
 
-# KEYS: workers zset, our job set, counters hash; ARGV: worker id, running counter
+# KEYS: workers zset, our job set, counters hash, job owners hash; ARGV: worker id, running counter
 _LEAVE_LUA = """
-local n = redis.call('SCARD', KEYS[2])
-if n > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2], -n) end
+local jobs = redis.call('SMEMBERS', KEYS[2])
+for _, job in ipairs(jobs) do
+  if redis.call('HGET', KEYS[4], job) == ARGV[1] then redis.call('HDEL', KEYS[4], job) end
+end
+if #jobs > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2], -#jobs) end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
-return n
+return #jobs
 """
 
-# KEYS: our job set, counters hash, job_errors hash; ARGV: running counter, arq in-progress prefix,
-# reason, then job ids in our Redis set that this process does not run. Each is released only if
-# it is still there (SREM == 1): a job that ended meanwhile was removed by its own job_ended.
+# KEYS: our job set, counters hash, job_errors hash, job owners hash; ARGV: running counter,
+# arq in-progress prefix, reason, worker id, then job ids in our Redis set that this process does
+# not run. Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
+# removed by its own job_ended.
 _RECONCILE_LUA = """
 local released = 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then
     redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
     redis.call('DEL', ARGV[2] .. ARGV[i])
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[3])
+    if redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
     released = released + 1
   end
 end
 return released
 """
 
-ORPHAN_SCAN = 1000  # queue entries checked per round; running jobs sit at the head (oldest scores)
+ORPHAN_SCAN = 1000  # due queue entries one sweep looks at (the next ones, from a cursor that wraps)
 
 
 class Liveness:
@@ -146,7 +183,6 @@ class Liveness:
         self._job = redis.register_script(_JOB_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
         self._reconcile = redis.register_script(_RECONCILE_LUA)
-        self._suspects: set[str] = set()
         # the arq job ids this process really runs: added before the job's SADD, removed after
         # its SREM, so our Redis set is always a subset of it unless Redis lost writes
         self._running: set[str] = set()
@@ -154,13 +190,15 @@ class Liveness:
         prefix, _, suffix = keys.worker_jobs("\x00").partition("\x00")
         self._set_prefix, self._set_suffix = prefix, suffix
 
-    async def beat(self) -> None:
-        await self._beat(keys=[self.keys.workers], args=[self.worker_id])
+    async def beat(self) -> bool:
+        """Heart-beat; True when this beat took the sweep lease (this interval's sweep is ours)."""
+        return bool(await self._beat(keys=[self.keys.workers, self.keys.liveness_lease],
+                                     args=[self.worker_id, max(1, int(self.heartbeat_s * 1000))]))
 
     async def reap(self) -> tuple[int, int]:
         """(dead workers forgotten, jobs released)."""
         dead, released = await self._reap(
-            keys=[self.keys.workers, self.keys.counters, self.keys.job_errors],
+            keys=[self.keys.workers, self.keys.counters, self.keys.job_errors, self.keys.job_owners],
             args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING],
         )
         if dead:
@@ -168,35 +206,29 @@ class Liveness:
         return int(dead), int(released)
 
     async def release_orphans(self) -> int:
-        """Release in-progress jobs no live worker owns, when seen twice in a row."""
+        """Release in-progress jobs no worker owns, seen unowned in two sweeps half a heartbeat
+        apart or more; each sweep looks at the next ORPHAN_SCAN due queue entries."""
         found = await self._orphans(
-            keys=[self.keys.queue, self.keys.workers],
-            args=[int(time.time() * 1000), ORPHAN_SCAN, in_progress_key_prefix, self._set_prefix, self._set_suffix],
+            keys=[self.keys.queue, self.keys.job_owners, self.keys.orphan_suspects, self.keys.orphan_cursor,
+                  self.keys.job_errors],
+            args=[int(time.time() * 1000), ORPHAN_SCAN, in_progress_key_prefix, self.heartbeat_s / 2,
+                  "its worker died before recording it"],
         )
-        orphans = {job.decode() for job in found}
-        confirmed, self._suspects = orphans & self._suspects, orphans - self._suspects
-        if confirmed:
-            pipe = self.redis.pipeline(transaction=True)
-            for job_id in confirmed:
-                pipe.delete(in_progress_key_prefix + job_id)
-                pipe.hset(self.keys.job_errors, job_id, "its worker died before recording it")
-            await pipe.execute()
-            log.warning("released %d orphaned in-progress job(s) for re-run", len(confirmed))
-        return len(confirmed)
+        if found:
+            log.warning("released %d orphaned in-progress job(s) for re-run", len(found))
+        return len(found)
 
     async def job_started(self, job_id: str) -> bool:
         """Record the job as ours and count it running, in one script (a crash leaves neither;
         replayed after a lost reply it counts nothing twice). False: it was recorded already."""
         self._running.add(job_id)
-        return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
-                                    args=[job_id, Counter.RUNNING, 1]))
+        return bool(await self._job(keys=self._job_keys(), args=[job_id, Counter.RUNNING, 1, self.worker_id]))
 
     async def job_ended(self, job_id: str) -> bool:
         """Forget the job and give back its `running` count, once: False when it was not in our
         set any more (the reaper took it, or this is a replay)."""
         try:
-            return bool(await self._job(keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters],
-                                        args=[job_id, Counter.RUNNING, -1]))
+            return bool(await self._job(keys=self._job_keys(), args=[job_id, Counter.RUNNING, -1, self.worker_id]))
         finally:
             self._running.discard(job_id)
 
@@ -213,8 +245,9 @@ class Liveness:
         if not ghosts:
             return 0
         released = int(await self._reconcile(
-            keys=[self.keys.worker_jobs(self.worker_id), self.keys.counters, self.keys.job_errors],
-            args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)", *ghosts],
+            keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners],
+            args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)",
+                  self.worker_id, *ghosts],
         ))
         if released:
             log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes?)",
@@ -224,13 +257,24 @@ class Liveness:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"liveness-{self.worker_id}")
 
+    def _job_keys(self) -> list[str]:
+        return [self.keys.worker_jobs(self.worker_id), self.keys.counters, self.keys.job_owners]
+
+    async def heartbeat(self) -> bool:
+        """One round: beat and reconcile our own jobs (O(our jobs)); the worker whose beat took
+        the lease also sweeps for the cluster (O(dead workers' jobs + ORPHAN_SCAN)), so the
+        cluster pays for one sweep per interval, not one per worker. True: we swept."""
+        swept = await self.beat()
+        await self.reconcile()
+        if swept:
+            await self.reap()
+            await self.release_orphans()
+        return swept
+
     async def _run(self) -> None:
         while True:
             try:
-                await self.beat()
-                await self.reconcile()
-                await self.reap()
-                await self.release_orphans()
+                await self.heartbeat()
             except Exception as exc:  # noqa: BLE001 - a Redis blip must not stop heart-beating
                 log.warning("heartbeat/reaper round failed: %r", exc)
             await asyncio.sleep(self.heartbeat_s)
@@ -242,5 +286,4 @@ class Liveness:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         # jobs still in our set (none after a clean drain) give back their `running` count
-        await self._leave(keys=[self.keys.workers, self.keys.worker_jobs(self.worker_id), self.keys.counters],
-                          args=[self.worker_id, Counter.RUNNING])
+        await self._leave(keys=[self.keys.workers, *self._job_keys()], args=[self.worker_id, Counter.RUNNING])

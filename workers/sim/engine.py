@@ -126,7 +126,12 @@ class SimEngine:
         self._running: dict[str, _Running] = {}
         self._faults: list[tuple[int, str]] = []
         self.stats: dict[str, Any] = {"requests": 0, "aborted": 0, "max_running": 0, "routing_keys": {}, "errors": 0,
-                                      "output_tokens": 0}  # every token answered, aborted partial outputs included
+                                      "output_tokens": 0,  # every token answered, aborted partial outputs included
+                                      # the plan's full response length per routing key, at its first
+                                      # fresh turn (benchmarks compare trained lengths with it)
+                                      "planned": {},
+                                      # input tokens of requests resuming a turn (an abort's re-prefill)
+                                      "resumed_requests": 0, "resumed_input_tokens": 0}
 
     def _single_token_words(self) -> list[int]:
         ids = [self.tokenizer.encode(" " + w, add_special_tokens=False) for w in _FILLER_WORDS]
@@ -366,6 +371,11 @@ class SimEngine:
         if self.config.puzzle:
             return await self._run_puzzle(running, input_ids, params)
         plan_ids, plan_lps, done = self._plan(input_ids, routing_key)
+        if done == 0:
+            self.stats["planned"].setdefault(routing_key, len(plan_ids))
+        else:
+            self.stats["resumed_requests"] += 1
+            self.stats["resumed_input_tokens"] += len(input_ids)
         budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
         budget = len(plan_ids) if budget is None else budget
         ids, lps = plan_ids[done : done + budget], plan_lps[done : done + budget]

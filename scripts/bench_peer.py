@@ -21,7 +21,7 @@ Contenders, each driven through its own code:
   d  this pipeline: redis-server, `rollout workers`, `rollout enqueue --follow`, and
      pipeline.slime.generate_rollout + RedisDataSource with save(rid) each step
   e  the pipeline's in-process mode (issue 15): (a)'s generate_rollout with
-     custom_generate_function_path=pipeline.slime.generate, custom_rm_path=pipeline.slime.reward
+     custom_generate_function_path=workers.inslime.generate, custom_rm_path=workers.inslime.reward
      and custom_config_path = a pipeline YAML (the math environment; apply_chat_template off:
      the episode runner renders the chat template) - no Redis, no workers
 (a)-(c) and (e) use slime's RolloutDataSourceWithBuffer over a prompt file built from the same tasks,
@@ -61,7 +61,7 @@ CONTENDERS = {
     "b": "slime partial rollout + over-sampling",
     "c": "slime fully_async_rollout",
     "d": "this pipeline (Redis, arq workers)",
-    "e": "in-process mode (slime sync + pipeline.slime.generate)",
+    "e": "in-process mode (slime sync + workers.inslime.generate)",
 }
 
 
@@ -214,12 +214,12 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
         rollout_temperature=1.0, rollout_top_p=1.0, rollout_top_k=-1, rollout_max_response_len=wl.max_response_len,
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         sglang_enable_deterministic_inference=False, rollout_seed=42, use_rollout_routing_replay=False,
-        custom_generate_function_path="pipeline.slime.generate" if inprocess else None,
+        custom_generate_function_path="workers.inslime.generate" if inprocess else None,
         custom_config_path=str(workdir / "inprocess.yaml") if inprocess else None, rollout_sample_hook_path=None, ci_test=False,
         dynamic_sampling_filter_path=None, rollout_sample_filter_path=None, rollout_all_samples_process_path=None,
         sglang_speculative_algorithm=None,
         # reward: slime's rule-based math RM; (e) the environment's verification generate stored
-        group_rm=False, rm_type="math", custom_rm_path="pipeline.slime.reward" if inprocess else None, rm_url=None, reward_key=None,
+        group_rm=False, rm_type="math", custom_rm_path="workers.inslime.reward" if inprocess else None, rm_url=None, reward_key=None,
         # data source
         hf_checkpoint=default_tokenizer_path(), prompt_data=str(prompts), input_key="prompt", label_key="label",
         metadata_key="metadata", tool_key=None, multimodal_keys=None,

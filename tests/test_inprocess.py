@@ -1,5 +1,5 @@
-"""slime in-process mode (pipeline/inprocess.py): `pipeline.slime.generate` and
-`pipeline.slime.reward` driven through slime's REAL `generate_and_rm` / `generate_and_rm_group`
+"""slime in-process mode (workers/inslime.py): `workers.inslime.generate` and
+`workers.inslime.reward` driven through slime's REAL `generate_and_rm` / `generate_and_rm_group`
 (the pinned snapshot, tests/conformance_support.py) with the simulated engine as slime's router
 on loopback and the test tokenizer as `--hf-checkpoint`.
 
@@ -68,7 +68,7 @@ def _args(sim_url: str, config_path: str, **extra) -> Namespace:
         rollout_stop=None, rollout_stop_token_ids=None, rollout_skip_special_tokens=False,
         rollout_max_context_len=None, n_samples_per_prompt=N, partial_rollout=False,
         mask_offpolicy_in_partial_rollout=False, group_rm=False, ci_test=False, rm_type=None,
-        custom_generate_function_path="pipeline.slime.generate", custom_rm_path="pipeline.slime.reward",
+        custom_generate_function_path="workers.inslime.generate", custom_rm_path="workers.inslime.reward",
         rollout_sample_hook_path=None, use_rollout_routing_replay=False, apply_chat_template=False,
         sglang_enable_deterministic_inference=False, router_policy=None, custom_config_path=config_path,
     )
@@ -145,7 +145,7 @@ def _check_sample(slime, sample, sim, *, label: str, tools: list) -> None:
 
 @pytest.mark.conformance
 async def test_generate_and_rm_runs_our_episodes(slime, tmp_path):
-    """slime's generate_and_rm with --custom-generate-function-path pipeline.slime.generate:
+    """slime's generate_and_rm with --custom-generate-function-path workers.inslime.generate:
     multi-turn calculator episodes on the simulated router, with slime's own sampling params
     (spaces_between_special_tokens, stop=None, stop_token_ids=None: the simulator refuses what
     SGLang refuses, so a key it would not take fails the episode)."""
@@ -267,7 +267,7 @@ async def test_no_turn_is_sent_once_slime_has_aborted(slime, tmp_path, monkeypat
 
 async def recording_reward(args, samples, **kwargs):
     """--custom-rm-path test_inprocess.recording_reward: records slime's call, then ours."""
-    from pipeline.slime import reward
+    from workers.inslime import reward
 
     CALLS.append(samples)
     return await reward(args, samples, **kwargs)
@@ -295,7 +295,7 @@ async def test_group_rm_calls_reward_once_per_group_with_the_list(slime, tmp_pat
 @pytest.mark.conformance
 async def test_reward_scores_slimes_own_generate(slime, tmp_path):
     """slime's stock generate (no custom generate function), scored by --custom-rm-path
-    pipeline.slime.reward with the arithmetic environment: what evaluation through slime's
+    workers.inslime.reward with the arithmetic environment: what evaluation through slime's
     eval_rollout does with our environments."""
     from workers.chat import ChatTokens
     from workers.envs.local import extract_answer, numbers_match
@@ -351,7 +351,7 @@ async def test_failed_episode_is_failed_removed_and_well_formed(slime, tmp_path)
     assert len(sample.tokens) > 1
     assert "503" in sample.metadata["error"]
     # the reward function agrees (--group-rm calls it for every sample)
-    from pipeline.slime import reward
+    from workers.inslime import reward
 
     assert await reward(args, [sample]) == [0.0]
 
@@ -377,7 +377,7 @@ def _sample(**meta):
 
 def test_environment_of_a_sample(tmp_path):
     from pipeline.config import load_config
-    from pipeline.inprocess import env_name, task_of
+    from workers.inslime import env_name, task_of
 
     two = load_config(_config(tmp_path))
     one = load_config(_config(tmp_path, environments={"only": {"kind": "arithmetic"}}))
@@ -396,7 +396,7 @@ def test_environment_of_a_sample(tmp_path):
 
 
 def test_config_comes_from_args_env_or_custom_config(tmp_path, monkeypatch):
-    from pipeline.inprocess import load_inprocess_config
+    from workers.inslime import load_inprocess_config
 
     monkeypatch.delenv("ROLLOUT_CONFIG", raising=False)
     # slime's custom config holding the pipeline's sections and other keys of slime's
@@ -423,7 +423,7 @@ def test_config_comes_from_args_env_or_custom_config(tmp_path, monkeypatch):
 
 
 def test_slime_sampling_params_translate_to_what_sglang_takes(caplog):
-    from pipeline.inprocess import translate_sampling
+    from workers.inslime import translate_sampling
 
     slime_params = dict(  # slime's GenerateState.sampling_params, as sent with its defaults
         temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=1024, stop=None, stop_token_ids=None,

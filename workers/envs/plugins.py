@@ -527,7 +527,7 @@ class SlimeRMOptions(Options, frozen=True):
 
 def slime_sample(task: Task, episode: EpisodeRecord) -> Any:
     """The episode as slime's Sample (or LocalSample): prompt, response, label, metadata, status."""
-    from pipeline.slime import SampleClass
+    from pipeline.slime_samples import SampleClass
 
     return SampleClass(
         prompt=task.prompt,

@@ -1,9 +1,9 @@
 """slime in-process mode: the pipeline's episode runner and environments inside slime's own
 rollout (`train.py` / `train_async.py` with slime's stock `generate_rollout`); no Redis, no
-producers, no workers.
+producers, no worker pool: the workers' episode code runs in slime's rollout process.
 
-    --custom-generate-function-path pipeline.slime.generate
-    --custom-rm-path pipeline.slime.reward
+    --custom-generate-function-path workers.inslime.generate
+    --custom-rm-path workers.inslime.reward
     --custom-config-path pipeline.yaml
 
 `generate(args, sample, sampling_params)` is slime's custom generate contract
@@ -57,14 +57,13 @@ Policy versions: there is no data source here, so the engine client stamps nothi
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
 import sys
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +72,14 @@ import yaml
 
 from pipeline.config import ConfigError, PipelineConfig, load_config, parse_config
 from pipeline.schema import SamplingParams, SchemaError, Status, Task
+from workers.chat import ChatTokens
+from workers.engine import EngineClient, Generation
+from workers.envs.base import EpisodeRecord
+from workers.envs.registry import UnknownEnvironmentKind, build_environment
+from workers.envs.rewards import final_reward
+from workers.episode import EpisodeRunner, EpisodeSettings
+from workers.errors import is_bug
+from workers.tools import get_parser
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +110,7 @@ def config_path(args: Any) -> str:
             or getattr(args, "custom_config_path", None))
     if not path:
         raise ConfigError(
-            "pipeline.slime.generate/reward need the pipeline YAML: pass it to slime as --custom-config-path "
+            "workers.inslime.generate/reward need the pipeline YAML: pass it to slime as --custom-config-path "
             f"pipeline.yaml, or set pipeline_config: <path> in slime's custom config, or ${ENV_CONFIG}"
         )
     return str(path)
@@ -137,7 +144,7 @@ def translate_sampling(
     if isinstance(custom, Mapping) and custom.get("return_top_p_token_ids"):
         raise ConfigError(
             "slime asks for top-p token ids (--rollout-top-p below 1.0), which it needs to train top-p "
-            "sampling: pipeline.slime.generate does not return them; keep --rollout-top-p 1.0"
+            "sampling: workers.inslime.generate does not return them; keep --rollout-top-p 1.0"
         )
     for key in sorted(set(values) - _OUR_FIELDS):
         values.pop(key)
@@ -145,7 +152,7 @@ def translate_sampling(
             _warned.add(key)
             why = "SGLang accepts it but the pipeline's SamplingParams does not carry it" if key in _SGLANG_ONLY \
                 else "SGLang would refuse it"
-            log.warning("pipeline.slime.generate: sampling param %r dropped (%s)", key, why)
+            log.warning("workers.inslime.generate: sampling param %r dropped (%s)", key, why)
     budget = values.pop("max_new_tokens", None)
     merged = {**(base.to_dict() if base is not None else {}), **values}
     try:
@@ -174,12 +181,10 @@ class InProcess:
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            from workers.engine import EngineClient
-
             if not self.router_url:
-                raise ConfigError("pipeline.slime.generate: slime's args have no sglang_router_ip/sglang_router_port")
+                raise ConfigError("workers.inslime.generate: slime's args have no sglang_router_ip/sglang_router_port")
             e = self.config.engine
-            self._engine = _slime_engine_class(EngineClient)(
+            self._engine = SlimeEngineClient(
                 self.router_url, timeout_s=e.request_timeout_s, max_retries=e.max_retries,
                 backoff_s=e.retry_backoff_s, clock=None,  # no data source: slime records its own weight versions
             )
@@ -194,8 +199,6 @@ class InProcess:
     def environment(self, name: str) -> Any:
         env = self.environments.get(name)
         if env is None:
-            from workers.envs.registry import UnknownEnvironmentKind, build_environment
-
             try:
                 env = build_environment(name, self.config.env(name))
             except UnknownEnvironmentKind as exc:
@@ -219,23 +222,19 @@ def slime_aborted() -> bool:
     return bool(getattr(state, "aborted", False))
 
 
-@functools.cache
-def _slime_engine_class(base: type) -> type:
-    class SlimeEngineClient(base):  # type: ignore[misc, valid-type]
-        """The engine client, except that once slime has aborted its rollout no further turn is
-        sent: the call answers `abort` with no tokens, so the episode ends ABORTED between turns
-        instead of holding slime's abort (which waits for every pending episode) for a whole turn."""
+class SlimeEngineClient(EngineClient):
+    """The engine client, except that once slime has aborted its rollout no further turn is
+    sent: the call answers `abort` with no tokens, so the episode ends ABORTED between turns
+    instead of holding slime's abort (which waits for every pending episode) for a whole turn."""
 
-        async def generate(self, input_ids: Any, sampling: Any, *, rid: str, routing_key: str) -> Any:
-            if slime_aborted():
-                from workers.engine import Generation
-
-                return Generation(output_ids=[], log_probs=[], finish="abort",
-                                  finish_message="slime aborted the rollout", weight_version="", text="",
-                                  cached_tokens=0, latency_s=0.0)
-            return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
-
-    return SlimeEngineClient
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str
+    ) -> Generation:
+        if slime_aborted():
+            return Generation(output_ids=[], log_probs=[], finish="abort",
+                              finish_message="slime aborted the rollout", weight_version="", text="",
+                              cached_tokens=0, latency_s=0.0)
+        return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
 
 
 _CHATS: dict[str, Any] = {}
@@ -251,10 +250,8 @@ def _chat_tokens(path: str) -> Any:
     chat = _CHATS.get(path)
     if chat is None:
         if not path:
-            raise ConfigError("pipeline.slime.generate: no tokenizer (slime's --hf-checkpoint, or engine.tokenizer)")
+            raise ConfigError("workers.inslime.generate: no tokenizer (slime's --hf-checkpoint, or engine.tokenizer)")
         from transformers import AutoTokenizer
-
-        from workers.chat import ChatTokens
 
         # as slime loads the same checkpoint (slime.utils.processing_utils.load_tokenizer)
         chat = _CHATS[path] = ChatTokens(AutoTokenizer.from_pretrained(path, trust_remote_code=True))
@@ -318,23 +315,20 @@ def task_of(sample: Any, env: str) -> Task:
 def _check_args(args: Any, sample: Any) -> None:
     if getattr(args, "apply_chat_template", False):
         raise ConfigError(
-            "pipeline.slime.generate renders the environment's messages (and tools) with the chat template "
+            "workers.inslime.generate renders the environment's messages (and tools) with the chat template "
             "itself: run slime without --apply-chat-template (the prompt stays text or chat messages)"
         )
     if getattr(args, "use_rollout_routing_replay", False):
-        raise ConfigError("pipeline.slime.generate does not return routed experts: drop --use-rollout-routing-replay")
+        raise ConfigError("workers.inslime.generate does not return routed experts: drop --use-rollout-routing-replay")
     multimodal = getattr(sample, "multimodal_inputs", None) or {}
     if any(v is not None for v in multimodal.values()):
-        raise ConfigError("pipeline.slime.generate runs text episodes: multimodal samples are not supported")
+        raise ConfigError("workers.inslime.generate runs text episodes: multimodal samples are not supported")
 
 
 # ------------------------------------------------------------------ generate
 
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any], evaluation: bool = False) -> Any:
     """slime's custom generate function: one episode of the sample's environment (module doc)."""
-    from workers.episode import EpisodeRunner, EpisodeSettings
-    from workers.tools import get_parser
-
     _check_args(args, sample)
     state = state_for(args)
     config = state.config
@@ -396,9 +390,6 @@ async def reward(args: Any, sample: Any, **_kwargs: Any) -> Any:
 
 
 async def _reward_one(args: Any, sample: Any) -> float:
-    from workers.envs.rewards import final_reward
-    from workers.errors import is_bug
-
     meta = sample.metadata if isinstance(getattr(sample, "metadata", None), dict) else {}
     if meta.get(SCORED_KEY) and isinstance(sample.reward, (int, float)):
         return float(sample.reward)  # generate verified it (or it failed: 0)
@@ -416,7 +407,7 @@ async def _reward_one(args: Any, sample: Any) -> float:
     except Exception as exc:  # noqa: BLE001 - an outage fails this sample; bugs are raised
         if is_bug(exc):
             raise
-        log.warning("pipeline.slime.reward: env %s could not verify sample %s: %r",
+        log.warning("workers.inslime.reward: env %s could not verify sample %s: %r",
                     name, getattr(sample, "index", None), exc)
         sample.metadata = {**meta, "error": f"verify: {exc!r}"[:2000], "source_name": name}
         sample.status = type(sample).Status.FAILED
@@ -429,8 +420,6 @@ async def _reward_one(args: Any, sample: Any) -> float:
 def _record(task: Task, sample: Any) -> Any:
     """What verify sees of a sample's text: the conversation the runner recorded, else the
     task's messages and the response as the one assistant turn."""
-    from workers.envs.base import EpisodeRecord
-
     meta = sample.metadata if isinstance(getattr(sample, "metadata", None), dict) else {}
     response = sample.response or ""
     messages = meta.get("messages")

@@ -55,11 +55,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from pipeline.aio import wait_event
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.keys import Counter, Keys
+from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
+from pipeline.usage import usage_error
 from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
 from workers.validate import check_environments, check_tasks
@@ -329,10 +330,10 @@ class Producer:
         # by the entry's bytes, so a repeat within the op key's TTL writes nothing twice.
         op_id = "requeue-dead:" + hashlib.blake2b(head, digest_size=16).hexdigest()
         await self.buffer.dead_letter(source="requeue", reason=reason, payload=head, ref=ref, op_id=op_id)
-        return await self._drop(head, dead=True)
+        return await self._drop(head, dead=True, forget=attempts_field(ref) if ref != "?" else "")
 
-    async def _drop(self, head: bytes, *, dead: bool = False, refused: bool = False) -> int:
-        if not await self.admission.drop_requeued(head):
+    async def _drop(self, head: bytes, *, dead: bool = False, refused: bool = False, forget: str = "") -> int:
+        if not await self.admission.drop_requeued(head, forget_attempts=forget):
             return -1
         self.stats.dead += dead
         self.stats.refused += refused
@@ -498,9 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         check_tasks(args.tasks, config)  # every task runnable by its environment (a math row's label)
         log.info("enqueue %s -> %s ns=%s", args.tasks, redact(config.redis.resolved_url()), config.redis.namespace)
         stats = asyncio.run(_run_until_signal(config, args.tasks, args.epochs, args.follow, options))
-    except ConfigError as exc:  # exit 2: usage/config (scripts/cli.py)
-        print(f"rollout enqueue: {exc}", file=sys.stderr)
-        return 2
+    except ConfigError as exc:  # exit 2: usage/config (scripts/cli.py); the traceback too under --debug
+        return usage_error("enqueue", exc)
     except RedisConnectionError as exc:  # RedisUnavailable: past the outage budget
         print(f"rollout enqueue: redis unreachable: {exc}", file=sys.stderr)
         return 3

@@ -32,6 +32,7 @@ from rich.table import Table
 
 from pipeline.config import ConfigError, EnvConfig, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Task, encode_task_json
+from pipeline.usage import usage_error
 from producers.sources import (
     NEMO_GYM_FIELDS,
     NEMO_SKILLS_FIELDS,
@@ -320,9 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             config, args.output, base_dir=Path(args.config).resolve().parent,
             skip_invalid=args.skip_invalid, max_row_bytes=args.max_row_bytes, console=console,
         )
-    except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (scripts/cli.py)
-        console.print(f"rollout prepare: {exc}", style="red", markup=False, highlight=False)
-        return 2
+    except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (scripts/cli.py); a traceback under --debug
+        return usage_error("prepare", exc, say=lambda line: console.print(line, style="red", markup=False, highlight=False))
     console.print(summary_table(report))
     for line in report.errors:
         console.print(f"skipped {line}", highlight=False, markup=False)

@@ -24,6 +24,8 @@ import os
 import sys
 import traceback
 
+from pipeline.usage import ENV_DEBUG  # one name for the switch: commands that report their own errors read it
+
 # transformers without PyTorch logs "PyTorch was not found. Models won't be available..." when it
 # is first imported (by the commands that load a tokenizer: engine, workers, demo, show), though
 # only its tokenizers are used here. That line is one of transformers' "advisory" warnings, which
@@ -37,7 +39,6 @@ EXIT_USAGE = 2  # usage or configuration
 EXIT_CONNECTION = 3  # Redis / engine unreachable, authentication
 EXIT_INTERRUPTED = 130
 
-ENV_DEBUG = "ROLLOUT_DEBUG"
 DIST_NAME = "rollout-pipeline"
 
 # command -> ("module:function", one-line help). The function takes argv (list[str]).

@@ -24,11 +24,11 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import sys
 import time
 from typing import Any
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
+from pipeline.usage import usage_error
 
 log = logging.getLogger("workers.pool")
 
@@ -200,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_environments(config)  # kinds and options: a typo fails here, not in every job
     except ConfigError as exc:
-        print(f"rollout workers: {exc}", file=sys.stderr)
-        return 2
+        return usage_error("workers", exc)  # the traceback too under --debug
     if args.processes == 1:  # no parent in between: signals reach arq directly
         _child(config, args.concurrency, args.verbose)
         return 0

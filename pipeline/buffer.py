@@ -38,8 +38,11 @@ from pipeline.schema import SampleGroup, SchemaError, decode_group, encode
 
 log = logging.getLogger(__name__)
 
-DEDUP_TTL_S = 7 * 24 * 3600  # longer than any run: a re-run job must never push twice
-RECENT_KEEP = 2000  # group summaries kept for the monitor
+# A group's dedup marker refuses a second push of it (a re-run, a zombie's late push) for
+# DEDUP_TTL_S: longer than any job can still run (a week by default). Environment:
+# ROLLOUT_DEDUP_TTL_S. One marker per group, ~90 B (docs/reliability.md "Memory").
+DEDUP_TTL_S = int(os.environ.get("ROLLOUT_DEDUP_TTL_S", str(7 * 24 * 3600)))
+RECENT_KEEP = int(os.environ.get("ROLLOUT_RECENT_KEEP", "2000"))  # group summaries kept for the monitor
 # `{ns}:dead` is bounded: about the newest DEAD_MAXLEN letters are kept (XADD MAXLEN ~; the
 # `dead` counter keeps the total), each payload capped at DEAD_PAYLOAD_MAX bytes (the letter
 # says how long it was). Environment: ROLLOUT_DEAD_MAXLEN, ROLLOUT_DEAD_PAYLOAD_MAX.

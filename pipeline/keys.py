@@ -34,6 +34,13 @@ class Counter:
     TOKENS = "tokens"  # response tokens generated
 
 
+def attempts_field(group_id: str) -> str:
+    """A group's field in `{ns}:requeue:attempts`: `{task}:{epoch}`, its id without the attempt
+    (`pipeline.schema.job_id_for`: `{task}:{epoch}` or `{task}:{epoch}r{k}`)."""
+    task, _, epoch = group_id.rpartition(":")
+    return f"{task}:{epoch.partition('r')[0]}"
+
+
 @dataclass(frozen=True)
 class Keys:
     ns: str = DEFAULT_NAMESPACE
@@ -111,7 +118,9 @@ class Keys:
 
     @property
     def requeue_attempts(self) -> str:
-        """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch)."""
+        """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch). A field
+        is deleted where its task ends: trained (the step's record), or dead-lettered for good
+        (a worker's last hand-back, the producer past max_requeues)."""
         return self._k("requeue:attempts")
 
     @property

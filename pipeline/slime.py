@@ -28,7 +28,7 @@ from pipeline.advantages import post_process_rewards  # noqa: F401  (slime loads
 from pipeline.aio import LoopThread
 from pipeline.buffer import Entry, GroupBuffer
 from pipeline.config import ConfigError, TrainerSettings
-from pipeline.keys import Counter, Keys
+from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, new_op_id, redact, run_once
 from pipeline.schema import Requeue, RequeueReason, SampleGroup, Status, encode
 from pipeline.slime_samples import (  # noqa: F401  (re-exported: slime and tests name them here)
@@ -315,6 +315,7 @@ class RedisDataSource(_DataSourceBase):
             pipe.zadd(self.keys.recorded_steps, {rid: rid})
             pipe.hincrby(self.keys.counters, Counter.ACCEPTED, len(ids))
             pipe.zrem(self.keys.open, *group_ids)
+            pipe.hdel(self.keys.requeue_attempts, *{attempts_field(g) for g in group_ids})  # trained: done
 
         await run_once(self._redis, self.keys.op(new_op_id()), record)
         self._remember_trained(rid, taken)

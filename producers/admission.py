@@ -122,12 +122,14 @@ redis.call('HINCRBY', KEYS[2], '""" + Counter.ENQUEUED + """', 1)
 return record(KEYS[8], {1})[1]
 """
 
-# KEYS: requeue list, op key; ARGV: the head we saw -> 1 popped, 0 the head changed (another producer)
+# KEYS: requeue list, op key, attempts hash; ARGV: the head we saw, the attempts field to forget
+# ("" = keep it) -> 1 popped, 0 the head changed (another producer)
 _DROP_HEAD_LUA = _HEADROOM_LUA + """
 local done = replayed(KEYS[2])
 if done then return done[1] end
 if redis.call('LINDEX', KEYS[1], 0) ~= ARGV[1] then return 0 end
 redis.call('LPOP', KEYS[1])
+if ARGV[2] ~= '' then redis.call('HDEL', KEYS[3], ARGV[2]) end
 return record(KEYS[2], {1})[1]
 """
 
@@ -244,6 +246,8 @@ class Admission:
                 job.job_id, job.admission_version]
         return int(await self._requeue(keys=keys, args=args))
 
-    async def drop_requeued(self, head: bytes) -> bool:
-        """Pop the requeue list's head if it is still `head` (False: it changed, look again)."""
-        return bool(await self._drop_head(keys=[self.keys.requeue, self.keys.op(new_op_id())], args=[head]))
+    async def drop_requeued(self, head: bytes, *, forget_attempts: str = "") -> bool:
+        """Pop the requeue list's head if it is still `head` (False: it changed, look again).
+        `forget_attempts`: the task is dead-lettered for good, its attempts field goes with it."""
+        return bool(await self._drop_head(keys=[self.keys.requeue, self.keys.op(new_op_id()), self.attempts_key],
+                                          args=[head, forget_attempts]))

@@ -45,7 +45,7 @@ from arq.worker import Retry
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig
 from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
-from pipeline.keys import Counter, Keys
+from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import REFUSED, run_once
 from pipeline.schema import (
     PromptJob,
@@ -269,6 +269,8 @@ async def _dead_letter(
             w.buffer.stage_tombstone(pipe, requeue.job_id)
         if nxt is not None and nxt.clock is not None:
             nxt.stage(pipe)
+        elif nxt is None and group_id:  # dead-lettered for good: its (task, epoch) is done
+            pipe.hdel(w.keys.requeue_attempts, attempts_field(group_id))
 
     async def guard(pipe: Any) -> bool:
         if marker is not None and await pipe.exists(marker):

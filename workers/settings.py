@@ -51,7 +51,20 @@ from workers.liveness import Liveness
 
 log = logging.getLogger(__name__)
 
-KEEP_RESULT_S = 3600  # arq refuses to re-enqueue a job id while its result is kept
+# arq refuses to enqueue a job id again while its result key exists (arq 0.28 `enqueue_job`:
+# EXISTS job key, result key), and so do our admission scripts. That existence is all anyone
+# reads: results are stored without the job's arguments (`result_serializer`: ~150 B each, not
+# the whole job), for ROLLOUT_KEEP_RESULT_S seconds. A re-run after that is still stored once:
+# the group's dedup marker (pipeline/buffer.py, ROLLOUT_DEDUP_TTL_S) refuses its push.
+KEEP_RESULT_S = int(os.environ.get("ROLLOUT_KEEP_RESULT_S", "3600"))
+
+
+def result_serializer(obj: dict[str, Any]) -> bytes:
+    """The worker's serializer: jobs as `job_serializer` writes them; a result (arq's dict with
+    `s`, success) without the job's arguments (`a`, `k`: the whole task and prompt)."""
+    if "s" in obj and "a" in obj:
+        obj = {**obj, "a": (), "k": {}}
+    return job_serializer(obj)
 
 
 def new_worker_id() -> str:
@@ -102,7 +115,7 @@ def build_worker(
         handle_signals=handle_signals,
         job_completion_wait=wcfg.drain_grace_s,  # type: ignore[arg-type]  # arq accepts float seconds
         allow_abort_jobs=True,
-        job_serializer=job_serializer,
+        job_serializer=result_serializer,
         job_deserializer=job_deserializer,
         health_check_interval=max(wcfg.heartbeat_s, 1.0),
         log_results=False,

@@ -9,13 +9,15 @@ import time
 
 import msgspec
 import pytest
+from aiohttp import web
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
 from pipeline.keys import Counter
 from pipeline.schema import PromptJob, SamplingParams, Status, decode_group, encode
-from tests.env_helpers import GymServer, chat_tokens, gym_task, serve_gym
+from tests.env_helpers import GymServer, chat_tokens, gym_task, run_episodes, serve_gym
 from workers.engine import EngineClient
+from workers.envs.base import EpisodeRecord
 from workers.jobs import CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
 from workers.sim.engine import SimConfig, serve_sim_engine
@@ -120,3 +122,110 @@ async def test_a_budget_error_names_every_distinct_fault_its_attempts_met():
     assert message.startswith("POST /seed_session: failed 3 time(s); last error: TransientError: HTTP 500")
     assert "earlier: ConnectionRefusedError: Connect call failed" in message
     assert message.count("HTTP 500") == 1  # repeats are not listed twice
+
+
+# ------------------------------------------------------------------ an environment's garbage is its fault, not a bug
+
+GARBAGE = {  # what a broken or impostor server answers a 200 /verify with
+    "not JSON": (b"<html>502 Bad Gateway</html>", "text/html"),
+    "truncated JSON": (b'{"reward": 1.0, "extra', "application/json"),
+    "a list": (b"[1.0]", "application/json"),
+    "a string": (b'"1.0"', "application/json"),
+    "no reward": (b'{"score": 1.0}', "application/json"),
+    "a reward that is no number": (b'{"reward": "high"}', "application/json"),
+    "not UTF-8": (b'{"reward": 1.0, "note": "\xff\xfe"}', "application/json; charset=utf-8"),
+}
+
+
+class GarbageGym(GymServer):
+    """A NeMo Gym server whose `/verify` answers 200 with `answer`'s bytes, on loopback."""
+
+    def __init__(self, answer: tuple[bytes, str]):
+        super().__init__()
+        self.answer = answer
+
+    async def verify(self, request: web.Request) -> web.Response:
+        await request.read()
+        body, content_type = self.answer
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@pytest.mark.parametrize("garbage", list(GARBAGE))
+async def test_a_garbled_answer_is_an_environment_error_not_a_bug(garbage):
+    from pipeline.config import EnvConfig
+    from workers.envs.answers import MalformedAnswer
+    from workers.envs.nemo_gym import NemoGymEnvironment
+    from workers.errors import is_bug
+
+    async with serve_gym(GarbageGym(GARBAGE[garbage])) as url:
+        env = NemoGymEnvironment("gym", msgspec.convert(_env(url), EnvConfig))
+        try:
+            [sample] = await run_episodes(env, gym_task())
+        finally:
+            await env.aclose()
+    assert sample.status is Status.FAILED and sample.reward == 0.0  # failed episode, never a trained 0 or 1
+    assert "/verify" in sample.metadata["error"], sample.metadata
+    session_error = None
+    async with serve_gym(GarbageGym(GARBAGE[garbage])) as url:
+        env = NemoGymEnvironment("gym", msgspec.convert(_env(url), EnvConfig))
+        session = await env.start(gym_task())
+        try:
+            await session.verify(EpisodeRecord(task=gym_task(), messages=list(session.messages), response_text=""))
+        except Exception as exc:  # noqa: BLE001 - what the runner sees
+            session_error = exc
+        finally:
+            await session.close()
+            await env.aclose()
+    assert session_error is not None and not is_bug(session_error), repr(session_error)
+    assert isinstance(session_error, MalformedAnswer) or garbage == "not UTF-8", repr(session_error)
+
+
+async def _run_group_once(redis, redis_url, keys, env: dict, *, max_tries: int = 1) -> tuple[dict, list]:
+    """One group of env `env` through the real job function on the simulated engine: (result,
+    dead-letter entries)."""
+    async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, length_mu=1.0)) as engine:
+        config = parse_config({"redis": {"url": redis_url, "namespace": keys.ns},
+                               "workers": {"max_tries": max_tries}, "environments": {"gym": env}})
+        buffer = GroupBuffer(redis, keys)
+        await buffer.ensure_group()
+        context = WorkerContext(
+            config=config, keys=keys, buffer=buffer, engine=EngineClient(engine.url, max_retries=1),
+            chat=chat_tokens(), liveness=Liveness(redis, keys, "w1", heartbeat_s=1.0, dead_after_s=5.0), worker_id="w1",
+        )
+        task = msgspec.structs.replace(gym_task("t-garbage"), env="gym")
+        job = PromptJob(task=task, epoch=0, n_samples=2, sampling=SamplingParams(max_new_tokens=128))
+        ctx = {CTX_KEY: context, "job_id": keys.arq_job_id(job.job_id), "job_try": 1}
+        try:
+            result = await run_group(ctx, encode(job))
+        finally:
+            await context.aclose()
+    return result, await redis.xrange(keys.dead)
+
+
+async def test_garbled_json_hands_the_task_back_instead_of_dead_lettering_it_as_a_bug(redis, redis_url, keys):
+    """Under `retry_all_failed` a group whose every /verify answer is garbled JSON is handed back
+    (the next attempt enqueued) like any outage; before, JSONDecodeError counted as a bug of ours
+    and the task was dead-lettered for good."""
+    async with serve_gym(GarbageGym(GARBAGE["truncated JSON"])) as url:
+        result, dead = await _run_group_once(redis, redis_url, keys, _env(url, on_failure="retry_all_failed"))
+    assert result["status"] == "dead"
+    [(_, fields)] = dead
+    reason = fields[b"reason"].decode()
+    assert "a bug" not in reason and "handed back as attempt 1" in reason, reason
+    assert "answer is not JSON" in reason, reason
+
+
+async def test_our_own_bug_on_a_good_answer_still_fails_the_job_as_a_bug(redis, redis_url, keys, monkeypatch):
+    """The other side: the server answers well, our code handling the answer raises (a KeyError
+    where we read our own structure): one dead-letter with the traceback, no hand-back."""
+    import workers.envs.nemo_gym as nemo_gym
+
+    def broken_components(answer: dict, body: dict) -> dict:
+        return {"reward": body["no such field of ours"]}
+
+    monkeypatch.setattr(nemo_gym, "verify_components", broken_components)
+    async with serve_gym(GymServer()) as url:
+        result, dead = await _run_group_once(redis, redis_url, keys, _env(url, on_failure="retry_all_failed"))
+    assert result["status"] == "dead" and "a bug, not retried: KeyError" in result["reason"]
+    [(_, fields)] = dead
+    assert b"handed back" not in fields[b"reason"] and b"Traceback" in fields[b"reason"]

@@ -42,6 +42,7 @@ import aiohttp
 
 from pipeline.config import CallBudget, EnvConfig
 from pipeline.schema import Status, Task
+from workers.envs.answers import MalformedAnswer, json_answer
 from workers.envs.base import (
     EnvError,
     Environment,
@@ -179,11 +180,14 @@ class NemoGymSession(EnvSession):
             "response": responses_object(output, self.params, self.env.options.model),
         }
         status, text = await self._post("/verify", body, timeouts.verify, deadline_in(timeouts.verify_deadline_s))
+        what = f"nemo_gym {self.env.name!r} /verify"
+        if status >= 300:
+            raise EnvError(f"{what}: HTTP {status}: {text[:300]}")
+        answer = json_answer(text, what)
         try:
-            answer: Any = json.loads(text) if status < 300 else None  # not 2xx: None["reward"] raises TypeError
             reward = float(answer["reward"])
-        except (ValueError, TypeError, KeyError) as exc:
-            raise EnvError(f"nemo_gym {self.env.name!r} /verify: HTTP {status}: {text[:300]}") from exc
+        except (ValueError, TypeError, KeyError) as exc:  # the server's answer, not our code: a fault
+            raise MalformedAnswer(f"{what}: no numeric reward in the answer: {text[:300]}") from exc
         if _masked(answer):
             kind = answer.get("failure_kind") or "unspecified"
             reason = str(answer.get("failure_reason") or "")[:300]

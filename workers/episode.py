@@ -115,11 +115,12 @@ class _Turn:
 class EpisodeRunner:
     """Runs episodes of one environment with one engine client and tokenizer."""
 
-    def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings):
+    def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings, run: str = ""):
         self.engine = engine
         self.chat = chat
         self.env = env
         self.settings = settings
+        self.run_name = run  # the pipeline run (Redis namespace), for EnvSession.episode_done
 
     async def run(self, task: Task, episode_id: str, sample_index: int = 0) -> Sample:
         """One episode; `sample_index` (its place in the group) varies a configured sampling seed."""
@@ -136,7 +137,9 @@ class EpisodeRunner:
             trace = _Trace(tokens=list(prompt_ids), prompt_length=len(prompt_ids))
             return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"env start: {exc}")
         try:
-            return await self._run_session(task, session, episode_id, started, sample_index)
+            sample = await self._run_session(task, session, episode_id, started, sample_index)
+            _tell_done(session, sample, episode_id, self.run_name)
+            return sample
         finally:
             await asyncio.shield(_close_quietly(session, episode_id))
 
@@ -385,6 +388,13 @@ def _per_sample(sampling: SamplingParams, sample_index: int) -> SamplingParams:
     if sampling.sampling_seed is None:
         return sampling
     return msgspec.structs.replace(sampling, sampling_seed=sampling.sampling_seed + sample_index)
+
+
+def _tell_done(session: EnvSession, sample: Sample, episode_id: str, run: str) -> None:
+    try:
+        session.episode_done(sample, episode_id, run)
+    except Exception as exc:  # noqa: BLE001 - watching an episode never changes or fails it
+        log.warning("episode %s: episode_done of env session failed: %r", episode_id, exc)
 
 
 async def _close_quietly(session: EnvSession, episode_id: str) -> None:

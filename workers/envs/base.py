@@ -23,7 +23,7 @@ import msgspec
 
 from pipeline.aio import wait_for
 from pipeline.config import EnvConfig
-from pipeline.schema import Status, Task
+from pipeline.schema import Sample, Status, Task
 
 Message = dict[str, Any]
 
@@ -84,6 +84,12 @@ class EnvSession(abc.ABC):
     @abc.abstractmethod
     async def verify(self, episode: EpisodeRecord) -> Verification:
         """Score the finished episode."""
+
+    def episode_done(self, sample: Sample, episode_id: str, run: str) -> None:
+        """The finished episode's sample (as it will be trained), before `close`; `run` names the
+        pipeline run (the Redis namespace). For environments that watch their episodes
+        (OpenReward's trajectory upload): it runs on the worker's event loop, so it must return at
+        once (hand any I/O to a thread) and must not change the sample."""
 
     async def close(self) -> None:
         """Release per-episode resources (sessions, cookies). Always called."""

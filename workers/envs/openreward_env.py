@@ -29,6 +29,12 @@ observation; a tool that crashed server-side (`ToolFailed`) fails the episode.
 `openreward.environments.Server` works); without it the SDK's platform URL is used.
 The API key comes from the env var named by `api_key_env`; the environment's own
 secrets are the env vars listed in `secrets`, sent with the session (never logged).
+
+With `upload` (opt-in), every finished episode of the chosen tasks is also uploaded to
+OpenReward's rollout viewer (`workers/upload.py`, off the episode's path): its whole
+conversation, each tool result with its call's reward and `finished`, the final answer
+with the terminal tool's, and as the rollout's metadata the trained reward, status, step
+rewards and policy versions; the task spec as `task_spec`.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import aiohttp
 
 from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
-from pipeline.schema import Status, Task
+from pipeline.schema import Sample, Status, Task
 from workers.envs.base import (
     EnvError,
     Environment,
@@ -61,6 +67,7 @@ from workers.envs.convert import chat_tool, content_text, split_reasoning
 from workers.envs.math import final_answer_text
 from workers.envs.options import Options, parse_options, read_secrets
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
+from workers.upload import FINAL_ANSWER, Trajectory, TrajectoryUploader, UploadOptions, chosen, events_of
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,8 @@ class OpenRewardOptions(Options, frozen=True):
     # Domains each secret may be sent to, for secrets the SDK does not know by name
     # (openreward's WELL_KNOWN_SECRETS covers e.g. OPENAI_API_KEY).
     secret_domains: dict[str, list[str]] = {}
+    # Upload finished episodes to OpenReward's rollout viewer (docs/environments.md); None = off
+    upload: Union[UploadOptions, None] = None
 
 
 def _sdk() -> Any:
@@ -102,6 +111,14 @@ class OpenRewardEnvironment(Environment):
         }
         self._client: Any = None
         self._handle: Any = None
+        self.uploader: Union[TrajectoryUploader, None] = None
+        if self.options.upload is not None:
+            self.uploader = TrajectoryUploader(
+                api_key=os.environ.get(self.options.api_key_env, ""),
+                api_url=self.options.upload.api_url,
+                queue_size=self.options.upload.queue_size,
+                what=f"openreward upload (env {name!r})",
+            )
 
     def handle(self) -> Any:
         """The SDK's AsyncEnvironment (made on first use: its HTTP session needs the running loop)."""
@@ -130,7 +147,16 @@ class OpenRewardEnvironment(Environment):
         session = OpenRewardSession(self, task)
         return await opened(session, session.open)
 
+    def upload(self, session: OpenRewardSession, sample: Sample, episode_id: str, run: str) -> None:
+        """Queue the episode for upload when it is configured and its task chosen (never blocks)."""
+        settings = self.options.upload
+        if self.uploader is None or settings is None or not chosen(session.task.id, settings.every):
+            return
+        self.uploader.submit(trajectory_of(self, session, sample, episode_id, settings.run_name or run or "rollout"))
+
     async def aclose(self) -> None:
+        if self.uploader is not None:
+            await asyncio.to_thread(self.uploader.close)
         if self._client is not None:
             await self._client.environments.aclose()
 
@@ -146,6 +172,8 @@ class OpenRewardSession(EnvSession):
         self.rewards: list[float] = []
         self.finished = False
         self.tool_errors = 0
+        # (reward, finished) per tool call id, and the terminal tool's under FINAL_ANSWER: the upload's
+        self.call_results: dict[str, tuple[Union[float, None], bool]] = {}
 
     async def open(self) -> None:
         budget = self.env.config.timeouts.start
@@ -208,6 +236,7 @@ class OpenRewardSession(EnvSession):
                 text = f"{call.name!r} was not run: the episode has finished"
             else:
                 text, reward = await self._run_tool(call.name, call.arguments, self.env.config.timeouts.step)
+                self.call_results[call.id] = (reward, self.finished)
                 if reward is not None:
                     step_rewards.append(float(reward))
             observations.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": text})
@@ -220,9 +249,13 @@ class OpenRewardSession(EnvSession):
             term = self.terminal_tool
             # the answer, not the reasoning before it (as a reasoning parser would hand it over)
             arguments = {} if term.arg is None else {term.arg: split_reasoning(final_answer_text(episode))[1]}
-            await self._run_tool(term.name, arguments, timeouts.verify, deadline_in(timeouts.verify_deadline_s))
+            _, reward = await self._run_tool(term.name, arguments, timeouts.verify, deadline_in(timeouts.verify_deadline_s))
+            self.call_results[FINAL_ANSWER] = (reward, self.finished)
         components = {"tool_errors": self.tool_errors, "finished": self.finished}
         return shaped(self.env.config, self.rewards, terminal=self.finished, components=components)
+
+    def episode_done(self, sample: Sample, episode_id: str, run: str) -> None:
+        self.env.upload(self, sample, episode_id, run)
 
     async def close(self) -> None:
         session, self.session = self.session, None
@@ -232,6 +265,36 @@ class OpenRewardSession(EnvSession):
             await wait_for(session.__aexit__(None, None, None), CLOSE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - closing must not fail the episode; the server reaps it
             log.warning("openreward %r: closing session failed: %r", self.env.name, exc)
+
+
+def trajectory_of(env: OpenRewardEnvironment, session: OpenRewardSession, sample: Sample, episode_id: str, run_name: str) -> Trajectory:
+    """What the viewer gets of one episode (plain data; the SDK's objects are made in the upload thread)."""
+    task = session.task
+    messages = sample.metadata.get("messages")
+    if not isinstance(messages, list):  # a plain single-turn episode: the prompt, then the response
+        messages = [*session.messages, {"role": "assistant", "content": sample.response.strip()}]
+    metadata: dict[str, Any] = {
+        "reward": sample.reward,
+        "status": sample.status.value,
+        "step_rewards": list(sample.metadata.get("step_rewards", [])),
+        "policy_versions": list(sample.policy_versions),
+        "policy_run": sample.policy_run,
+        "task_id": task.id,
+        "pipeline_env": env.name,
+    }
+    if sample.metadata.get("error"):
+        metadata["error"] = str(sample.metadata["error"])[:500]
+    spec = task.metadata.get("task_spec")
+    return Trajectory(
+        run_name=run_name,
+        rollout_name=episode_id,
+        environment=task.metadata.get("environment") or env.options.environment,
+        variant=env.options.variant,
+        split=task.metadata.get("split"),
+        task_spec=spec if isinstance(spec, dict) else None,
+        metadata=metadata,
+        events=events_of(messages, session.call_results),
+    )
 
 
 def chat_conversation(conversation: list[dict[str, Any]]) -> list[Message]:

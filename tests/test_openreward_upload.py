@@ -1,0 +1,230 @@
+"""Trajectory upload to OpenReward (`options.upload`, workers/upload.py) with the SDK's own
+rollout client and sender, against a loopback server standing in for the OpenReward API
+(POST /v1/rollouts, recorded), on episodes of a real SDK environment server through the
+real runner: every episode uploaded once, its messages in order with their rewards; an API
+that is down or slow changes and delays no episode, and its failures are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")  # no PyPI lookups from tests
+
+import msgspec
+import pytest
+from aiohttp import web
+
+from pipeline.config import ConfigError, EnvConfig, PipelineConfig
+from pipeline.local_redis import free_port
+from pipeline.schema import Sample, SamplingParams, Status, Task
+from tests.env_helpers import chat_tokens, serve_openreward
+from tests.test_env_openreward import Arith
+from workers.engine import EngineClient
+from workers.envs.openreward_env import OpenRewardEnvironment
+from workers.episode import EpisodeRunner, EpisodeSettings
+from workers.sim.engine import SimConfig, serve_sim_engine
+
+API_KEY = "sk-or-test-4f1c9e0d7b"
+KEY_VAR = "ROLLOUT_TEST_OR_UPLOAD_KEY"
+RUN = "ns-upload-test"
+
+
+@pytest.fixture(scope="module")
+def or_server():
+    with serve_openreward(Arith) as url:
+        yield url
+
+
+@dataclass
+class FakeApi:
+    """POST /v1/rollouts as OpenReward's API takes it: `{"events": [...]}`; records each body."""
+
+    delay_s: float = 0.0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+    async def rollouts(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.keys.append(request.headers.get("x-api-key", ""))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self.bodies.append(body)
+        return web.json_response({"ok": True})
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        return [e for b in self.bodies for e in b["events"] if e.get("eventType") == kind]
+
+
+@asynccontextmanager
+async def serve_api(api: FakeApi) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/v1/rollouts", api.rollouts)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _env(url: str, upload: dict | None) -> OpenRewardEnvironment:
+    options: dict[str, Any] = {"environment": "arith", "base_url": url, "api_key_env": KEY_VAR}
+    if upload is not None:
+        options["upload"] = upload
+    return OpenRewardEnvironment("arith", msgspec.convert({"kind": "openreward", "options": options}, EnvConfig))
+
+
+def _task(i: int) -> Task:
+    question, answer = ("What is 6 * 7?", "42") if i % 2 == 0 else ("What is 2 + 2?", "4")
+    return Task(id=f"t{i}", env="arith", prompt="{}", metadata={"task_spec": {"question": question, "answer": answer}})
+
+
+async def _episodes(env: OpenRewardEnvironment, tasks: list[Task], n: int) -> tuple[list[tuple[str, Sample]], float]:
+    """`n` episodes of each task through the real runner; (episode id, sample) pairs and the seconds."""
+    sim = SimConfig(accuracy=1.0, tool_use=1.0, length_mu=1.0)
+    async with serve_sim_engine(sim) as engine, EngineClient(engine.url, max_retries=1) as client:
+        settings = EpisodeSettings.from_config(PipelineConfig(), env.config, SamplingParams(max_new_tokens=256))
+        runner = EpisodeRunner(client, chat_tokens(), env, settings, run=RUN)
+        ids = [f"{task.id}/{i}" for task in tasks for i in range(n)]
+        started = time.monotonic()
+        samples = await asyncio.gather(*(runner.run(task, f"{task.id}/{i}", i) for task in tasks for i in range(n)))
+        return list(zip(ids, samples)), time.monotonic() - started
+
+
+def _summary(sample: Sample) -> tuple:
+    return (sample.status, sample.reward, sample.metadata["step_rewards"], sample.metadata["turns"], sample.response)
+
+
+async def test_every_episode_is_uploaded_once_with_its_messages_in_order_and_rewards(or_server, monkeypatch, caplog, capsys):
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    caplog.set_level(logging.DEBUG)
+    api = FakeApi()
+    async with serve_api(api) as api_url:
+        env = _env(or_server, {"api_url": api_url})
+        try:
+            episodes, _ = await _episodes(env, [_task(0), _task(1)], n=3)
+        finally:
+            await env.aclose()  # flushes the SDK's sender
+    assert env.uploader is not None and env.uploader.stats()["uploaded"] == 6
+
+    rollouts = api.events("rollout")
+    assert sorted(r["rolloutName"] for r in rollouts) == sorted(e for e, _ in episodes)  # each once
+    by_name = {r["rolloutName"]: r for r in rollouts}
+    messages = api.events("message")
+    for episode_id, sample in episodes:
+        assert sample.status is Status.COMPLETED and sample.reward == 1.25, sample.metadata
+        rollout = by_name[episode_id]
+        assert rollout["runName"] == RUN and rollout["environment"] == "arith"
+        task = _task(int(episode_id[1]))
+        assert rollout["task_spec"] == task.metadata["task_spec"]
+        meta = rollout["metadata"]
+        assert meta["reward"] == sample.reward and meta["status"] == "completed" and meta["step_rewards"] == [0.25]
+        assert meta["policy_versions"] == list(sample.policy_versions) and meta["task_id"] == task.id
+        mine = sorted((m for m in messages if m["rolloutEventId"] == rollout["eventId"]), key=lambda m: m["index"])
+        assert [m["index"] for m in mine] == list(range(len(mine)))
+        # the prompt, the tool call (its reward on its result), the final answer graded by `submit`
+        kinds = [m["type"] for m in mine]
+        assert kinds[0] == "user_message" and mine[0]["content"] == task.metadata["task_spec"]["question"]
+        assert kinds[-3:] == ["tool_call", "tool_result", "assistant_message"]
+        call, result, answer = mine[-3:]
+        assert call["name"] == "evaluate" and result["callId"] == call["callId"]
+        assert result["reward"] == 0.25 and not result["isFinished"]
+        assert answer["content"].endswith(f"Answer: {task.metadata['task_spec']['answer']}")
+        assert answer["reward"] == 1.0 and answer["isFinished"] is True
+        one_each = ("system_message", "user_message", "assistant_message", "tool_result")
+        assert sum(1 for k in kinds if k in one_each) == len(sample.metadata["messages"])  # every message
+
+    # the key went to the API, and nowhere else: no log line, no sample, no printed output
+    assert set(api.keys) == {API_KEY}
+    printed = capsys.readouterr()
+    assert API_KEY not in caplog.text and API_KEY not in printed.out + printed.err
+    assert all(API_KEY not in msgspec.json.encode(s).decode() for _, s in episodes)
+
+
+async def test_every_n_uploads_whole_groups_of_one_task_in_n(or_server, monkeypatch):
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    api = FakeApi()
+    async with serve_api(api) as api_url:
+        env = _env(or_server, {"api_url": api_url, "every": 3})
+        try:
+            tasks = [_task(i) for i in range(6, 10)]  # t7 and t8 are the chosen ones (crc32 % 3)
+            episodes, _ = await _episodes(env, tasks, n=2)
+        finally:
+            await env.aclose()
+    from workers.upload import chosen
+
+    expected = sorted(e for e, _ in episodes if chosen(e.split("/")[0], 3))
+    assert 0 < len(expected) < len(episodes)
+    assert sorted(r["rolloutName"] for r in api.events("rollout")) == expected
+
+
+async def test_an_api_that_is_down_changes_no_episode_and_is_counted_and_logged_once(or_server, monkeypatch, caplog, capsys):
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    caplog.set_level(logging.WARNING, logger="workers.upload")
+    tasks = [_task(0), _task(1)]
+    plain = _env(or_server, None)
+    try:
+        without, _ = await _episodes(plain, tasks, n=3)
+    finally:
+        await plain.aclose()
+    env = _env(or_server, {"api_url": f"http://127.0.0.1:{free_port()}"})  # nothing listens there
+    try:
+        with_upload, _ = await _episodes(env, tasks, n=3)
+    finally:
+        await env.aclose()
+    assert [_summary(s) for _, s in with_upload] == [_summary(s) for _, s in without]
+    assert env.uploader is not None
+    stats = env.uploader.stats()
+    assert stats["failed"] == 6 and stats["uploaded"] == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.upload"]
+    assert 1 <= len(lines) <= 2, lines  # the first failure at once, the rest in the report at close
+    assert sum(int(line.split(": ")[1].split(" ")[0]) for line in lines) == 6, lines
+    assert "episodes are not affected" in lines[0]
+    printed = capsys.readouterr()
+    assert "failed to start rollout" not in printed.out + printed.err  # the SDK's per-rollout lines are counted
+    assert API_KEY not in caplog.text + printed.out + printed.err
+
+
+async def test_a_slow_api_delays_no_episode_and_drops_are_counted(or_server, monkeypatch, capsys):
+    """Side by side, one run: a batch of episodes without upload, then with upload to an API
+    that takes 3 s per request (the SDK's rollout start blocks its caller that long)."""
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    tasks = [_task(i) for i in range(4)]
+    plain = _env(or_server, None)
+    try:
+        _, warm = await _episodes(plain, tasks, n=4)  # warm the SDK client and the server
+        without, seconds_without = await _episodes(plain, tasks, n=4)
+    finally:
+        await plain.aclose()
+    api = FakeApi(delay_s=3.0)
+    async with serve_api(api) as api_url:
+        env = _env(or_server, {"api_url": api_url, "queue_size": 2})
+        try:
+            with_upload, seconds_with = await _episodes(env, tasks, n=4)
+            assert env.uploader is not None
+            stats = env.uploader.stats()
+            await asyncio.to_thread(env.uploader.close, 0.5)  # the thread is stuck in the SDK's start
+        finally:
+            await env.aclose()
+    with capsys.disabled():
+        print(f"\nupload to a 3 s API: a batch of 16 episodes took {seconds_with:.2f}s with it, "
+              f"{seconds_without:.2f}s without (ratio {seconds_with / seconds_without:.2f}; 2 cores shared with other work)")
+    assert [_summary(s) for _, s in with_upload] == [_summary(s) for _, s in without]
+    assert seconds_with < seconds_without * 1.5 + 0.5 and seconds_with < 3.0
+    assert stats["dropped"] >= 16 - 3 and stats["uploaded"] == 0  # one in the thread, two queued
+
+
+def test_bad_upload_options_name_the_key():
+    with pytest.raises(ConfigError, match=r"environments\.arith\.options\.upload"):
+        _env("http://x", {"every": 0})
+    with pytest.raises(ConfigError, match=r"environments\.arith\.options\.upload\.runname"):
+        _env("http://x", {"runname": "x"})

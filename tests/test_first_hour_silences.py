@@ -3,15 +3,19 @@ Each test here fails on fe89cd3."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from pipeline.config import EnvConfig
-from pipeline.schema import Status, Task
+from pipeline.config import EnvConfig, PipelineConfig, parse_config
+from pipeline.schema import PromptJob, Status, Task
 from tests.conformance_support import require_nemo_skills
 from workers.envs.base import EpisodeRecord
 from workers.envs.math import MathEnvironment, last_boxed
@@ -88,3 +92,116 @@ def test_debug_prints_the_traceback_of_a_configuration_error(tmp_path, command, 
     assert plain.stderr.lstrip().startswith(f"rollout {command}: "), plain.stderr
     assert "Traceback (most recent call last)" in debug.stderr, debug.stderr
     assert debug.stderr.rstrip().endswith(plain.stderr.strip())  # the same message, after the traceback
+
+
+# ------------------------------------------------------------------ rollout workers: what it waits for
+
+
+def test_workers_say_every_few_seconds_that_they_wait_for_redis():
+    from pipeline.local_redis import free_port
+
+    url = f"redis://:pw-not-shown@127.0.0.1:{free_port()}/0"
+    started = time.monotonic()
+    result = _rollout("workers", "--redis-url", url, env={"ROLLOUT_REDIS_OUTAGE_S": "6"}, timeout=60)
+    waited = time.monotonic() - started
+    assert result.returncode == 3, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "waiting for Redis at redis://:***@127.0.0.1" in line]
+    assert len(lines) >= 2, result.stderr  # at once, then every few seconds (WAIT_LOG_S = 5)
+    assert "giving up in" in lines[0] and "ROLLOUT_REDIS_OUTAGE_S" in lines[0]
+    assert "pw-not-shown" not in result.stderr and waited < 30
+
+
+def test_wait_for_redis_returns_once_it_is_up(redis_url, caplog):
+    from workers.worker_log import wait_for_redis
+
+    caplog.set_level(logging.INFO, "workers.settings")
+    wait_for_redis(redis_url, budget_s=1)
+    assert not [r for r in caplog.records if "waiting for Redis" in r.getMessage()]  # up: nothing to say
+
+
+# ------------------------------------------------------------------ workers: a line per group, never the payload
+
+
+def _worker_config(redis_url: str, namespace: str, engine_url: str) -> PipelineConfig:
+    return parse_config({
+        "redis": {"url": redis_url, "namespace": namespace},
+        "engine": {"url": engine_url, "max_retries": 1, "retry_backoff_s": 0.01},
+        "rollout": {"max_response_tokens": 256, "n_samples_per_prompt": 2},
+        "environments": {"calc": {"kind": "calculator"}},
+        "workers": {"heartbeat_s": 0.5, "dead_after_s": 2.0, "poll_delay_s": 0.02},
+    })
+
+
+async def _run_jobs(redis, redis_url, keys, count: int, secret: str) -> None:
+    from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job
+    from tests.policy_helpers import trainer_started
+    from workers.settings import build_worker, stop_worker
+    from workers.sim.engine import serve_sim_engine
+
+    await trainer_started(redis, keys)
+    async with serve_sim_engine() as sim:
+        arq = await create_arq_pool(redis_url, keys)
+        for i in range(count):
+            task = Task(id=f"task-{i}", env="calc", prompt=f"{secret} What is {i} * 7?", label=str(7 * i))
+            await enqueue_prompt_job(arq, PromptJob(task=task, epoch=0, n_samples=2, admission_version=0,
+                                                    enqueued_at=time.time()), keys)
+        await arq.aclose()
+        worker = build_worker(_worker_config(redis_url, keys.ns, sim.url), handle_signals=False)
+        running = asyncio.create_task(worker.async_run())
+        try:
+            deadline = time.monotonic() + 30
+            while await redis.xlen(keys.groups) < count and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await stop_worker(worker, running)
+        assert await redis.xlen(keys.groups) == count
+
+
+async def test_a_line_per_finished_group_at_info(redis, redis_url, keys, caplog):
+    caplog.set_level(logging.INFO)
+    logging.getLogger("arq.worker").setLevel(logging.WARNING)  # as `rollout workers` without --verbose
+    try:
+        await _run_jobs(redis, redis_url, keys, 1, "SECRET-PROMPT")
+    finally:
+        logging.getLogger("arq.worker").setLevel(logging.NOTSET)
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.groups"]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"group done: task task-0, env calc, reward mean \d\.\d{3}, \d+ tokens, \d+\.\ds "
+                        r"\(2 episodes, 0 failed\)", lines[0]), lines[0]
+
+
+def test_the_group_lines_are_rate_limited():
+    from pipeline.synthetic import make_group
+    from workers.worker_log import GroupLog
+
+    now = [0.0]
+    group_log = GroupLog(every_s=1.0, clock=lambda: now[0])
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("workers.groups")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        for i in range(50):  # 50 groups in 0.49 s, then one more a second later
+            now[0] = i * 0.01
+            group_log.finished(make_group(f"g{i}", n=2), tokens=10)
+        now[0] = 1.5
+        group_log.finished(make_group("last", n=2), tokens=10)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert len(records) == 2, records
+    assert records[1].endswith("; 49 more group(s) since the last line")
+
+
+async def test_verbose_shows_the_job_id_never_the_payload(redis, redis_url, keys, caplog):
+    caplog.set_level(logging.INFO)  # --verbose: arq's per-job lines at INFO
+    await _run_jobs(redis, redis_url, keys, 2, "SECRET-PROMPT")
+    arq_lines = [r.getMessage() for r in caplog.records if r.name == "arq.worker"]
+    started = [line for line in arq_lines if "→" in line]
+    assert len(started) == 2, arq_lines
+    for line in started:
+        assert f"{keys.ns}:" in line and "run_group(…)" in line, line  # the job id, and no argument
+    everything = "\n".join(r.getMessage() for r in caplog.records)
+    assert "SECRET-PROMPT" not in everything and "\\x8" not in everything and "b'" not in everything

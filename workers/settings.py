@@ -35,7 +35,6 @@ import aiohttp
 from arq.worker import Worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.buffer import GroupBuffer
 from pipeline.config import PipelineConfig
 from pipeline.evaluation import EVAL_FUNCTION
 from pipeline.jobqueue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
@@ -48,6 +47,7 @@ from workers.envs.options import check_tool_parsers
 from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import Liveness
+from workers.worker_log import LoggingBuffer, hide_job_args, wait_for_redis
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ def build_worker(
     handle_signals: bool = True,
 ) -> Worker:
     check_tool_parsers(config)  # a typo'd parser fails here, not in every episode
+    hide_job_args()  # --verbose: arq's per-job lines name the job id, never its msgpack payload
     keys = Keys(config.redis.namespace)
     wcfg = config.workers
     worker_id = worker_id or new_worker_id()
@@ -213,7 +214,7 @@ async def _build_context(config: PipelineConfig, keys: Keys, worker_id: str) -> 
     )
     tokenizer_path = ecfg.tokenizer or await _engine_tokenizer_path(engine)
     chat = ChatTokens(_load_tokenizer(tokenizer_path))
-    buffer = GroupBuffer(redis, keys)
+    buffer = LoggingBuffer(redis, keys)  # a rate-limited INFO line per group pushed
     await buffer.ensure_group()
     liveness = Liveness(redis, keys, worker_id, heartbeat_s=config.workers.heartbeat_s,
                         dead_after_s=config.workers.dead_after_s)
@@ -278,6 +279,7 @@ def run_worker(config: PipelineConfig, *, concurrency: int | None = None) -> Non
     """Run one worker in this process until SIGTERM/SIGINT (drained)."""
     asyncio.set_event_loop(asyncio.new_event_loop())
     try:
+        wait_for_redis(config.redis.resolved_url())  # says what it waits for, every few seconds
         build_worker(config, concurrency=concurrency).run()
     except RedisUnavailable as exc:
         log.error("worker stopped: %s", exc)

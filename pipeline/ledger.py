@@ -14,18 +14,21 @@ components, timings) and the prompt are JSON text. Layout: docs/architecture.md 
 
     rollout ledger list|summary|export|rescore --dir D
 
+This module is storage every side reads (the data source writes it, `rollout show` renders it):
+it imports nothing of workers/. `rescore` verifies stored episodes again with the environments,
+so it lives with them (workers/rescore.py) and joins `rollout ledger` as an added action.
+
 pyarrow is optional (`pip install ".[parquet]"`); it is imported when a ledger is used.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +44,6 @@ log = logging.getLogger(__name__)
 LEDGER_FORMAT = "1"
 FILE_PATTERN = re.compile(r"^step-(\d+)\.parquet$")
 COMPRESSION = "zstd"
-PLAIN_CONVERSATION = "prompt+response"  # = workers.episode.PLAIN_CONVERSATION (no import of workers here)
 
 # columns without the per-token arrays: what list/summary read (fast, small)
 LIGHT_COLUMNS = [
@@ -432,150 +434,61 @@ def export(ledger: Ledger, output: str | os.PathLike[str], *, start: int | None 
     return rows
 
 
-# -------------------------------------------------------------------- rescore
-
-def episode_record(task: Task, sample: Sample) -> tuple[Any, bool]:
-    """The `EpisodeRecord` verify saw, rebuilt from the stored sample, and whether it is exact.
-
-    Exact when the worker recorded the conversation (`metadata.messages`: the messages, or
-    "prompt+response" for a plain single-turn episode); otherwise (groups from older workers
-    or built elsewhere) the same prompt + response reconstruction, which is exact for a plain
-    single-turn episode only."""
-    from workers.envs.base import EpisodeRecord
-
-    meta = sample.metadata
-    messages = meta.get("messages")
-    exact = isinstance(messages, list) or messages == PLAIN_CONVERSATION
-    if not isinstance(messages, list):
-        prompt = task.prompt
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        messages.append({"role": "assistant", "content": sample.response.strip()})
-    record = EpisodeRecord(
-        task=task,
-        messages=messages,
-        response_text=str(meta.get("response_text", sample.response)),
-        step_rewards=[float(x) for x in meta.get("step_rewards", [])],
-        finished=bool(meta.get("finished", False)),
-        status=sample.status,
-        turns=int(meta.get("turns", 0) or 0),
-    )
-    return record, exact
-
-
-async def rescore(
-    ledger: Ledger, config: Any, *, start: int | None = None, end: int | None = None,
-    envs: Iterable[str] | None = None, concurrency: int = 16,
-) -> list[dict[str, Any]]:
-    """Verify the stored episodes of steps [start, end] again with `config`'s environments
-    (a changed reward, clamp, nonterminal reward, checker option...). Nothing is generated.
-
-    One row per sample: old and new reward and components. Failed episodes were never
-    verified (an outage) and are not re-verified (`skipped`)."""
-    from workers.envs.registry import build_environment
-    from workers.envs.rewards import final_reward
-
-    wanted = set(envs) if envs else None
-    built: dict[str, Any] = {}
-    sem = asyncio.Semaphore(max(1, concurrency))
-    jobs = []
-
-    async def one(lg: LedgerGroup, j: int, sample: Sample, env: Any) -> dict[str, Any]:
-        group = lg.group
-        row: dict[str, Any] = {
-            "rollout_id": lg.rollout_id, "group_id": group.group_id, "task_id": group.task_id, "env": group.env,
-            "sample_index": j, "status": sample.status.value, "old_reward": sample.reward, "new_reward": None,
-            "old_components": sample.reward_components, "new_components": None, "exact_record": None, "error": None,
-        }
-        if sample.status is Status.FAILED:
-            row["error"] = "skipped: a failed episode was never verified"
-            return row
-        record, exact = episode_record(group.task, sample)
-        row["exact_record"] = exact
-        async with sem:
-            try:
-                session = await env.start(group.task)
-                try:
-                    verification = await session.verify(record)
-                finally:
-                    await session.close()
-            except Exception as exc:  # noqa: BLE001 - one sample's failure is reported, the rest go on
-                row["error"] = f"{type(exc).__name__}: {exc}"[:500]
-                return row
-        row["new_reward"] = final_reward(env.config, verification, finished=record.finished)
-        row["new_components"] = verification.components
-        return row
-
-    try:
-        for lg in ledger.iter_groups(start, end):
-            name = lg.group.env
-            if wanted is not None and name not in wanted:
-                continue
-            if name not in built:
-                built[name] = build_environment(name, config.env(name))
-            for j, sample in enumerate(lg.group.samples):
-                jobs.append(one(lg, j, sample, built[name]))
-        return list(await asyncio.gather(*jobs))
-    finally:
-        for env in built.values():
-            await env.aclose()
-
-
-def rescore_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for r in rows:
-        s = out.setdefault(r["env"], {"samples": 0, "rescored": 0, "changed": 0, "errors": 0, "skipped": 0,
-                                      "old_sum": 0.0, "new_sum": 0.0})
-        s["samples"] += 1
-        if r["new_reward"] is None:
-            s["skipped" if str(r["error"] or "").startswith("skipped") else "errors"] += 1
-            continue
-        s["rescored"] += 1
-        s["old_sum"] += r["old_reward"]
-        s["new_sum"] += r["new_reward"]
-        s["changed"] += r["new_reward"] != r["old_reward"]
-    for s in out.values():
-        n = s.pop("rescored")
-        s["old_mean"] = s.pop("old_sum") / n if n else None
-        s["new_mean"] = s.pop("new_sum") / n if n else None
-        s["rescored"] = n
-    return out
-
-
 # ------------------------------------------------------------------------ CLI
 
-def build_parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class LedgerAction:
+    """An action a higher layer adds to `rollout ledger` (workers/rescore.py: `rescore`): a
+    subcommand with the common arguments and its own, run when chosen; a LedgerError it raises
+    is reported as the others' are."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def add_common_args(sp: argparse.ArgumentParser, ranged: bool = True) -> None:
+    sp.add_argument("--dir", required=True, help="the ledger directory (pipeline_ledger_dir)")
+    if ranged:
+        sp.add_argument("--from", dest="start", type=int, default=None, help="first step (inclusive)")
+        sp.add_argument("--to", dest="end", type=int, default=None, help="last step (inclusive)")
+    sp.add_argument("--json", action="store_true", help="JSON instead of a table")
+
+
+def build_parser(extra: Sequence[LedgerAction] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rollout ledger", description="Read the ledger of trained groups.")
     sub = p.add_subparsers(dest="action", required=True)
-
-    def common(sp: argparse.ArgumentParser, ranged: bool = True) -> None:
-        sp.add_argument("--dir", required=True, help="the ledger directory (pipeline_ledger_dir)")
-        if ranged:
-            sp.add_argument("--from", dest="start", type=int, default=None, help="first step (inclusive)")
-            sp.add_argument("--to", dest="end", type=int, default=None, help="last step (inclusive)")
-        sp.add_argument("--json", action="store_true", help="JSON instead of a table")
-
-    common(sub.add_parser("list", help="steps, files, sizes, groups"), ranged=False)
-    common(sub.add_parser("summary", help="reward per env, staleness, response lengths per step"))
+    add_common_args(sub.add_parser("list", help="steps, files, sizes, groups"), ranged=False)
+    add_common_args(sub.add_parser("summary", help="reward per env, staleness, response lengths per step"))
     ex = sub.add_parser("export", help="export steps to JSONL or Parquet")
-    common(ex)
+    add_common_args(ex)
     ex.add_argument("--output", "-o", required=True, help="out.jsonl or out.parquet")
     ex.add_argument("--format", choices=["jsonl", "parquet"], default=None, help="default: from the suffix")
-    rs = sub.add_parser("rescore", help="verify stored episodes again with a changed environment config")
-    common(rs)
-    rs.add_argument("--config", required=True, help="pipeline YAML with the environments to score with")
-    rs.add_argument("--env", action="append", default=None, help="only this environment (repeatable)")
-    rs.add_argument("--output", "-o", default=None, help="write one JSON line per sample here")
-    rs.add_argument("--concurrency", type=int, default=16)
+    for action in extra:
+        sp = sub.add_parser(action.name, help=action.help)
+        add_common_args(sp)
+        action.add_arguments(sp)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, extra: Sequence[LedgerAction] = ()) -> int:
+    args = build_parser(extra).parse_args(argv)
+    chosen = {action.name: action.run for action in extra}.get(args.action, _dispatch)
     try:
-        return _dispatch(args)
+        return chosen(args)
     except LedgerError as exc:
         print(f"rollout ledger: {exc}", file=sys.stderr)
         return 2
+
+
+def open_ledger(args: argparse.Namespace) -> Ledger:
+    """The ledger at `--dir`, or LedgerError (pyarrow missing, not a directory)."""
+    ledger = Ledger(args.dir)
+    require_pyarrow()
+    if not ledger.dir.is_dir():
+        raise LedgerError(f"{ledger.dir} is not a directory")
+    return ledger
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -583,10 +496,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     console = Console()
-    ledger = Ledger(args.dir)
-    require_pyarrow()
-    if not ledger.dir.is_dir():
-        raise LedgerError(f"{ledger.dir} is not a directory")
+    ledger = open_ledger(args)
     if args.action == "list":
         rows = list_steps(ledger)
         if args.json:
@@ -617,33 +527,5 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.action == "export":
         n = export(ledger, args.output, start=args.start, end=args.end, fmt=args.format)
         print(_json({"output": str(args.output), "rows": n}) if args.json else f"wrote {n} samples to {args.output}")
-        return 0
-    if args.action == "rescore":
-        from pipeline.config import ConfigError, load_config
-
-        try:
-            config = load_config(args.config)
-        except ConfigError as exc:
-            raise LedgerError(str(exc)) from None
-        try:
-            rows = asyncio.run(rescore(ledger, config, start=args.start, end=args.end, envs=args.env,
-                                       concurrency=args.concurrency))
-        except ConfigError as exc:
-            raise LedgerError(str(exc)) from None
-        if args.output:
-            with open(args.output, "wb") as f:
-                for row in rows:
-                    f.write(msgspec.json.encode(row) + b"\n")
-        summary = rescore_summary(rows)
-        if args.json:
-            print(_json(summary))
-            return 0
-        table = Table("env", "samples", "rescored", "changed", "old mean", "new mean", "skipped", "errors",
-                      title=f"rescore of {ledger.dir} with {args.config}")
-        for env, s in sorted(summary.items()):
-            fmt = lambda v: "" if v is None else f"{v:.4f}"  # noqa: E731
-            table.add_row(env, str(s["samples"]), str(s["rescored"]), str(s["changed"]), fmt(s["old_mean"]),
-                          fmt(s["new_mean"]), str(s["skipped"]), str(s["errors"]))
-        console.print(table)
         return 0
     raise LedgerError(f"unknown action {args.action!r}")

@@ -51,7 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "monitor": ("scripts.monitor:main", "watch queue depth, buffer, workers, staleness"),
     "bench": ("scripts.bench:main", "benchmarks with ratios against their baselines"),
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
-    "ledger": ("pipeline.ledger:main", "list, summarise, export or re-score the ledger of trained groups"),
+    "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
     "show": ("pipeline.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
 }
 

@@ -14,12 +14,13 @@ from pipeline import ledger as ledger_mod  # noqa: E402
 from pipeline.buffer import GroupBuffer  # noqa: E402
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.keys import Keys  # noqa: E402
-from pipeline.ledger import Ledger, export, rescore, summarize  # noqa: E402
+from pipeline.ledger import Ledger, export, summarize  # noqa: E402
 from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import Sample, SampleGroup, Status, Task, encode  # noqa: E402
 from pipeline.slime import RedisDataSource, generate_rollout  # noqa: E402
 from pipeline.synthetic import make_group  # noqa: E402
 from tests.source_helpers import push_groups, source_args  # noqa: E402
+from workers.rescore import rescore, rescore_summary  # noqa: E402
 
 
 def _args(redis_url, ns, ledger_dir=None, **extra):
@@ -295,7 +296,7 @@ def test_rescore_with_a_changed_environment_config(tmp_path):
     clamped = parse_config({"environments": {"arith": {"kind": "arithmetic", "max_reward": 0.5}}})
     rows = asyncio.run(rescore(led, clamped, start=1))
     assert [(r["rollout_id"], r["old_reward"], r["new_reward"]) for r in rows] == [(1, 1.0, 0.5), (1, 1.0, 0.5)]
-    assert ledger_mod.rescore_summary(rows)["arith"]["changed"] == 2
+    assert rescore_summary(rows)["arith"]["changed"] == 2
 
 
 def test_rescore_cli_writes_rows(tmp_path, capsys):

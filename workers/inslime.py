@@ -79,6 +79,7 @@ from workers.envs.registry import UnknownEnvironmentKind, build_environment
 from workers.envs.rewards import final_reward
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.errors import is_bug
+from workers.rescore import stored_record
 from workers.tools import get_parser
 
 log = logging.getLogger(__name__)
@@ -417,20 +418,10 @@ async def _reward_one(args: Any, sample: Any) -> float:
     return final_reward(env.config, verification, finished=record.finished)
 
 
-def _record(task: Task, sample: Any) -> Any:
+def _record(task: Task, sample: Any) -> EpisodeRecord:
     """What verify sees of a sample's text: the conversation the runner recorded, else the
     task's messages and the response as the one assistant turn."""
     meta = sample.metadata if isinstance(getattr(sample, "metadata", None), dict) else {}
-    response = sample.response or ""
-    messages = meta.get("messages")
-    if not isinstance(messages, list):
-        prompt = task.prompt
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-        messages.append({"role": "assistant", "content": response.strip()})
     value = getattr(sample.status, "value", str(sample.status))
     status = Status(value) if value in Status._value2member_map_ else Status.COMPLETED
-    return EpisodeRecord(
-        task=task, messages=messages, response_text=str(meta.get("response_text", response)),
-        step_rewards=[float(x) for x in meta.get("step_rewards", [])], finished=bool(meta.get("finished", False)),
-        status=status, turns=int(meta.get("turns", 1) or 1),
-    )
+    return stored_record(task, meta, sample.response or "", status)[0]

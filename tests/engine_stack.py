@@ -1,0 +1,436 @@
+"""The engine path as a cluster runs it, on loopback: a router -> SGLang's own HTTP front ->
+the project's simulator as the scheduler.
+
+- **Front**: SGLang 0.5.23's FastAPI app (`sglang.srt.entrypoints.http_server.app`) with a real
+  `TokenizerManager` built from `ServerArgs` as `sglang.launch_server` builds it (a tiny Qwen2
+  `config.json` beside the shared test tokenizer): the routing, the pydantic parsing of
+  `GenerateReqInput`, the contract gate, `_validate_one_request`, the duplicate-rid check, the
+  error shapes, `/server_info` (`build_server_info` + `scheduler_info`), `/model_info`,
+  `/abort_request`, `/pause_generation`, `/continue_generation`, `/update_weight_version`.
+- **Scheduler**: `SimScheduler` below, on the TokenizerManager's own ZMQ sockets (it connects
+  where the real scheduler would: a PULL on `scheduler_input_ipc_name`, a PUSH to
+  `tokenizer_ipc_name`) and answers as SGLang's scheduler + detokenizer do
+  (`BatchStrOutput`, `AbortReq` prefix matching, `max_req_input_len`, `max_new_tokens` clipped to
+  `max_req_len`, weight-version spans). Tokens, log-probs, latency and aborts come from
+  `workers.sim.engine.SimEngine`, the project's simulator.
+- **Router**: smg 1.13.0 (`python -m smg launch`, the successor) or sglang-router 0.3.2
+  (`python -m sglang_router.launch_router`, the version slime's Dockerfile pins), both the
+  PyPI CPU wheels of the `conformance` extra, in front of one or more fronts.
+
+The front is a subprocess per engine (`python tests/engine_stack.py front ...`): importing
+SGLang's server sets uvloop as the event-loop policy and publishes process-wide config, and one
+process holds one engine, as in a real deployment. Importing it costs ~20 s of CPU, so tests
+start a stack once per module (`start_engine_stack` is blocking; async tests call
+`await asyncio.to_thread(start_engine_stack, ...)`).
+
+    stack = start_engine_stack(tmp_path, n_engines=2, context_length=4096)
+    stack.router_url, stack.engine_urls   # http://127.0.0.1:P ...
+    stack.stop()
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+ROUTERS = ("smg", "sglang-router")
+_ROUTER_MODULES = {"smg": ["-m", "smg", "launch"], "sglang-router": ["-m", "sglang_router.launch_router"]}
+# A Qwen2 shape small enough to describe, never loaded: ModelConfig reads the architecture,
+# the vocabulary and max_position_embeddings (the context when --context-length is not given).
+_MODEL_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "torch_dtype": "float32", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "eos_token_id": 151645, "bos_token_id": 151643, "tie_word_embeddings": True,
+}
+_START_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+            return resp.status, json.loads(body) if body else None
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+@dataclass
+class EngineStack:
+    router_url: str
+    engine_urls: list[str]
+    router: str
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    startup_s: float = 0.0
+
+    def stop(self) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stats(self, i: int = 0) -> dict[str, Any]:
+        """The simulator's counters of engine i (GET /sim/stats on its stats port)."""
+        status, body = _get(self.engine_urls[i].rsplit(":", 1)[0] + f":{self._stats_ports[i]}/sim/stats")
+        assert status == 200, f"no stats from engine {i}"
+        return dict(body)
+
+    _stats_ports: list[int] = field(default_factory=list)
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in self.logs if p.exists())
+
+
+def _wait(what: str, ok: Any, procs: list[subprocess.Popen[bytes]], stack: EngineStack, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ok():
+            return
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            stack.stop()
+            raise RuntimeError(f"{what}: a process exited with {dead[0].returncode}\n{stack.tail()}")
+        time.sleep(0.25)
+    stack.stop()
+    raise RuntimeError(f"{what}: not ready within {timeout:.0f}s\n{stack.tail()}")
+
+
+def start_engine_stack(
+    tmp: Path | str,
+    n_engines: int = 1,
+    *,
+    context_length: int | None = None,
+    router: str = "smg",
+    sim: dict[str, Any] | None = None,
+    timeout_s: float = _START_TIMEOUT_S,
+) -> EngineStack:
+    """Start `n_engines` SGLang fronts over simulators and `router` in front of them.
+
+    `context_length` is SGLang's `--context-length` (None: the model's 32768, and /server_info
+    says `context_length: null`, as for slime's engines); `sim` are `SimConfig` fields of every
+    engine's simulator (accuracy, slots, token_latency_s, ...). Returns when the router lists
+    every engine as healthy.
+    """
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
+    tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    stack = EngineStack(router_url="", engine_urls=[], router=router)
+    for i in range(n_engines):
+        port, stats_port = free_port(), free_port()
+        log = tmp / f"front-{i}-{port}.log"
+        cmd = [sys.executable, str(Path(__file__)), "front", "--port", str(port), "--stats-port", str(stats_port),
+               "--sim", json.dumps({"seed": i, **(sim or {})}), "--workdir", str(tmp / f"front-{i}")]
+        if context_length is not None:
+            cmd += ["--context-length", str(context_length)]
+        with open(log, "wb") as out:
+            stack.processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+        stack.logs.append(log)
+        stack.engine_urls.append(f"http://127.0.0.1:{port}")
+        stack._stats_ports.append(stats_port)
+    _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
+          list(stack.processes), stack, timeout_s)
+    stack.router_url = start_router(stack, router, tmp)
+    stack.startup_s = time.monotonic() - started
+    return stack
+
+
+def start_router(stack: EngineStack, router: str, tmp: Path, timeout_s: float = 120.0) -> str:
+    port = free_port()
+    log = tmp / f"{router}-{port}.log"
+    cmd = [sys.executable, *_ROUTER_MODULES[router], "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", *stack.engine_urls, "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    stack.processes.append(proc)
+    stack.logs.append(log)
+    url = f"http://127.0.0.1:{port}"
+
+    def listed() -> bool:
+        status, body = _get(f"{url}/workers")
+        workers = (body or {}).get("workers") or [] if status == 200 else []
+        return len(workers) == len(stack.engine_urls) and all(w.get("is_healthy", True) for w in workers)
+
+    _wait(f"router {router}", listed, [proc], stack, timeout_s)
+    return url
+
+
+@contextlib.contextmanager
+def engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any) -> Iterator[EngineStack]:
+    stack = start_engine_stack(tmp, n_engines, **kwargs)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def require_stack_parts(router: str = "smg") -> None:
+    """Skip (or fail under ROLLOUT_REQUIRE_CONFORMANCE=1) when SGLang or the router is missing."""
+    import importlib.util
+
+    from conformance_support import require_sglang, unavailable
+
+    require_sglang()
+    module = "smg" if router == "smg" else "sglang_router"
+    if importlib.util.find_spec(module) is None:
+        unavailable(f"the {router} router is not installed (extra `conformance`)")
+    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("zmq") is None:
+        unavailable("uvicorn / pyzmq missing (SGLang's server needs them; extra `conformance`)")
+
+
+# ============================================================================ the front process
+
+
+def _model_dir(workdir: Path) -> Path:
+    from workers.sim.tokenizer import default_tokenizer_path
+
+    model = workdir / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    tokenizer = Path(default_tokenizer_path())
+    for item in tokenizer.iterdir():
+        link = model / item.name
+        if not link.exists():
+            link.symlink_to(item)
+    (model / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    return model
+
+
+class SimScheduler:
+    """SGLang's scheduler + detokenizer, played by the simulator, on the TokenizerManager's sockets."""
+
+    def __init__(self, engine: Any, port_args: Any, context_len: int, io: Any):
+        import zmq
+        import zmq.asyncio
+
+        self.engine = engine
+        self.io = io
+        # tp_worker.py: max_req_len = context_len - 1 (the KV pool is never the bound here),
+        # max_req_input_len = max_req_len - 5
+        self.max_req_len = context_len - 1
+        self.max_req_input_len = self.max_req_len - 5
+        ctx = zmq.asyncio.Context(2)
+        self.recv = ctx.socket(zmq.PULL)
+        self.recv.connect(port_args.scheduler_input_ipc_name)
+        self.send = ctx.socket(zmq.PUSH)
+        self.send.connect(port_args.tokenizer_ipc_name)
+        self.tasks: set[Any] = set()
+
+    def scheduler_info(self) -> dict[str, Any]:
+        return {"status": "ready", "max_total_num_tokens": self.max_req_len + 1,
+                "max_req_input_len": self.max_req_input_len, "startup_time": {}}
+
+    async def serve(self) -> None:
+        import asyncio
+
+        io = self.io
+        while True:
+            obj = await io.async_sock_recv(self.recv)
+            if isinstance(obj, io.BatchTokenizedGenerateReqInput):
+                items = list(obj.batch)
+            else:
+                items = [obj]
+            for item in items:
+                if isinstance(item, io.TokenizedGenerateReqInput):
+                    task = asyncio.get_running_loop().create_task(self._generate(item))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+                else:
+                    await self._control(item)
+
+    async def _reply(self, obj: Any) -> None:
+        await self.io.async_sock_send(self.send, obj)
+
+    async def _control(self, obj: Any) -> None:
+        io, engine = self.io, self.engine
+        if isinstance(obj, io.AbortReq):
+            for rid, running in list(engine._running.items()):
+                if obj.abort_all or (obj.rid and rid.startswith(obj.rid)):
+                    running.message = obj.abort_message or "Aborted"
+                    running.aborted.set()
+        elif isinstance(obj, io.PauseGenerationReqInput):  # in_place / retract (abort is the tokenizer's loop)
+            engine._resumed.clear()
+            engine._paused_in_place = True
+        elif isinstance(obj, io.ContinueGenerationReqInput):
+            engine._paused_in_place = False
+            engine._resumed.set()
+        elif isinstance(obj, io.UpdateWeightVersionReqInput):
+            old, engine.weight_version = engine.weight_version, obj.new_version
+            for running in engine._running.values():
+                running.version_events.append((old, running.produced))
+            await self._reply(io.UpdateWeightVersionReqOutput(rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
+        elif isinstance(obj, io.GetInternalStateReq):
+            state = {"max_req_input_len": self.max_req_input_len, "weight_version": engine.weight_version,
+                     "running": len(engine._running)}
+            await self._reply(io.GetInternalStateReqOutput(internal_state=state, http_worker_ipc=obj.http_worker_ipc))
+
+    async def _generate(self, req: Any) -> None:
+        import asyncio
+
+        from workers.sim.engine import _Running
+
+        engine = self.engine
+        input_ids = [int(t) for t in req.input_ids]
+        params = req.sampling_params
+        engine.stats["requests"] += 1
+        if len(input_ids) >= self.max_req_input_len:  # scheduler.py: validate_input_length
+            message = (f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length "
+                       f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
+            await self._output(req, [], [], {"type": "abort", "message": message, "status_code": 400,
+                                             "err_type": "BadRequestError"}, None)
+            return
+        # scheduler.py init_req_max_new_tokens: clipped to what the KV budget of one request allows
+        max_new = max(0, min(params.max_new_tokens if params.max_new_tokens is not None else 128,
+                             self.max_req_len - len(input_ids) - 1))
+        stops = params.stop_strs
+        sim_params = {"max_new_tokens": max_new, "stop": list(stops) if stops else None}
+        routing_key = req.routing_key or req.rid
+        keys = engine.stats["routing_keys"]
+        keys[routing_key] = keys.get(routing_key, 0) + 1
+        running = engine._running[req.rid] = _Running(req.rid)
+        engine.stats["max_running"] = max(engine.stats["max_running"], len(engine._running))
+        try:
+            await engine._resumed.wait()
+            async with engine._slot():
+                if req.input_ids and input_ids == [0] and req.rid.startswith("HEALTH_CHECK"):
+                    ids, lps, finish, spans = [0], [0.0], {"type": "length", "length": 1}, None
+                else:
+                    ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            engine._running.pop(req.rid, None)
+        engine.stats["output_tokens"] += len(ids)
+        if finish.get("type") == "abort":
+            finish = {**finish, "status_code": None, "err_type": None}
+        await self._output(req, ids, lps, finish, spans)
+
+    async def _output(self, req: Any, ids: list[int], lps: list[float], finish: dict[str, Any],
+                      spans: list[dict[str, Any]] | None) -> None:
+        io = self.io
+        from sglang.srt.utils.weight_versions import WeightVersionSpan
+
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        version_spans = None
+        if spans is not None and len(spans) > 1:
+            version_spans = [[WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"]) for s in spans]]
+        out = io.BatchStrOutput(
+            rids=[req.rid], http_worker_ipcs=[req.http_worker_ipc], finished_reasons=[finish], output_strs=[text],
+            output_ids=[ids], prompt_tokens=[len(req.input_ids)], completion_tokens=[len(ids)],
+            reasoning_tokens=[0], cached_tokens=[0],
+            input_token_logprobs_val=[[]], input_token_logprobs_idx=[[]],
+            output_token_logprobs_val=[lps], output_token_logprobs_idx=[ids],
+            input_top_logprobs_val=[[]], input_top_logprobs_idx=[[]],
+            output_top_logprobs_val=[[]], output_top_logprobs_idx=[[]],
+            input_token_ids_logprobs_val=[[]], input_token_ids_logprobs_idx=[[]],
+            output_token_ids_logprobs_val=[[]], output_token_ids_logprobs_idx=[[]],
+            output_token_entropy_val=None, output_token_sampling_mask=None, output_hidden_states=None,
+            routed_experts=None, indexer_topk=None, placeholder_tokens_idx=None, placeholder_tokens_val=None,
+            retraction_counts=[0], weight_versions=version_spans,
+        )
+        await self._reply(out)
+
+
+async def _serve_front(args: argparse.Namespace) -> None:
+    import asyncio
+    import logging
+
+    import uvicorn
+    from conformance_support import _import_with_stubs
+
+    http_server = _import_with_stubs("sglang.srt.entrypoints.http_server", ("torchvision",))
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
+    from sglang.srt.parser.template_manager import TemplateManager
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from workers.sim.engine import SimConfig, SimEngine
+
+    workdir = Path(args.workdir)
+    server_args = ServerArgs(
+        model_path=str(_model_dir(workdir)), context_length=args.context_length, device="cpu",
+        skip_server_warmup=True, host="127.0.0.1", port=args.port, log_level="warning",
+    )
+    publish(server_args, role="tokenizer")
+    port_args = PortArgs.init_new(server_args)
+    manager = TokenizerManager(server_args, port_args)
+    sim_fields = json.loads(args.sim)
+    config = SimConfig(**{**sim_fields, "context_length": manager.context_len})
+    scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct)
+    manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
+    manager.set_startup_time({})
+    http_server.set_global_state(http_server._GlobalState(
+        tokenizer_manager=manager, template_manager=TemplateManager(), scheduler_info=scheduler.scheduler_info()))
+    manager.server_status = ServerStatus.Up
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    server = uvicorn.Server(uvicorn.Config(http_server.app, host="127.0.0.1", port=args.port, lifespan="off",
+                                           log_level="warning", access_log=False, timeout_keep_alive=60))
+    # /sim/stats of the scheduler's simulator, on its own port (SGLang's app has no such route)
+    async with serve_sim_engine_stats(scheduler.engine, args.stats_port):
+        await asyncio.gather(scheduler.serve(), server.serve())
+
+
+@contextlib.asynccontextmanager
+async def serve_sim_engine_stats(engine: Any, port: int) -> Any:
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/sim/stats", engine.get_stats)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import asyncio
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    front = sub.add_parser("front", help="serve one SGLang front over a simulated scheduler")
+    front.add_argument("--port", type=int, required=True)
+    front.add_argument("--stats-port", type=int, required=True)
+    front.add_argument("--context-length", type=int, default=None)
+    front.add_argument("--sim", default="{}", help="SimConfig fields as JSON")
+    front.add_argument("--workdir", required=True)
+    args = p.parse_args(argv)
+    asyncio.run(_serve_front(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    raise SystemExit(main())

@@ -87,8 +87,15 @@ def is_stale(*, version: int, oldest_version: int, eta: int) -> bool:
 class TrainerLoop(str, enum.Enum):
     """How slime interleaves generation and weight pushes (docs/architecture.md)."""
 
-    ASYNC = "async"  # train_async.py: generate(r+1) runs while r trains; push after training r
-    SYNC = "sync"  # train.py or a loop that pushes before each generate: engines hold version r at generate(r)
+    ASYNC = "async"  # train_async.py: generate(r+1) runs while r trains; push after training r, every `interval` steps
+    SYNC = "sync"  # train.py: push after every step, whatever --update-weights-interval; engines hold r at generate(r)
+
+
+def _pushes_after(step: int, interval: int, loop: TrainerLoop) -> bool:
+    """Whether slime pushes weights after training `step`. train_async.py tests
+    `(rollout_id + 1) % args.update_weights_interval == 0`; train.py calls
+    `actor_model.update_weights()` after every step and never reads the interval."""
+    return loop is TrainerLoop.SYNC or (step + 1) % interval == 0
 
 
 def pushed_versions(rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> list[int]:
@@ -96,17 +103,18 @@ def pushed_versions(rollout_id: int, *, start: int, interval: int = 1, loop: Tra
     function for `rollout_id` (the last one is what the engines hold).
 
     `start` is the first rollout id of this trainer process (slime's start_rollout_id), whose
-    weights it pushes once before its loop: they hold `start` steps. After training step r
-    slime pushes when `(r + 1) % interval == 0` (`--update-weights-interval`), giving version
-    r + 1. train_async.py launches generate(r + 2) only after that push, and generate(r + 1)
-    before training r; train.py generates r after the push that follows step r - 1.
+    weights it pushes once before its loop: they hold `start` steps. After training step r,
+    train_async.py pushes when `(r + 1) % interval == 0` (`--update-weights-interval`), giving
+    version r + 1, and launches generate(r + 2) only after that push, generate(r + 1) before
+    training r; train.py pushes after every step (it ignores the interval) and generates r after
+    the push that follows step r - 1. tests/test_conformance_slime_loops.py runs both files.
     """
     if interval < 1:
         raise ValueError(f"update interval must be >= 1, got {interval}")
     if rollout_id < start:
         raise ValueError(f"rollout {rollout_id} precedes this trainer's first rollout {start}")
     last_trained = _last_trained(rollout_id, loop)
-    return [start, *(r + 1 for r in range(start, last_trained + 1) if (r + 1) % interval == 0)]
+    return [start, *(r + 1 for r in range(start, last_trained + 1) if _pushes_after(r, interval, loop))]
 
 
 def engine_policy_version(rollout_id: int, *, start: int, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> int:
@@ -125,7 +133,7 @@ def label_versions(
     """
     pushed = pushed_versions(rollout_id, start=start, interval=interval, loop=loop)
     next_step = max(start, _last_trained(rollout_id, loop) + 1)  # the next push follows the first such step
-    while (next_step + 1) % interval:
+    while not _pushes_after(next_step, interval, loop):
         next_step += 1
     labels = {str(first_label + k): version for k, version in enumerate(pushed)}
     labels[str(first_label + len(pushed))] = next_step + 1
@@ -138,8 +146,9 @@ def _last_trained(rollout_id: int, loop: TrainerLoop) -> int:
 
 
 def lag_floor(*, interval: int = 1, loop: TrainerLoop = TrainerLoop.ASYNC) -> int:
-    """The smallest lag slime's own loop imposes: eta below it admits nothing and deadlocks."""
-    return interval if loop is TrainerLoop.ASYNC else interval - 1
+    """The smallest lag slime's own loop imposes: eta below it admits nothing and deadlocks.
+    train.py generates every batch on the weights of the step before it: no lag at all."""
+    return interval if loop is TrainerLoop.ASYNC else 0
 
 
 def version_on_branch(version: int, run: int, run_starts: dict[int, int], current_run: int) -> int:

@@ -18,6 +18,7 @@ import yaml
 
 from pipeline.keys import DEFAULT_NAMESPACE
 from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, redact
+from pipeline.sampling import seed_errors
 from pipeline.schema import SamplingParams
 from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
 
@@ -77,6 +78,9 @@ class EngineSection(_Section, frozen=True):
     max_retries: NonNegInt = 5
     retry_backoff_s: NonNegFloat = 0.5
     max_context_tokens: PosInt = 32768
+    # the engines run SGLang's --enable-deterministic-inference (slime: --sglang-enable-deterministic-
+    # inference): only then does a `rollout.sampling.sampling_seed` do anything (pipeline/sampling.py)
+    deterministic_inference: bool = False
 
 
 class RolloutSection(_Section, frozen=True):
@@ -156,6 +160,13 @@ class PipelineConfig(_Section, frozen=True):
     rollout: RolloutSection = RolloutSection()
     workers: WorkersSection = WorkersSection()
     environments: dict[str, EnvConfig] = {}
+
+    def __post_init__(self) -> None:
+        seed = self.rollout.sampling.sampling_seed
+        errors = seed_errors(seed, n_samples=self.rollout.n_samples_per_prompt,
+                             deterministic=self.engine.deterministic_inference)
+        if errors:  # one line saying why; msgspec adds no path at the top level
+            raise ValueError(errors[0])
 
     def env(self, name: str) -> EnvConfig:
         try:

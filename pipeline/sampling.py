@@ -11,6 +11,17 @@ SGLang's own class.
 One rule is the pipeline's, not SGLang's: `n` must be 1. With n > 1 SGLang answers a JSON
 array of n completions for one request; the pipeline runs each of a group's episodes as
 its own request (`n_samples_per_prompt`), so a multi-turn episode never forks.
+
+`wire_errors` adds what the router in front of the engines refuses although SGLang accepts it
+(slime launches sglang-router; smg 1.13.0, its successor, parses the body into typed fields and
+answers 422 text/plain): a negative `sampling_seed` (u64 there, i64 in SGLang) and a float
+where an integer belongs. `pipeline.schema.SamplingParams` checks both on every instance,
+the per-turn copies the episode runner makes included, so such a body is never sent.
+
+Seeds (SGLang 0.5.23, `sampling_batch_info.py`, `layers/sampler.py`): `sampling_seed` is read
+only when the engine runs `--enable-deterministic-inference`, and then every request is
+sampled with its seed (42 when it sends none), hashed with the token position: one seed for
+a whole group makes its samples identical. Without that flag the seed does nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +33,9 @@ from typing import Any
 MAX_STOP_COUNT = 32  # sampling_params.MAX_STOP_COUNT
 _EPS = 1e-6  # sampling_params._SAMPLING_EPS: a temperature below it means greedy
 _INT64 = 2**63
+SEED_MAX = _INT64 - 1  # the largest seed both SGLang (i64) and the router (u64) take
+# keys the router parses as integers: a float there (8.0) is a 422, though SGLang casts it
+_WIRE_INTS = ("max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed")
 
 
 def _number(params: Mapping[str, Any], key: str, default: float) -> float:
@@ -81,3 +95,42 @@ def sampling_errors(params: Mapping[str, Any], *, pipeline: bool = True) -> list
     elif n is not None and n < 1:
         errors.append(f"n must be at least 1, got {n}")
     return errors
+
+
+def wire_errors(params: Mapping[str, Any]) -> list[str]:
+    """Why the router in front of the engines would refuse these params though SGLang takes
+    them: an integer key that is not an int, a seed outside [0, 2**63 - 1]."""
+    errors = [
+        f"{key} must be an integer, got {value!r}"
+        for key in _WIRE_INTS
+        if (value := params.get(key)) is not None and (isinstance(value, bool) or not isinstance(value, int))
+    ]
+    seed = params.get("sampling_seed")
+    if isinstance(seed, int) and not 0 <= seed <= SEED_MAX:
+        errors.append(
+            f"sampling_seed must be in [0, 2**63 - 1], got {seed}: slime's router reads it as an unsigned "
+            "integer (a negative one is a 422) and SGLang as a signed 64-bit one"
+        )
+    return errors
+
+
+def seed_errors(seed: int | None, *, n_samples: int, deterministic: bool) -> list[str]:
+    """A configured `sampling_seed` against the engines: whether it can do anything, and room
+    for every sample's own seed (`seed + sample index`, slime's `rollout_seed + i`)."""
+    if seed is None:
+        if deterministic:
+            return [
+                "engine.deterministic_inference is true but rollout.sampling.sampling_seed is not set: SGLang "
+                "then seeds every request with 42 and all samples of a group come out identical; set a seed "
+                "(each sample adds its index to it)"
+            ]
+        return []
+    if not deterministic:
+        return [
+            f"rollout.sampling.sampling_seed {seed} does nothing: SGLang reads it only on engines started with "
+            "--enable-deterministic-inference (slime: --sglang-enable-deterministic-inference); if they are, "
+            "set engine.deterministic_inference: true, else remove the seed"
+        ]
+    if seed > SEED_MAX - (n_samples - 1):
+        return [f"rollout.sampling.sampling_seed {seed} + sample index {n_samples - 1} exceeds 2**63 - 1"]
+    return []

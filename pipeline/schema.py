@@ -19,7 +19,7 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from pipeline.sampling import sampling_errors
+from pipeline.sampling import sampling_errors, wire_errors
 from pipeline.staleness import version_on_branch
 
 TOKEN_DTYPE = np.dtype("<i4")
@@ -70,7 +70,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     docs/configuration.md `rollout.sampling`).
 
     Types are strict on purpose: SGLang answers 400 to a float where an int belongs; values
-    are checked with SGLang's own rules (pipeline/sampling.py), so a bad one fails at load.
+    are checked with SGLang's own rules and the router's (pipeline/sampling.py), so a bad one
+    fails at load, and a copy made with `msgspec.structs.replace` (which runs `__post_init__`
+    but not the type checks) is checked again before it can be sent.
     """
 
     temperature: Union[float, None] = None
@@ -95,7 +97,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_un
     ebnf: Union[str, None] = None
 
     def __post_init__(self) -> None:
-        errors = sampling_errors(self.to_dict())
+        params = self.to_dict()
+        errors = wire_errors(params) or sampling_errors(params)  # wire first: SGLang's rules compare numbers
         if errors:  # msgspec reports it with the path (e.g. `$.rollout.sampling`)
             raise SchemaError("; ".join(errors))
 

@@ -166,16 +166,31 @@ async def test_context_400s_are_recognised_by_sglang_messages_only(tokenizer):
 
 
 async def test_a_version_update_aborts_running_requests_and_the_episode_resumes(chat):
+    """SGLang aborts a running request on a version update; the turn resumes from its tokens
+    with what is left of its budget, `min_new_tokens` included: a resume that sent the turn's
+    own min_new_tokens (63) over the tokens left (the client before 129e6ee did) is a 400
+    `min_new_tokens must be in [0, max_new_tokens(..)]` and fails the episode."""
     slow = SimConfig(token_latency_s=0.01, latency_sigma=0.01, length_mu=4.5, length_sigma=0.01, accuracy=1.0)
     async with serve_sim_engine(slow) as sim, RecordingClient(sim.url) as client:
-        episode = asyncio.create_task(runner_for(client, chat).run(TASK, "e1"))
-        await asyncio.sleep(0.3)
+        runner = runner_for(client, chat, sampling={"max_new_tokens": 64, "min_new_tokens": 63})
+        episode = asyncio.create_task(runner.run(TASK, "e1"))
+        while not await _running(client, sim.url):  # the first turn is generating
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # a few of its 64 tokens are out (one per 10 ms)
         async with client.session.post(f"{sim.url}/update_weight_version", json={"new_version": "7"}) as r:
             assert (await r.json())["new_version"] == "7"
         sample = await episode
-    assert sample.status is Status.COMPLETED
+    assert sample.status is not Status.FAILED, sample.metadata
     assert sample.metadata["turn_log"][0]["aborts"] == 1
     assert sample.weight_versions[:2] == ["default", "7"]
+    first, resumed = client.calls[0][1], client.calls[1][1]
+    assert first.max_new_tokens == 64 and 0 < resumed.max_new_tokens < 63
+    assert resumed.min_new_tokens == resumed.max_new_tokens  # min(63, tokens left)
+
+
+async def _running(client: EngineClient, url: str) -> int:
+    async with client.session.get(f"{url}/v1/loads") as r:
+        return sum(load["num_running_reqs"] for load in (await r.json())["loads"])
 
 
 async def test_in_place_pause_keeps_requests_and_reports_version_spans(tokenizer):
@@ -192,13 +207,6 @@ async def test_in_place_pause_keeps_requests_and_reports_version_spans(tokenizer
         gen = await request
     assert gen.finish != "abort"
     assert gen.weight_versions == ("default", "2") and gen.weight_version == "2"
-
-
-async def test_a_configured_seed_differs_per_sample(chat):
-    async with serve_sim_engine() as sim, RecordingClient(sim.url) as client:
-        runner = runner_for(client, chat, sampling={"sampling_seed": 100, "temperature": 1.0})
-        await asyncio.gather(*(runner.run(TASK, f"e{i}", sample_index=i) for i in range(3)))
-    assert sorted({sampling.sampling_seed for _ids, sampling in client.calls}) == [100, 101, 102]
 
 
 async def test_health_is_503_while_the_engine_starts(tokenizer):

@@ -1,0 +1,133 @@
+"""Seeds and integer fields as the engines and slime's router take them (issue 24, item 4).
+
+SGLang 0.5.23 reads `sampling_seed` only under `--enable-deterministic-inference`, and then
+seeds every request (42 when it sends none); slime's router (smg 1.13.0) reads the seed as
+u64 and `max_new_tokens` as an integer, answering 422 otherwise. The config refuses a seed
+that would do nothing, deterministic inference without a seed, and a negative seed; every
+sampling body the client builds (per-turn copies included) is checked again; the seeds a
+real worker sends for one group are distinct, non-negative integers (recorded on the wire
+by a proxy between the worker and the simulated engine).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import msgspec
+import pytest
+from aiohttp import web
+
+from pipeline.config import ConfigError, parse_config
+from pipeline.schema import PromptJob, SamplingParams, SchemaError, Task
+from tests.policy_helpers import trainer_started
+from workers.jobs import run_episodes
+from workers.settings import _build_context
+from workers.sim.engine import serve_sim_engine
+
+N = 4
+
+
+def test_a_seed_without_deterministic_inference_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match="does nothing.*--enable-deterministic-inference") as info:
+        parse_config({"rollout": {"sampling": {"sampling_seed": 7}}})
+    assert "\n" not in str(info.value)  # one line
+
+
+def test_deterministic_inference_without_a_seed_is_refused():
+    """SGLang would seed every request 42: all samples of a group identical."""
+    with pytest.raises(ConfigError, match="identical"):
+        parse_config({"engine": {"deterministic_inference": True}})
+
+
+def test_a_seed_with_deterministic_inference_is_accepted():
+    config = parse_config({"engine": {"deterministic_inference": True}, "rollout": {"sampling": {"sampling_seed": 7}}})
+    assert config.rollout.sampling.sampling_seed == 7
+
+
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_the_router_refuses_is_refused_at_load(seed):
+    with pytest.raises(ConfigError, match=r"sampling_seed must be in \[0, 2\*\*63 - 1\]"):
+        parse_config({"engine": {"deterministic_inference": True}, "rollout": {"sampling": {"sampling_seed": seed}}})
+
+
+def test_room_for_every_samples_seed():
+    top = 2**63 - 1
+    with pytest.raises(ConfigError, match="exceeds"):
+        parse_config({"engine": {"deterministic_inference": True},
+                      "rollout": {"n_samples_per_prompt": N, "sampling": {"sampling_seed": top - N + 2}}})
+    parse_config({"engine": {"deterministic_inference": True},
+                  "rollout": {"n_samples_per_prompt": N, "sampling": {"sampling_seed": top - N + 1}}})
+
+
+@pytest.mark.parametrize("change", [{"max_new_tokens": 8.0}, {"min_new_tokens": 1.5}, {"sampling_seed": -3},
+                                    {"max_new_tokens": True}])
+def test_a_copy_with_a_value_the_router_refuses_cannot_be_built(change):
+    """The episode runner derives each request's params with `msgspec.structs.replace`, which
+    skips msgspec's type checks: `__post_init__` checks the router's rules again."""
+    base = SamplingParams(temperature=1.0, max_new_tokens=16)
+    with pytest.raises(SchemaError, match=next(iter(change))):
+        msgspec.structs.replace(base, **change)
+
+
+@asynccontextmanager
+async def recording_proxy(target: str) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A loopback HTTP proxy that keeps every JSON body POSTed to /generate, as sent."""
+    bodies: list[dict] = []
+    session = aiohttp.ClientSession()
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        if request.path == "/generate":
+            bodies.append(json.loads(raw))
+        async with session.request(request.method, target + request.path_qs, data=raw or None,
+                                   headers={k: v for k, v in request.headers.items() if k.lower() != "host"}) as r:
+            return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}", bodies
+    finally:
+        await runner.cleanup()
+        await session.close()
+
+
+async def test_a_groups_seeds_on_the_wire_are_distinct_non_negative_integers(redis, redis_url, keys, namespace):
+    """One group through the worker's own job code (`run_episodes`): every `/generate` body
+    carries a u64-safe integer seed, one per episode, none shared within the group, and an
+    integer `max_new_tokens`."""
+    await trainer_started(redis, keys)
+    async with serve_sim_engine() as sim, recording_proxy(sim.url) as (url, bodies):
+        config = parse_config({
+            "redis": {"url": redis_url, "namespace": namespace},
+            "engine": {"url": url, "deterministic_inference": True},
+            "rollout": {"n_samples_per_prompt": N, "max_response_tokens": 256, "sampling": {"sampling_seed": 0}},
+            "environments": {"calc": {"kind": "calculator"}},
+        })
+        task = Task(id="seeded", env="calc", prompt="What is 6 * 7?", label="42")
+        job = PromptJob(task=task, epoch=0, n_samples=N, sampling=config.rollout.sampling, enqueued_at=time.time())
+        context = await _build_context(config, keys, "seeds")
+        try:
+            group = await run_episodes(context, job, 1)
+        finally:
+            await context.aclose()
+    assert len(group.samples) == N and bodies
+    seed_of_episode: dict[str, set[int]] = {}
+    for body in bodies:
+        params = body["sampling_params"]
+        assert type(params["max_new_tokens"]) is int and type(params["sampling_seed"]) is int
+        assert 0 <= params["sampling_seed"] <= 2**63 - 1
+        episode = body["rid"].split(":t")[0]  # `{job}/{episode}/{try}:t{turn}.{resume}`
+        seed_of_episode.setdefault(episode, set()).add(params["sampling_seed"])
+    assert len(seed_of_episode) == N
+    assert all(len(seeds) == 1 for seeds in seed_of_episode.values()), seed_of_episode  # one seed per episode
+    assert len({seed for seeds in seed_of_episode.values() for seed in seeds}) == N  # none shared in the group

@@ -52,6 +52,7 @@ from pipeline.staleness import (
     staleness,
 )
 from pipeline.state import PipelineState, TrainerInfo
+from pipeline.wait_cause import wait_cause
 
 log = logging.getLogger(__name__)
 
@@ -281,6 +282,7 @@ class RedisDataSource(_DataSourceBase):
             now = time.monotonic()
             if block:
                 await self._republish_if_lost()
+            self._warn_stale_storm(rid, version, stats, len(entries), n)  # while it waits: no batch fills in a storm
             if block and now - last_log >= self.settings.wait_log_s:
                 last_log = now
                 await self._log_wait(rid, len(entries), n, stats)
@@ -290,7 +292,6 @@ class RedisDataSource(_DataSourceBase):
             stats.staleness.append(staleness(version, self._oldest(entry.group)))
             stats.add_group(entry.group)
         stats.wait_s = time.monotonic() - started
-        self._warn_stale_storm(rid, version, stats, len(entries))
         return entries, stats
 
     async def _hold(self, arrived: list[Entry]) -> None:
@@ -383,13 +384,24 @@ class RedisDataSource(_DataSourceBase):
         await self._redis.zrem(self.keys.open, *missing)
 
     async def _log_wait(self, rid: int, have: int, n: int, stats: BatchStats) -> None:
+        """The counts and what holds the step (pipeline/wait_cause.py)."""
         ready, pending = await self.buffer.depth()
-        due = f", waiting for {stats.due} due group(s)" if stats.due else ""
-        log.info("rollout %d: waiting for groups (%d/%d, ready=%d pending=%d held=%d%s)",
-                 rid, have, n, ready, pending, len(self._held), due)
+        cause = await wait_cause(self._redis, self.keys, due_missing=await self._due_missing(rid))
+        log.info("rollout %d: waiting for groups (%d/%d, ready=%d pending=%d held=%d): %s",
+                 rid, have, n, ready, pending, len(self._held), cause)
 
-    def _warn_stale_storm(self, rid: int, version: int, stats: BatchStats, taken: int) -> None:
-        if stats.stale > taken and not self._warned_stale:
+    async def _due_missing(self, rid: int) -> int:
+        """Due-first: groups due at this step (admission clock <= rid - eta) not pushed yet."""
+        if self.settings.consume_order is not ConsumeOrder.DUE_FIRST:
+            return 0
+        due = await self._redis.zrangebyscore(self.keys.open, "-inf", due_clock(rid, self.settings.eta))
+        held = {e.group.group_id for e in self._held.values()}
+        return sum((g.decode() if isinstance(g, bytes) else g) not in held for g in due)
+
+    def _warn_stale_storm(self, rid: int, version: int, stats: BatchStats, taken: int, n: int) -> None:
+        """Once per process, as soon as more groups were rejected as stale than a whole batch
+        holds and than were taken: checked while the step waits, since in a storm none fills."""
+        if stats.stale > max(taken, n) and not self._warned_stale:
             self._warned_stale = True  # once: a storm would otherwise log every step
             log.warning(
                 "rollout %d: %d of %d groups read were stale (eta %d): the policy is at version %d, the engines at "

@@ -205,3 +205,88 @@ async def test_verbose_shows_the_job_id_never_the_payload(redis, redis_url, keys
         assert f"{keys.ns}:" in line and "run_group(…)" in line, line  # the job id, and no argument
     everything = "\n".join(r.getMessage() for r in caplog.records)
     assert "SECRET-PROMPT" not in everything and "\\x8" not in everything and "b'" not in everything
+
+
+# ------------------------------------------------------------------ the trainer's wait line names its cause
+
+
+def _source_args(redis_url: str, ns: str, **extra: object):
+    from tests.source_helpers import source_args
+
+    return source_args(redis_url, ns, eta=1, batch=2, n=2, pipeline_wait_timeout_s=1.2, **extra)
+
+
+def _wait_lines(redis_url: str, ns: str, rid: int, caplog, **extra: object) -> list[str]:
+    from pipeline.slime import RedisDataSource, generate_rollout
+
+    source = RedisDataSource(_source_args(redis_url, ns, **extra))
+    try:
+        with caplog.at_level(logging.INFO, logger="pipeline.slime"), pytest.raises(TimeoutError):
+            generate_rollout(source.args, rid, source)
+    finally:
+        source.close()
+    return [r.getMessage() for r in caplog.records if "waiting for groups" in r.getMessage()]
+
+
+def _admit(redis_url: str, ns: str, tmp_path: Path, count: int, *, live_worker: bool = False) -> None:
+    """The real producer admits `count` tasks (no trainer yet: on the config's B and eta);
+    with `live_worker`, a worker's real heartbeat, and no worker to run the jobs."""
+    from pipeline.keys import Keys
+    from pipeline.redis_conn import connect
+    from producers.enqueue import ProducerOptions, run_producer
+    from workers.liveness import Liveness
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(f'{{"id": "t{i}", "env": "calc", "prompt": "{i} * 7?", "label": "{7 * i}"}}\n'
+                             for i in range(count)))
+    config = parse_config({"redis": {"url": redis_url, "namespace": ns}, "environments": {"calc": {"kind": "calculator"}},
+                           "rollout": {"rollout_batch_size": 2, "eta": 1, "n_samples_per_prompt": 2}})
+
+    async def go() -> None:
+        client = connect(redis_url)
+        stats = await run_producer(config, tasks, redis=client, options=ProducerOptions(wait_for_trainer=False))
+        assert stats.admitted == count
+        if live_worker:
+            assert await Liveness(client, Keys(ns), "w1", heartbeat_s=1.0, dead_after_s=20.0).beat()
+        await client.aclose()
+
+    asyncio.run(go())
+
+
+def test_wait_line_producer_idle(redis_url, namespace, caplog):
+    lines = _wait_lines(redis_url, namespace, 0, caplog)
+    assert lines and "the producer is idle or out of tasks" in lines[0], lines
+    assert f"is `rollout enqueue` running on namespace {namespace}?" in lines[0]
+
+
+def test_wait_line_no_workers_alive(redis_url, namespace, caplog, tmp_path):
+    _admit(redis_url, namespace, tmp_path, 4)
+    lines = _wait_lines(redis_url, namespace, 0, caplog)
+    assert lines and "no workers alive (none has registered" in lines[0], lines
+    assert "producer" not in lines[0]
+
+
+def test_wait_line_groups_in_flight(redis_url, namespace, caplog, tmp_path):
+    _admit(redis_url, namespace, tmp_path, 4, live_worker=True)
+    lines = _wait_lines(redis_url, namespace, 0, caplog)
+    assert lines and re.search(r"4 group\(s\) in flight on 1 live worker\(s\), the oldest enqueued \d+s ago", lines[0]), lines
+
+
+def test_wait_line_due_group_still_generating(redis_url, namespace, caplog, tmp_path):
+    _admit(redis_url, namespace, tmp_path, 4, live_worker=True)
+    lines = _wait_lines(redis_url, namespace, 1, caplog)  # step 1, eta 1: the groups admitted at 0 are due
+    assert lines and "4 due group(s) still generating" in lines[0], lines
+
+
+# ------------------------------------------------------------------ the stale-storm warning while the trainer waits
+
+
+def test_stale_storm_warning_fires_while_no_batch_fills(redis_url, namespace, caplog):
+    from pipeline.synthetic import make_group
+    from tests.source_helpers import push_groups
+
+    push_groups(redis_url, namespace, [make_group(f"old{i}:0", n=2, admission_version=0) for i in range(6)])
+    with caplog.at_level(logging.WARNING, logger="pipeline.slime"):
+        _wait_lines(redis_url, namespace, 6, caplog, pipeline_stale_policy="drop")  # no batch: every group is stale
+    storms = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]
+    assert len(storms) == 1 and "6 of 6 groups read were stale (eta 1)" in storms[0], storms

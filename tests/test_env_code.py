@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
+from tests.sandbox_support import ISOLATION, REQUIRE_ENV, needs, sandbox_required
 from workers.envs.base import EnvError, EpisodeRecord
 from workers.envs.code import CodeEnvironment, ValueCheck, extract_program, value_checks
-from workers.envs.sandbox import Limits, probe_isolation, run_python
+from workers.envs.sandbox import Limits, run_python
 
 FAST = Limits(wall_s=5.0, cpu_s=1, memory_mb=256, nproc=16)
-ISOLATION = probe_isolation()
 
 
 # ------------------------------------------------------------------ the environment
@@ -58,7 +64,7 @@ async def test_no_code_block_scores_zero_and_bad_tests_fail_the_episode():
         await env.start(Task(id="c3", env="code", prompt="x", metadata={"tests": [42]}))
 
 
-@pytest.mark.skipif(not ISOLATION.pid_namespace, reason="a sandbox failure is told apart only with a protected init")
+@needs(ISOLATION.pid_namespace, "a sandbox failure is told apart only with a protected init")
 async def test_a_broken_sandbox_fails_the_episode_instead_of_scoring_it():
     env = CodeEnvironment("code", EnvConfig(kind="code", options={"limits": {"python": "/nonexistent/python3"}}))
     session = await env.start(ASSERT_TASK)
@@ -258,3 +264,46 @@ async def test_a_planted_pass_line_is_not_the_sentinel():
     result = await run_python(program, "", FAST, test="assert add(1, 2) == 3")
     assert result.passed is False and not result.ok
     assert not result.timed_out  # off-protocol talk gets no test and an EOF, not a hang
+
+
+# ------------------------------------------------------------------ isolation or an explicit no
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _config(tmp_path: Path, **options: object) -> Path:
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(json.dumps({"environments": {"mbpp": {"kind": "code", "options": options}}}))  # JSON is YAML
+    return path
+
+
+def _without_unshare(*args: str) -> subprocess.CompletedProcess[str]:
+    """`python args...` on a PATH without `unshare`: a host whose sandbox gets no namespaces."""
+    env = {**os.environ, "PATH": "/nonexistent", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_the_code_environment_refuses_to_start_without_isolation_unless_told(tmp_path):
+    refused = _without_unshare("-m", "workers.pool", "--config", str(_config(tmp_path)))
+    assert refused.returncode == 2, refused.stderr
+    line = refused.stderr.strip().splitlines()[-1]
+    assert "environments.mbpp: the code sandbox has no network namespace" in line, line
+    assert "; no private root" in line and "isolation: rlimits-only" in line, line
+    assert "set environments.mbpp.options.require_isolation: false to allow it" in line, line
+    build = ("from pipeline.config import load_config; from workers.envs.code import CodeEnvironment; "
+             "import sys; env = load_config(sys.argv[1]).env('mbpp'); print(CodeEnvironment('mbpp', env).isolation.summary)")
+    explicit = _without_unshare("-c", build, str(_config(tmp_path, require_isolation=False)))
+    assert explicit.returncode == 0 and explicit.stdout.strip() == "rlimits-only", explicit.stderr
+    default = _without_unshare("-c", build, str(_config(tmp_path)))
+    assert default.returncode != 0 and "require_isolation: false" in default.stderr, default.stderr
+
+
+def test_the_sandbox_has_its_full_isolation_where_required():
+    """CI (ROLLOUT_REQUIRE_SANDBOX=1) fails here, not skips, when this host cannot give the
+    sandbox what the code environment requires by default."""
+    from workers.envs.code import missing_isolation
+
+    missing = missing_isolation(ISOLATION)
+    if missing and not sandbox_required():
+        pytest.skip(f"the sandbox lacks {missing} here (isolation: {ISOLATION.summary}; {REQUIRE_ENV} unset)")
+    assert not missing, f"{REQUIRE_ENV}=1 but the sandbox lacks {missing} here (isolation: {ISOLATION.summary})"

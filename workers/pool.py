@@ -199,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         from workers.validate import check_environments
 
         check_environments(config)  # kinds and options: a typo fails here, not in every job
+        if any(env.kind == "code" for env in config.environments.values()):
+            from workers.envs.code import check_sandboxes
+
+            check_sandboxes(config)  # no sandbox isolation here: one line now, not every job failing
     except ConfigError as exc:
         return usage_error("workers", exc)  # the traceback too under --debug
     if args.processes == 1:  # no parent in between: signals reach arq directly

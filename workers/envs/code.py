@@ -24,6 +24,13 @@ model's last assistant message. Tests come from `task.metadata["tests"]`, a list
 APPS-style `{"inputs": [...], "outputs": [...]}` is accepted too. Each test is one
 sandbox run (`workers.envs.sandbox`). Reward: the fraction of tests passed, or with
 `reward: all_pass` 1.0 only when every test passes (it stops at the first failure).
+
+Isolation or an explicit no: with `require_isolation: true` (the default) the environment
+refuses to start (`ConfigError`, one line naming what the sandbox lacks here and the setting)
+unless the sandbox has its full isolation: network and PID namespaces and a private root
+(`workers.envs.sandbox`, level `netns+pidns+mntns+root`). A training run never scores
+untrusted code with network access and the host's files unless its config says
+`require_isolation: false`. `rollout workers` checks it at start (`check_sandboxes`).
 """
 
 from __future__ import annotations
@@ -39,13 +46,13 @@ from typing import Any, Literal, Union
 import msgspec
 
 from pipeline.aio import wait_for
-from pipeline.config import ConfigError, EnvConfig
+from pipeline.config import ConfigError, EnvConfig, PipelineConfig
 from pipeline.schema import Status, Task
 from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
 from workers.envs.math import final_answer_text
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import shaped
-from workers.envs.sandbox import Limits, RunResult, probe_isolation, run_python
+from workers.envs.sandbox import Isolation, Limits, RunResult, probe_isolation, run_python
 from workers.envs.toolless import ToollessSession
 
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -55,7 +62,7 @@ class CodeOptions(Options, frozen=True):
     reward: Literal["fraction", "all_pass"] = "fraction"
     limits: Limits = Limits()
     parallel: int = 2  # sandbox runs at once per episode
-    require_isolation: bool = False  # refuse to run without network/PID namespaces
+    require_isolation: bool = True  # refuse to run without the sandbox's namespaces and private root
     compare_in_worker: bool = True  # simple asserts by value, compared outside the sandbox
 
 
@@ -277,16 +284,43 @@ def _tail(result: RunResult) -> str:
     return lines[-1] if lines else ""
 
 
+def missing_isolation(isolation: Isolation) -> list[str]:
+    """What the sandbox lacks on this host of its full isolation (empty: nothing)."""
+    return [what for what, have in (
+        ("network namespace (programs would have network access)", isolation.network),
+        ("PID namespace (programs would see the host's processes)", isolation.pid_namespace),
+        ("private root (programs would read the host's files)", isolation.private_root),
+    ) if not have]
+
+
+def isolation_refusal(name: str, options: CodeOptions, isolation: Isolation) -> str | None:
+    """The one-line refusal of code environment `name` on this host, or None when it may run."""
+    missing = missing_isolation(isolation)
+    if not options.require_isolation or not missing:
+        return None
+    return (f"environments.{name}: the code sandbox has no {'; no '.join(missing)} here (isolation: "
+            f"{isolation.summary}); refusing to score untrusted code unisolated: set "
+            f"environments.{name}.options.require_isolation: false to allow it")
+
+
+def check_sandboxes(config: PipelineConfig) -> None:
+    """`ConfigError` for the first `code` environment that would refuse to start on this host
+    (`rollout workers` at start: one line instead of every job of the environment failing)."""
+    for name, env in config.environments.items():
+        if env.kind == "code":
+            refusal = isolation_refusal(name, parse_options(name, env, CodeOptions), probe_isolation())
+            if refusal:
+                raise ConfigError(refusal)
+
+
 class CodeEnvironment(Environment):
     def __init__(self, name: str, config: EnvConfig):
         super().__init__(name, config)
         self.options = parse_options(name, config, CodeOptions)
         self.isolation = probe_isolation()
-        if self.options.require_isolation and not self.isolation.network:
-            raise ConfigError(
-                f"environments.{name}.options.require_isolation: this host gives the sandbox no network/PID "
-                f"namespaces (isolation: {self.isolation.summary}); see workers/envs/sandbox.py"
-            )
+        refusal = isolation_refusal(name, self.options, self.isolation)
+        if refusal:
+            raise ConfigError(refusal)
 
     async def start(self, task: Task) -> EnvSession:
         try:

@@ -12,7 +12,7 @@ isolation as the platform allows:
 | `netns+pidns+mntns+root` | Linux, not root, unprivileged user namespaces allowed | the same via a user namespace (`--map-root-user`): the program is uid 0 of that namespace with every capability dropped (bounding set, locked securebits), so it cannot unmount its way out; as the worker's uid outside, it could write the worker's files if it could reach them, which the private root prevents. RLIMIT_NPROC is set on kernels >= 5.14, where it counts per user namespace (older kernels count every process of the worker's uid, so it is not set there) |
 | `netns+pidns+mntns(+uid)` | the private root fails (no pivot_root number for this machine, a bind refused) | private size-capped tmpfs over `/tmp`, `/var/tmp`, `/dev/shm`, `/run` and an own `/proc` only: the host's other world-readable files are visible (a warning is logged) |
 | `netns+pidns(+uid)` | the mount namespace or its tmpfs mounts are refused | as above without the private tmpfs and `/proc`: the host's `/tmp`, `/dev/shm`, `/run` and process list are visible (a warning is logged) |
-| `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's files and /proc. Set `require_isolation: true` to refuse to run instead |
+| `rlimits-only` | macOS, locked-down containers, no `unshare` | rlimits, session kill, empty env, temp dir: the program HAS network access and sees the host's files and /proc. The code environment refuses to start below `netns+pidns+mntns+root` unless `require_isolation: false` |
 
 `probe_isolation()` tells which one this host gets (cached; one trial run) and logs it once.
 
@@ -433,7 +433,8 @@ def probe_isolation() -> Isolation:
     if isolation == none:
         log.warning(
             "code sandbox: isolation level rlimits-only (no usable `unshare` namespaces here): programs have "
-            "network access and see the host's /tmp and /proc; set require_isolation: true to refuse"
+            "network access and see the host's /tmp and /proc; the code environment refuses to start unless "
+            "its options say require_isolation: false"
         )
     elif not isolation.mount_namespace:
         log.warning(

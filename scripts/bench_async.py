@@ -170,7 +170,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
     """One pipeline run: fresh namespace, workers and producer subprocesses, the trainer loop here.
     Returns the run's figures (and, with `keep_source`, the closed data source with its records)."""
     from scripts.demo import Profile, pipeline_config
-    from workers.sim.processes import ChildProcess, WorkerProcess
+    from scripts.processes import ChildProcess, WorkerProcess
     from workers.sim.tokenizer import default_tokenizer_path
 
     steps = steps or setup.steps
@@ -298,7 +298,7 @@ def configurations(etas: tuple[int, ...] = ETAS, orders: tuple[str, ...] = ORDER
 
 def run_all(redis_url: str, setup: Setup, *, repeats: int, configs: list[tuple[int, str]],
             progress: bool = True) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    from workers.sim.processes import SimEngineProcess
+    from scripts.processes import SimEngineProcess
 
     results: dict[tuple[int, str], list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp, \

@@ -278,7 +278,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
     from pipeline.local_redis import LocalRedis
     from pipeline.schema import decode_group
     from pipeline.slime import RedisDataSource, generate_rollout
-    from workers.sim.processes import ChildProcess, WorkerProcess, write_config
+    from scripts.processes import ChildProcess, WorkerProcess, write_config
     from workers.sim.tokenizer import default_tokenizer_path
 
     sys.path.insert(0, str(slime_path()))  # RedisDataSource hands out slime's own Sample
@@ -378,7 +378,7 @@ def length_plan(wl: Workload, tasks: Path, draws: int = 4000) -> list[int]:
 
 
 def run_contender(kind: str, wl: Workload, workdir: Path, tasks: Path, prompts: Path, quiet: bool) -> Result:
-    from workers.sim.processes import SimEngineProcess
+    from scripts.processes import SimEngineProcess
 
     sub = workdir / kind
     sub.mkdir(exist_ok=True)

@@ -30,9 +30,9 @@ from pipeline.local_redis import LocalRedis  # noqa: E402
 from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import PromptJob, Task  # noqa: E402
 from pipeline.state import PipelineState  # noqa: E402
+from scripts.processes import SimEngineProcess  # noqa: E402
 from workers.jobs import CTX_KEY  # noqa: E402
 from workers.settings import build_worker, stop_worker  # noqa: E402
-from workers.sim.processes import SimEngineProcess  # noqa: E402
 
 LAG_INTERVAL_S = 0.01
 

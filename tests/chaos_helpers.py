@@ -149,14 +149,14 @@ class SimRun:
 
     data: dict
     config_path: str
-    workers: list  # workers.sim.processes.WorkerProcess, in start order
+    workers: list  # scripts.processes.WorkerProcess, in start order
     tmp_path: Path
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     producer: Optional[asyncio.Task] = None  # run_producer(..., stop_event=stop), stopped on the way out
 
     def start_worker(self) -> Any:
         """One more `rollout workers` process on the same config (log `w{index}.log`)."""
-        from workers.sim.processes import WorkerProcess
+        from scripts.processes import WorkerProcess
 
         worker = WorkerProcess(self.config_path, log_path=str(self.tmp_path / f"w{len(self.workers)}.log")).start()
         self.workers.append(worker)
@@ -171,8 +171,8 @@ async def sim_run(redis, keys: Keys, redis_url: str, tmp_path: Path, *, sim: dic
     `workers` `rollout workers` processes on it, heart-beating (seen through `redis`) when the run
     is handed over. On the way out: the producer task stopped, every worker process (started here
     or by `SimRun.start_worker`; a frozen one resumed first) stopped, then the engine."""
+    from scripts.processes import write_config
     from workers.sim.engine import SimConfig, serve_sim_engine
-    from workers.sim.processes import write_config
     from workers.sim.tokenizer import default_tokenizer_path
 
     tokenizer = default_tokenizer_path()

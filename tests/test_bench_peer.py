@@ -30,7 +30,7 @@ def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path)
         run_slime_contender,
         write_inputs,
     )
-    from workers.sim.processes import SimEngineProcess
+    from scripts.processes import SimEngineProcess
 
     wl = Workload(steps=STEPS, train_step_s=0.1, token_latency_s=0.001)
     tasks, prompts = write_inputs(tmp_path)

@@ -347,7 +347,7 @@ async def _stop_all(workers: list, producer: asyncio.Task | None, stop: asyncio.
 async def _run(redis, redis_url: str, keys: Keys, tmp_path: Path, proxy: FaultProxy, gym: Listener,
                engine_url: str, task_ids: dict[str, int]) -> tuple[Trainer, float]:
     from producers.enqueue import ProducerOptions, run_producer
-    from workers.sim.processes import WorkerProcess, write_config
+    from scripts.processes import WorkerProcess, write_config
     from workers.sim.tokenizer import default_tokenizer_path
 
     async with proxy.serve() as proxy_url:

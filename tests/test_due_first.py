@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from scripts.bench_async import Setup, engine_args, model_tokens, run_once
-from workers.sim.processes import SimEngineProcess
+from scripts.processes import SimEngineProcess
 
 pytestmark = pytest.mark.slow
 

@@ -23,6 +23,7 @@ from pipeline.schema import (
 )
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
+from scripts.processes import SimEngineProcess, WorkerProcess, write_config
 from tests.env_helpers import OneTurnSession
 from tests.policy_helpers import trainer_started
 from workers.envs.base import (
@@ -33,7 +34,6 @@ from workers.envs.base import (
 from workers.jobs import CTX_KEY, run_group
 from workers.settings import _build_context, build_worker, stop_worker
 from workers.sim.engine import serve_sim_engine
-from workers.sim.processes import SimEngineProcess, WorkerProcess, write_config
 
 # ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
 SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]

@@ -1,4 +1,5 @@
-"""Run the simulated engine and worker pools as child processes (tests, demo, benchmarks).
+"""Run `rollout` commands as child processes: the simulated engine, worker pools, a producer
+(tests, demo, benchmarks). Each child is `python -m scripts.cli ...`, so this lives beside it.
 
     with SimEngineProcess(["--token-latency-s", "0.001"]) as engine:   # engine.url
         with WorkerProcess(config_path) as worker:                      # worker.proc (Popen)

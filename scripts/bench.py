@@ -27,7 +27,7 @@ from scripts.report import Figure
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
 # asked for by name only (minutes each): slime's own rollout functions next to this pipeline
-OPT_IN_SECTIONS = ("peer",)
+OPT_IN_SECTIONS = ("peer", "scale")
 
 
 def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list[Figure]]:
@@ -50,6 +50,9 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
         return lambda: bench_async(redis_url, quick=quick)
     if name == "peer":
         return lambda: _peer_section(quick)
+    if name == "scale":  # W simulated workers' liveness and 100,000 groups' memory (scripts/bench_scale.py)
+        from scripts.bench_scale import bench_scale
+        return lambda: bench_scale(redis_url, quick=quick)
     raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
 
 

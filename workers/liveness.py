@@ -165,7 +165,10 @@ end
 return released
 """
 
-ORPHAN_SCAN = 1000  # due queue entries one sweep looks at (the next ones, from a cursor that wraps)
+# Due queue entries one sweep looks at (the next ones, from a cursor that wraps): ~1 ms of Redis
+# per interval. A queue of Q due jobs is covered in Q / ORPHAN_SCAN intervals; arq's own
+# in-progress expiry (job_timeout + 10 s) is the backstop for an orphan not reached by then.
+ORPHAN_SCAN = 250
 
 
 class Liveness:

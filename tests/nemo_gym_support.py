@@ -233,11 +233,19 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
 
 
+_SHARED: dict[str, Fleet] = {}
+
+
 @pytest.fixture(scope="session")
-def nemo_gym(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    gym = require_nemo_gym()
-    with nemo_gym_fleet(gym, tmp_path_factory.mktemp("nemo-gym")) as fleet:
-        yield fleet
+def nemo_gym(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """One fleet per test session, also when several modules import this fixture (pytest makes
+    a session fixture of each import); stopped when the session ends."""
+    if "fleet" not in _SHARED:
+        gym = require_nemo_gym()
+        stack = contextlib.ExitStack()
+        _SHARED["fleet"] = stack.enter_context(nemo_gym_fleet(gym, tmp_path_factory.mktemp("nemo-gym")))
+        request.config.add_cleanup(stack.close)
+    yield _SHARED["fleet"]
 
 
 # ------------------------------------------------------------------ a fault-injecting proxy

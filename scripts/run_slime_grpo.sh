@@ -18,6 +18,10 @@
 # Then, on every rollout node:  scripts/start_workers.sh   (engine "auto" follows slime's router)
 # and one producer:             rollout enqueue --config <pipeline.yaml> --tasks <tasks.jsonl>
 #
+# (slime in-process mode, with no Redis and no worker pool, is another launch: slime's own
+# rollout with --custom-generate-function-path workers.inslime.generate and --custom-rm-path
+# workers.inslime.reward; every slime path of both modes: docs/architecture.md, "slime's dotted paths".)
+#
 # Settings (environment variables; defaults in brackets):
 #   SLIME_DIR            slime checkout holding train_async.py            [/root/slime]
 #   MEGATRON_DIR         Megatron-LM checkout                             [/root/Megatron-LM]

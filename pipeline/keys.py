@@ -128,6 +128,12 @@ class Keys:
         """Capped list of small per-group summaries (env, reward mean, staleness) for the monitor."""
         return self._k("recent")
 
+    @property
+    def trained(self) -> str:
+        """Capped list, newest first, of the trainer's steps: the staleness of each group at the step
+        that trained it (pipeline/trained_log.py), for the monitor's staleness of what was trained."""
+        return self._k("trained")
+
     def arq_job_id(self, group_id: str) -> str:
         """arq's job id for the group `group_id` (= `PromptJob.job_id`): `{ns}:{group_id}`.
 

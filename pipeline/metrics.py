@@ -52,8 +52,8 @@ def figures(snap: MonitorSnapshot) -> dict[str, float]:
         f["admission/headroom"] = snap.admission_headroom
     if snap.staleness_max is not None:
         f["staleness/max"] = snap.staleness_max
-    for lag, groups in snap.staleness_hist.items():
-        f[f"staleness/hist/{lag}"] = groups
+    for lag, groups in snap.staleness_hist.items():  # trained in the last steps, lag at the step that trained them
+        f[f"staleness/trained_hist/{lag}"] = groups
     if snap.waiting_staleness_max is not None:
         f["staleness/waiting_max"] = snap.waiting_staleness_max
     for env, stats in snap.envs.items():
@@ -115,9 +115,10 @@ def prometheus_families(snap: MonitorSnapshot) -> list[Metric]:
     m.gauge("groups_per_minute", "groups pushed per minute (recent window)", snap.throughput.groups_per_min)
     m.gauge("episodes_per_minute", "episodes per minute (recent window)", snap.throughput.episodes_per_min)
     m.gauge("tokens_per_second", "response tokens per second (recent window)", snap.throughput.tokens_per_s)
-    m.labelled("recent_staleness_groups", "recent groups by staleness (version - admission version)",
-               "staleness", snap.staleness_hist)
-    m.gauge("recent_staleness_max", "largest staleness among recent groups", snap.staleness_max)
+    m.labelled("trained_staleness_groups", "groups trained in the last steps, by their staleness at the step that "
+               "trained them", "staleness", snap.staleness_hist)
+    m.gauge("staleness_max", "largest staleness of the groups waiting for the trainer and of those trained in the "
+            "last steps", snap.staleness_max)
     m.labelled("waiting_staleness_groups", "groups the trainer has not read yet, by staleness if read now",
                "staleness", snap.waiting_staleness_hist)
     m.gauge("waiting_staleness_max", "largest staleness among the groups the trainer has not read yet",

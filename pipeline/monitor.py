@@ -16,8 +16,12 @@ Where each figure comes from:
   within `dead_after_s`. Load = the jobs a worker records as running in
   `{ns}:worker:<id>:jobs` (workers/liveness.py; the reaper releases them).
 - admission headroom: `pipeline.staleness.admission_headroom` with `{ns}:trainer`.
-- throughput, staleness, rewards: the `{ns}:recent` list of `GroupSummary`; the
-  live view and wandb switch to counter deltas between refreshes.
+- throughput, rewards: the `{ns}:recent` list of `GroupSummary`; the live view and wandb
+  switch to counter deltas between refreshes.
+- staleness: of what waits (the groups after the trainer's last-delivered id, seen from the
+  current version) and of what was trained recently (`{ns}:trained`, the lag of each group at
+  the step that trained it, pipeline/trained_log.py); never of groups trained long ago seen
+  from today's version (a group trained at lag 0 twenty-five steps ago is not 25 stale).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
 from pipeline.keys import TRAINER_GROUP, Counter, Keys
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
+from pipeline.trained_log import recent_steps
 
 ARQ_IN_PROGRESS_PREFIX = "arq:in-progress:"  # arq 0.28 constants.in_progress_key_prefix
 DEFAULT_WINDOW_S = 60.0
@@ -93,9 +98,10 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     admission_headroom: int | None  # None until the trainer has published its settings
     counters: dict[str, int]
     throughput: Throughput
-    recent_groups: int  # summaries the staleness and env figures below are computed from
-    staleness_hist: dict[int, int]  # policy_version - admission_version -> groups
-    staleness_max: int | None
+    recent_groups: int  # summaries the throughput and env figures are computed from
+    # groups trained in the last `trained_steps` steps, by their lag at the step that trained them
+    staleness_hist: dict[int, int]
+    staleness_max: int | None  # the largest lag of what waits and of what was trained in those steps
     envs: dict[str, EnvStats]
     # groups the trainer rejected as older than eta, and their share of all it read (all time):
     # near 1 is a stale storm (the engines' weights behind the policy version, or eta too small)
@@ -105,6 +111,7 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     # waiting in the buffer (not yet handed out; at most MAX_WAITING_READ of them)
     waiting_staleness_hist: dict[int, int] = {}
     waiting_staleness_max: Union[int, None] = None
+    trained_steps: int = 0  # the steps staleness_hist covers (the last trained ones)
 
 
 async def snapshot(
@@ -139,6 +146,8 @@ async def snapshot(
     workers = await _worker_statuses(redis, keys, beats, now, dead_after_s)
     recent = _decode_summaries(raw_recent)
     waiting = [version - v for v in await _waiting_admission_versions(redis, keys)]
+    trained_steps = await recent_steps(redis, keys)
+    trained = [lag for step in trained_steps for lag in step.staleness]
     return MonitorSnapshot(
         at=now,
         namespace=keys.ns,
@@ -156,13 +165,14 @@ async def snapshot(
         counters=counters,
         throughput=window_throughput(recent, now, window_s),
         recent_groups=len(recent),
-        staleness_hist=staleness_histogram(recent, version),
-        staleness_max=max((version - s.admission_version for s in recent), default=None),
+        staleness_hist=dict(sorted(Tally(trained).items())),
+        staleness_max=max(trained + waiting, default=None),
         envs=env_stats(recent),
         stale_rejected=counters.get(Counter.STALE, 0),
         stale_share=_share(counters.get(Counter.STALE, 0), counters.get(Counter.ACCEPTED, 0)),
         waiting_staleness_hist=dict(sorted(Tally(waiting).items())),
         waiting_staleness_max=max(waiting, default=None),
+        trained_steps=len(trained_steps),
     )
 
 
@@ -277,11 +287,6 @@ def counter_throughput(previous: MonitorSnapshot, current: MonitorSnapshot) -> T
         episodes_per_min=60.0 * delta(Counter.EPISODES) / span,
         tokens_per_s=delta(Counter.TOKENS) / span,
     )
-
-
-def staleness_histogram(recent: list[GroupSummary], version: int) -> dict[int, int]:
-    """How stale the recent groups would be if trained now: version - admission version."""
-    return dict(sorted(Tally(version - s.admission_version for s in recent).items()))
 
 
 def env_stats(recent: list[GroupSummary]) -> dict[str, EnvStats]:

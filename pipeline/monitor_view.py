@@ -41,13 +41,14 @@ def _overview(snap: MonitorSnapshot) -> Table:
 
 def _staleness(snap: MonitorSnapshot) -> Table:
     """Two histograms: the groups waiting for the trainer (what its next read would see) and the
-    last pushed groups, trained or not, seen from the current version (an upper bound on lag)."""
-    t = Table(title="staleness (version - admission version)", title_justify="left",
-              caption=f"waiting: the {sum(snap.waiting_staleness_hist.values())} groups the trainer has not read yet; "
-                      f"pushed: the last {snap.recent_groups} groups pushed, trained or not", caption_justify="left")
+    groups trained in the last steps, each at the lag it had at the step that trained it."""
+    t = Table(title="staleness (version - admission version)", title_justify="left", min_width=64,
+              caption=f"waiting: the {sum(snap.waiting_staleness_hist.values())} groups the trainer has not read yet\n"
+                      f"trained: the {sum(snap.staleness_hist.values())} groups of the last {snap.trained_steps} "
+                      "step(s), each at the step that trained it", caption_justify="left")
     t.add_column("lag", justify="right")
     t.add_column("waiting", justify="right")
-    t.add_column(f"last {snap.recent_groups} pushed", justify="right")
+    t.add_column(f"trained (last {snap.trained_steps} steps)", justify="right")
     t.add_column("")
     biggest = max(snap.staleness_hist.values(), default=0)
     eta = snap.trainer.eta if snap.trainer else None

@@ -52,6 +52,7 @@ from pipeline.staleness import (
     staleness,
 )
 from pipeline.state import PipelineState, TrainerInfo
+from pipeline.trained_log import record_step
 from pipeline.wait_cause import wait_cause
 
 log = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ class RedisDataSource(_DataSourceBase):
             stats.staleness.append(staleness(version, self._oldest(entry.group)))
             stats.add_group(entry.group)
         stats.wait_s = time.monotonic() - started
+        await record_step(self._redis, self.keys, rid, stats.staleness)  # the monitor's "trained" staleness
         return entries, stats
 
     async def _hold(self, arrived: list[Entry]) -> None:

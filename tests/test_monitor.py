@@ -25,6 +25,7 @@ from pipeline.metrics import figures
 from pipeline.monitor import snapshot
 from pipeline.state import PipelineState, TrainerInfo
 from pipeline.synthetic import make_group
+from pipeline.trained_log import record_step
 
 READY_JOBS, DEFERRED_JOBS = 3, 2
 BUFFERED, HANDED_OUT, DEAD = 5, 2, 1
@@ -74,6 +75,8 @@ async def _build_state(redis, redis_url, keys):
         await buf.push(make_group(f"g{i}:0", n=4, env=env, admission_version=VERSION - (i % 3), seed=i))
     assert len(await buf.read("trainer", HANDED_OUT)) == HANDED_OUT
     await buf.dead_letter(source="jobs", reason="poison for the test", ref="bad:0")
+    for rid, lags in ((1, [1]), (2, [0, 1])):  # what the data source notes per step it trains
+        await record_step(redis, keys, rid, lags)
 
     state = PipelineState(redis, keys)
     await state.set_version(VERSION)
@@ -120,9 +123,10 @@ async def test_json_snapshot_matches_the_pipeline_state(pipeline_state, redis_ur
     workers = {w["id"]: w for w in snap["workers"]}
     assert workers["node2-w0"]["live"] is False and workers["node1-w0"]["load"] == 1
     assert workers["node1-w1"]["load"] == 0
-    # admission versions VERSION - (i % 3) for i in 0..4: lags 0, 1, 2, 0, 1
-    assert snap["staleness_hist"] == {"0": 2, "1": 2, "2": 1}
-    assert snap["staleness_max"] == 2
+    # admission versions VERSION - (i % 3) for i in 0..4: lags 0, 1, 2, 0, 1; the first 2 handed out
+    assert snap["waiting_staleness_hist"] == {"0": 1, "1": 1, "2": 1}
+    assert snap["staleness_hist"] == {"0": 1, "1": 2} and snap["trained_steps"] == 2  # as the trainer saw them
+    assert snap["staleness_max"] == 2  # of what waits and what was trained
     assert snap["envs"]["math"]["groups"] == 3 and snap["envs"]["tools"]["episodes"] == 8
     assert snap["envs"]["math"]["reward_mean"] == pytest.approx(0.5)
     assert snap["throughput"]["groups_per_min"] == pytest.approx(BUFFERED * 60 / 60.0)
@@ -174,7 +178,8 @@ async def test_prometheus_endpoint_is_scrapeable_and_parses(pipeline_state, redi
     assert samples[("rollout_admission_headroom", ())] == _expected_headroom()
     assert samples[("rollout_workers", ("live",))] == 2
     assert samples[("rollout_worker_load", ("node1-w0",))] == 1
-    assert samples[("rollout_recent_staleness_groups", ("2",))] == 1
+    assert samples[("rollout_trained_staleness_groups", ("1",))] == 2
+    assert samples[("rollout_staleness_max", ())] == 2
     assert samples[("rollout_env_reward_mean", ("tools",))] == pytest.approx(0.5)
     assert samples[("rollout_buffered_total", ())] == BUFFERED
     assert samples[("rollout_running_groups", ())] == 1

@@ -252,7 +252,6 @@ class TrajectoryUploader:
     # ------------------------------------------------------------------ the upload thread
 
     def _start(self) -> None:
-        _watch_sdk_failures(self)
         self._thread = threading.Thread(target=self._run, name="openreward-trajectory-upload", daemon=True)
         self._thread.start()
 
@@ -269,6 +268,10 @@ class TrajectoryUploader:
         return self._api
 
     def _run(self) -> None:
+        try:  # here, not on the event loop: the SDK's rollout client imports anthropic and google-genai types
+            _watch_sdk_failures(self)
+        except Exception as exc:  # noqa: BLE001 - no SDK rollout client: every upload fails below, counted
+            self._count_failure(f"{type(exc).__name__}: {exc}"[:300], rollouts=True)
         while True:
             trajectory = self._queue.get()
             if trajectory is None:

@@ -1,6 +1,6 @@
 """The group buffer: a Redis stream of scored SampleGroups with one consumer group.
 
-Delivery rules (DESIGN.md):
+Delivery rules (docs/architecture.md "Delivery"):
 - push is one optimistic transaction: WATCH the dedup marker, MULTI{SET marker, XADD,
   counters}EXEC, so a job re-run after a crash never stores a second copy (concurrent
   pushes of one process share one transaction). The marker's value is the push's

@@ -57,7 +57,27 @@ _MODEL_CONFIG = {
     "max_position_embeddings": 32768, "torch_dtype": "float32", "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
     "eos_token_id": 151645, "bos_token_id": 151643, "tie_word_embeddings": True,
 }
-_START_TIMEOUT_S = 240.0
+START_TIMEOUT_S = 240.0  # a loaded 2-core CI machine; ~50 s there when idle
+
+
+def _die_with_parent() -> None:
+    """preexec_fn of every stack process: SIGTERM when the test process dies (Linux's
+    PR_SET_PDEATHSIG), so a killed test run leaves no engine or router behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    import threading
+
+    # the death signal follows the forking *thread*: only the main thread lives as long as the run
+    hook = _die_with_parent if threading.current_thread() is threading.main_thread() else None
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=hook)
 
 
 def free_port() -> int:
@@ -97,11 +117,23 @@ class EngineStack:
                 proc.kill()
                 proc.wait()
 
+    def control_url(self, i: int = 0) -> str:
+        """Engine i's simulator routes (`serve_sim_control`): /sim/stats, /sim/config, /sim/fail_next."""
+        return f"http://127.0.0.1:{self._stats_ports[i]}"
+
     def stats(self, i: int = 0) -> dict[str, Any]:
-        """The simulator's counters of engine i (GET /sim/stats on its stats port)."""
-        status, body = _get(self.engine_urls[i].rsplit(":", 1)[0] + f":{self._stats_ports[i]}/sim/stats")
+        """The simulator's counters of engine i (GET /sim/stats)."""
+        status, body = _get(f"{self.control_url(i)}/sim/stats")
         assert status == 200, f"no stats from engine {i}"
         return dict(body)
+
+    def sim(self, path: str, body: dict[str, Any], i: int | None = None) -> None:
+        """POST /sim/<path> (config, fail_next) to engine i, or to every engine."""
+        for k in range(len(self.engine_urls)) if i is None else [i]:
+            request = urllib.request.Request(f"{self.control_url(k)}/sim/{path}", data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                resp.read()
 
     _stats_ports: list[int] = field(default_factory=list)
 
@@ -128,14 +160,16 @@ def start_engine_stack(
     n_engines: int = 1,
     *,
     context_length: int | None = None,
+    model_context: int = 32768,
     router: str = "smg",
     sim: dict[str, Any] | None = None,
-    timeout_s: float = _START_TIMEOUT_S,
+    timeout_s: float = START_TIMEOUT_S,
 ) -> EngineStack:
     """Start `n_engines` SGLang fronts over simulators and `router` in front of them.
 
-    `context_length` is SGLang's `--context-length` (None: the model's 32768, and /server_info
-    says `context_length: null`, as for slime's engines); `sim` are `SimConfig` fields of every
+    `context_length` is SGLang's `--context-length` (None: the model's own, `model_context`
+    = its `max_position_embeddings`, and /server_info says `context_length: null`, as for
+    slime's engines, which pass none); `sim` are `SimConfig` fields of every
     engine's simulator (accuracy, slots, token_latency_s, ...). Returns when the router lists
     every engine as healthy.
     """
@@ -150,17 +184,21 @@ def start_engine_stack(
         port, stats_port = free_port(), free_port()
         log = tmp / f"front-{i}-{port}.log"
         cmd = [sys.executable, str(Path(__file__)), "front", "--port", str(port), "--stats-port", str(stats_port),
-               "--sim", json.dumps({"seed": i, **(sim or {})}), "--workdir", str(tmp / f"front-{i}")]
+               "--sim", json.dumps({"seed": i, **(sim or {})}), "--workdir", str(tmp / f"front-{i}"),
+               "--model-context", str(model_context)]
         if context_length is not None:
             cmd += ["--context-length", str(context_length)]
-        with open(log, "wb") as out:
-            stack.processes.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT))
+        stack.processes.append(_spawn(cmd, log, env))
         stack.logs.append(log)
         stack.engine_urls.append(f"http://127.0.0.1:{port}")
         stack._stats_ports.append(stats_port)
-    _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
-          list(stack.processes), stack, timeout_s)
-    stack.router_url = start_router(stack, router, tmp)
+    try:
+        _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
+              list(stack.processes), stack, timeout_s)
+        stack.router_url = start_router(stack, router, tmp)
+    except BaseException:  # a test timeout or ^C while starting: nothing is left running
+        stack.stop()
+        raise
     stack.startup_s = time.monotonic() - started
     return stack
 
@@ -170,8 +208,7 @@ def start_router(stack: EngineStack, router: str, tmp: Path, timeout_s: float = 
     log = tmp / f"{router}-{port}.log"
     cmd = [sys.executable, *_ROUTER_MODULES[router], "--host", "127.0.0.1", "--port", str(port),
            "--worker-urls", *stack.engine_urls, "--prometheus-port", str(free_port()), "--log-level", "warn"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    proc = _spawn(cmd, log)
     stack.processes.append(proc)
     stack.logs.append(log)
     url = f"http://127.0.0.1:{port}"
@@ -196,22 +233,27 @@ def engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any) -> Iterator
 
 def require_stack_parts(router: str = "smg") -> None:
     """Skip (or fail under ROLLOUT_REQUIRE_CONFORMANCE=1) when SGLang or the router is missing."""
+    import importlib.metadata
     import importlib.util
 
-    from conformance_support import require_sglang, unavailable
+    from conformance_support import SGLANG_VERSION, unavailable
 
-    require_sglang()
+    try:  # the version only: the import itself (~20 s of CPU) happens in the front processes
+        found = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        unavailable("sglang is not installed (see .ci/run)")
+    if found != SGLANG_VERSION:
+        unavailable(f"sglang {found} is installed, the engine stack is written against {SGLANG_VERSION}")
     module = "smg" if router == "smg" else "sglang_router"
-    if importlib.util.find_spec(module) is None:
-        unavailable(f"the {router} router is not installed (extra `conformance`)")
-    if importlib.util.find_spec("uvicorn") is None or importlib.util.find_spec("zmq") is None:
-        unavailable("uvicorn / pyzmq missing (SGLang's server needs them; extra `conformance`)")
+    for needed in (module, "uvicorn", "zmq", "fastapi", "torch"):
+        if importlib.util.find_spec(needed) is None:
+            unavailable(f"{needed} is not installed (extra `conformance`, see .ci/run)")
 
 
 # ============================================================================ the front process
 
 
-def _model_dir(workdir: Path) -> Path:
+def _model_dir(workdir: Path, model_context: int) -> Path:
     from workers.sim.tokenizer import default_tokenizer_path
 
     model = workdir / "model"
@@ -221,7 +263,7 @@ def _model_dir(workdir: Path) -> Path:
         link = model / item.name
         if not link.exists():
             link.symlink_to(item)
-    (model / "config.json").write_text(json.dumps(_MODEL_CONFIG))
+    (model / "config.json").write_text(json.dumps({**_MODEL_CONFIG, "max_position_embeddings": model_context}))
     return model
 
 
@@ -294,14 +336,23 @@ class SimScheduler:
             await self._reply(io.GetInternalStateReqOutput(internal_state=state, http_worker_ipc=obj.http_worker_ipc))
 
     async def _generate(self, req: Any) -> None:
-        import asyncio
+        from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
 
         from workers.sim.engine import _Running
 
         engine = self.engine
         input_ids = [int(t) for t in req.input_ids]
         params = req.sampling_params
+        if req.rid.startswith(HEALTH_CHECK_RID_PREFIX):  # /health's one-token probe: any answer is health
+            await self._output(req, [0], [0.0], {"type": "length", "length": 1}, None)
+            return
         engine.stats["requests"] += 1
+        if engine._faults:  # /sim/fail_next: the scheduler aborts it with that status (FINISH_ABORT)
+            status, message = engine._faults.pop(0)
+            engine.stats["errors"] += 1
+            await self._output(req, [], [], {"type": "abort", "message": message, "status_code": status,
+                                             "err_type": "SimulatedFault"}, None)
+            return
         if len(input_ids) >= self.max_req_input_len:  # scheduler.py: validate_input_length
             message = (f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length "
                        f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
@@ -321,12 +372,7 @@ class SimScheduler:
         try:
             await engine._resumed.wait()
             async with engine._slot():
-                if req.input_ids and input_ids == [0] and req.rid.startswith("HEALTH_CHECK"):
-                    ids, lps, finish, spans = [0], [0.0], {"type": "length", "length": 1}, None
-                else:
-                    ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
-        except asyncio.CancelledError:
-            raise
+                ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
         finally:
             engine._running.pop(req.rid, None)
         engine.stats["output_tokens"] += len(ids)
@@ -378,7 +424,7 @@ async def _serve_front(args: argparse.Namespace) -> None:
 
     workdir = Path(args.workdir)
     server_args = ServerArgs(
-        model_path=str(_model_dir(workdir)), context_length=args.context_length, device="cpu",
+        model_path=str(_model_dir(workdir, args.model_context)), context_length=args.context_length, device="cpu",
         skip_server_warmup=True, host="127.0.0.1", port=args.port, log_level="warning",
     )
     publish(server_args, role="tokenizer")
@@ -396,16 +442,31 @@ async def _serve_front(args: argparse.Namespace) -> None:
     server = uvicorn.Server(uvicorn.Config(http_server.app, host="127.0.0.1", port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, timeout_keep_alive=60))
     # /sim/stats of the scheduler's simulator, on its own port (SGLang's app has no such route)
-    async with serve_sim_engine_stats(scheduler.engine, args.stats_port):
+    async with serve_sim_control(scheduler, args.stats_port):
         await asyncio.gather(scheduler.serve(), server.serve())
 
 
 @contextlib.asynccontextmanager
-async def serve_sim_engine_stats(engine: Any, port: int) -> Any:
+async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
+    """The simulator's own routes, on a port of their own (SGLang's app has no such routes):
+    GET /sim/stats; POST /sim/config {SimConfig fields} (what the next requests do); POST
+    /sim/fail_next {"status", "count", "message"}: the scheduler finishes the next requests with
+    an abort of that HTTP status, which SGLang's front answers as it answers a real one."""
+    import dataclasses
+
     from aiohttp import web
+
+    engine = scheduler.engine
+
+    async def configure(request: web.Request) -> web.Response:
+        fields = await request.json()
+        engine.config = dataclasses.replace(engine.config, **fields)
+        return web.json_response(dataclasses.asdict(engine.config))
 
     app = web.Application()
     app.router.add_get("/sim/stats", engine.get_stats)
+    app.router.add_post("/sim/fail_next", engine.fail_next)
+    app.router.add_post("/sim/config", configure)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -424,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     front.add_argument("--port", type=int, required=True)
     front.add_argument("--stats-port", type=int, required=True)
     front.add_argument("--context-length", type=int, default=None)
+    front.add_argument("--model-context", type=int, default=32768, help="the model's max_position_embeddings")
     front.add_argument("--sim", default="{}", help="SimConfig fields as JSON")
     front.add_argument("--workdir", required=True)
     args = p.parse_args(argv)

@@ -1,23 +1,46 @@
-"""SGLang client against the simulated engine over real HTTP (and a closed port)."""
+"""SGLang client over real HTTP: through slime's router (smg) -> SGLang 0.5.23's own HTTP front ->
+the simulator as scheduler (tests/engine_stack.py), and against the simulator alone where a test
+injects faults the front cannot (5xx, garbage 200s, a closed port)."""
 
 import asyncio
+import time
 
 import pytest
+from engine_stack import START_TIMEOUT_S, engine_stack, require_stack_parts
 
+from pipeline.config import EnvConfig, parse_config
 from pipeline.jobqueue import RemoteJobError, job_deserializer, job_serializer
 from pipeline.local_redis import free_port
-from pipeline.schema import SamplingParams
+from pipeline.schema import SamplingParams, Status, Task
 from pipeline.state import PipelineState
+from workers.chat import ChatTokens
 from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineLocator
+from workers.envs.registry import build_environment
+from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.tokenizer import load_test_tokenizer
 
+# a test's timeout includes the module's stack start (engine_stack.START_TIMEOUT_S at most)
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 120)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64)
+MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
+# ~2048 filler tokens per turn at 1 ms a token: two turns of a tool episode pass 4096 tokens
+STACK_SIM = dict(accuracy=1.0, tool_use=1.0, length_mu=7.7, length_sigma=0.01, max_filler_tokens=2048,
+                 token_latency_s=0.001, latency_sigma=0.01, slots=1)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_test_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """smg in front of two SGLang fronts at a 4096-token model context, one slot each."""
+    require_stack_parts("smg")
+    with engine_stack(tmp_path_factory.mktemp("stack"), 2, model_context=MODEL_CONTEXT, sim=STACK_SIM) as running:
+        print(f"engine stack (2 fronts + smg) started in {running.startup_s:.1f}s")
+        yield running
 
 
 def prompt_ids(tokenizer, text="What is 6 * 7?"):
@@ -37,21 +60,61 @@ async def stats(client: EngineClient) -> dict:
         return await resp.json()
 
 
-async def test_generate_returns_ids_logprobs_and_routes_by_key(tokenizer):
-    async with serve_sim_engine(SimConfig(weight_version="7")) as sim, EngineClient(sim.url) as client:
-        gen = await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r1", routing_key="episode-a")
+def routed_keys(stack) -> dict:
+    keys: dict = {}
+    for i in range(len(stack.engine_urls)):
+        for key, count in stack.stats(i)["routing_keys"].items():
+            keys[key] = keys.get(key, 0) + count
+    return keys
+
+
+async def test_generate_through_the_router_returns_ids_logprobs_and_the_routing_key(stack, tokenizer):
+    async with EngineClient(stack.router_url) as client:
+        gen = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3000), rid="r1",
+                                    routing_key="episode-a")
         assert gen.output_ids and len(gen.output_ids) == len(gen.log_probs)
         assert all(lp <= 0.0 for lp in gen.log_probs)
         assert gen.finish == "stop" and gen.output_ids[-1] == tokenizer.eos_token_id
-        assert gen.weight_version == "7"
+        assert gen.weight_version == "default"  # SGLang's label before any update
         assert tokenizer.decode(gen.output_ids, skip_special_tokens=True) == gen.text
-        assert (await stats(client))["routing_keys"] == {"episode-a": 1}
+        assert routed_keys(stack)["episode-a"] == 1  # the body's routing_key reached the scheduler
 
 
-async def test_length_finish_respects_max_new_tokens(tokenizer):
-    async with serve_sim_engine(SimConfig(length_mu=6.0, length_sigma=0.01)) as sim, EngineClient(sim.url) as client:
+async def test_length_finish_respects_max_new_tokens(stack, tokenizer):
+    async with EngineClient(stack.router_url) as client:
         gen = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=5), rid="r", routing_key="k")
         assert gen.finish == "length" and len(gen.output_ids) == 5
+
+
+async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack):
+    """Issue 24, item 2 (fails on fe89cd3: only an integer `context_length` of /server_info or
+    /model_info was read, both 404 through the router, so the 32768 guess stood)."""
+    async with EngineClient(stack.router_url) as client:
+        assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
+        # SGLang: context_length null (no --context-length), max_req_input_len = 4096 - 1 - 5
+        assert await client.context_length() == MODEL_CONTEXT - 6
+        limits = client.directory._limits
+        assert limits == {url: MODEL_CONTEXT - 6 for url in stack.engine_urls}  # each engine asked once
+
+
+async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_by_a_400(stack):
+    """Issue 24, item 2: an engine at a 4096 context behind the router; a multi-turn episode ends
+    `truncated` with a length finish and its tokens. On fe89cd3 the client sized the second turn
+    for 32768 tokens, SGLang's front answered 400, and the turn was lost (finish context_overflow)."""
+    chat = ChatTokens(load_test_tokenizer())
+    config = parse_config({"rollout": {"max_response_tokens": 8192}})
+    env_config = EnvConfig(kind="calculator")
+    env = build_environment("calc", env_config)
+    task = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
+    async with EngineClient(stack.router_url, max_retries=0) as client:
+        runner = EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
+        sample = await runner.run(task, "calc-1:0/0/1")
+    turns = sample.metadata["turn_log"]
+    assert sample.status is Status.TRUNCATED, sample.metadata
+    assert [t["finish"] for t in turns] == ["stop", "length"], turns
+    assert sample.metadata["tool_calls"] == 1
+    assert sample.num_tokens == MODEL_CONTEXT - 6  # the whole context the engine allows, and no more
+    assert sample.response_length > 2048 + 1000  # both turns' tokens are in the sample
 
 
 async def test_5xx_is_retried_then_succeeds(tokenizer):
@@ -78,11 +141,20 @@ async def test_400_bad_params_is_not_retried_and_keeps_the_message(tokenizer):
         assert (await stats(client))["requests"] == 1
 
 
-async def test_400_context_overflow_is_its_own_error(tokenizer):
-    async with serve_sim_engine(SimConfig(context_length=16)) as sim, EngineClient(sim.url, backoff_s=0.01) as client:
-        with pytest.raises(ContextOverflow, match="longer than the model's context length"):
-            await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
-        assert (await stats(client))["requests"] == 1
+async def test_400_context_overflow_is_its_own_error(stack, tokenizer):
+    """SGLang's three refusals of a request over the context, each a ContextOverflow (episode
+    truncated), none retried: the front's two (`_validate_one_request`) and the scheduler's
+    (`validate_input_length`, at max_req_input_len)."""
+    async with EngineClient(stack.router_url, backoff_s=0.01) as client:
+        ids = prompt_ids(tokenizer)
+        cases = [
+            (ids * 300, SamplingParams(max_new_tokens=8), "longer than the model's context length"),
+            (ids, SamplingParams(max_new_tokens=MODEL_CONTEXT), "exceeds the model's maximum context length"),
+            ([ids[0]] * (MODEL_CONTEXT - 6), SamplingParams(max_new_tokens=1), "exceeds the maximum allowed length"),
+        ]
+        for i, (input_ids, sampling, message) in enumerate(cases):
+            with pytest.raises(ContextOverflow, match=message):
+                await client.generate(input_ids, sampling, rid=f"over-{i}", routing_key="k")
 
 
 async def test_connection_refused_is_retried_then_fails():
@@ -102,16 +174,28 @@ async def test_undecodable_200_is_retried_like_a_5xx(tokenizer):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r2", routing_key="k")
 
 
-async def test_request_timeout_fails_and_aborts_on_the_engine(tokenizer):
-    config = SimConfig(token_latency_s=0.05, latency_sigma=0.01, length_mu=6.0, length_sigma=0.01)
-    async with serve_sim_engine(config) as sim, EngineClient(sim.url, timeout_s=0.3) as client:
-        with pytest.raises(EngineError, match="no answer .* within 0.3s"):
-            await client.generate(prompt_ids(tokenizer), SAMPLING, rid="slow", routing_key="k")
-        for _ in range(50):  # the best-effort /abort_request frees the engine's slot
-            if sim.engine.stats["aborted"] == 1:
+async def test_a_timed_out_request_frees_its_engine_slot_within_a_second_through_the_router(stack, tokenizer):
+    """Issue 24, item 3 (fails on fe89cd3: the abort went to the router's /abort_request, a 404,
+    and the engine kept generating ~2 s for nobody; the abort task was not held either)."""
+    async with EngineClient(stack.router_url, timeout_s=0.3, max_retries=0) as client:
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="no answer .* within 0.3s"):  # ~2048 tokens at 1 ms: ~2 s
+            await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3000), rid="slow",
+                                  routing_key="slow-episode")
+        assert len(client._control_tasks) == 1  # the abort is under way, and held
+        freed = None
+        while time.monotonic() - started < 0.3 + 1.0:
+            counts = [stack.stats(i) for i in range(len(stack.engine_urls))]
+            if sum(c["running"] for c in counts) == 0:
+                freed = time.monotonic() - started
                 break
             await asyncio.sleep(0.05)
-        assert sim.engine.stats["aborted"] == 1
+        assert freed is not None, f"the slot was still busy 1 s after the timeout: {counts}"
+        assert sum(c["aborted"] for c in counts) == 1
+        assert not client._control_tasks  # done, and let go
+        gen = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=5), rid="next",
+                                    routing_key="slow-episode")  # the one slot serves the next request
+        assert gen.finish == "length"
 
 
 async def test_auto_url_follows_the_engine_key(redis, keys, tokenizer):

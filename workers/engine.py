@@ -14,7 +14,18 @@ Failure policy:
   `ContextOverflow` (the episode ends as truncated), anything else -> `BadRequest`
   (failed), both carrying the server's message;
 - a request running past its timeout -> `EngineError` (failed) and a best-effort
-  `/abort_request` for that attempt's rid so the engine stops spending slots on it.
+  `/abort_request` for that attempt's rid on every engine (`EngineDirectory`), so the one that
+  runs it stops spending a slot on it; the abort task is held until it has finished.
+
+Engines behind a router: slime's router (smg, sglang-router) answers `/generate` and
+`/get_server_info` (one engine's) itself but neither `/server_info` nor `/abort_request`
+(404 `unknown_url`). `EngineDirectory` reads the router's `GET /workers` (what slime's own abort
+reads) for the engine URLs; a URL that has no such list is the engine itself. The context limit
+is what each engine enforces, from its `/server_info` (`/get_server_info` where that is absent):
+SGLang's scheduler refuses an input of `max_req_input_len` tokens or more, its HTTP front an
+input + max_new_tokens over `context_length` (null in /server_info unless `--context-length` was
+passed, as slime passes none); the client's limit is the smallest of these over the engines, read
+once per engine and again for an engine that joins the list.
 
 Every attempt has its own rid (`{rid}~{k}` for the k-th retry): SGLang keeps a rid
 registered while its request lives, and for a few seconds after a client disconnect, and
@@ -47,13 +58,17 @@ log = logging.getLogger(__name__)
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 AUTO = "auto"
-# tokenizer_manager._validate_one_request: input too long, or input + max_new_tokens too long
+# tokenizer_manager._validate_one_request: input too long, or input + max_new_tokens too long;
+# managers/utils.validate_input_length (the scheduler): input at or over max_req_input_len
 _CONTEXT_OVERFLOW = re.compile(
     r"^The input \(\d+ tokens\) is longer than the model's context length \(\d+ tokens\)\."
     r"|^Requested token count exceeds the model's maximum context length of \d+ tokens\."
+    r"|^Input length \(\d+ tokens\) exceeds the maximum allowed length \(\d+ tokens\)\."
 )
 _WAIT_LOG_S = 10.0
 _MAX_BACKOFF_S = 10.0
+_ENGINES_REFRESH_S = 30.0  # re-read the router's engine list this often (and after a connection error)
+_CONTROL_TIMEOUT_S = 10.0
 
 
 class EngineError(RuntimeError):
@@ -210,6 +225,86 @@ class EngineLocator:
         self._read_at = 0.0
 
 
+# ---------------------------------------------------------------- engines behind the URL
+
+
+def _engine_urls(listing: Any) -> list[str] | None:
+    """The engine URLs of a router's `GET /workers` answer (smg and sglang-router:
+    `{"workers": [{"url", "worker_type", ...}]}`), None when the answer is not such a list."""
+    if not isinstance(listing, dict) or not isinstance(listing.get("workers"), list):
+        return None
+    urls = []
+    for worker in listing["workers"]:
+        if isinstance(worker, dict) and isinstance(worker.get("url"), str):
+            if worker.get("worker_type", "regular") in ("regular", "decode"):  # prefill engines stop at the prompt
+                urls.append(worker["url"].rstrip("/"))
+    return sorted(set(urls))
+
+
+def context_limit(info: Any) -> int | None:
+    """The tokens input + max_new_tokens may reach on one engine, from its `/server_info`: the
+    smaller of `context_length` (the HTTP front's check; null unless --context-length was given)
+    and `max_req_input_len` (the scheduler refuses an input of that many tokens or more, and it is
+    at least 6 below the model's context); None when the answer has neither."""
+    if not isinstance(info, dict):
+        return None
+    found = [info.get(key) for key in ("context_length", "max_req_input_len")]
+    limits = [int(v) for v in found if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+    return min(limits) if limits else None
+
+
+class EngineDirectory:
+    """The engines behind the URL, and each one's context limit (module doc).
+
+    `engines()` is the router's `GET /workers` list, re-read every `refresh_s` and after
+    `invalidate()`; a URL without that list is one engine. `limit_of(url)` is asked once per
+    engine URL (the answer, None included, is kept): an engine that replaces another comes with
+    its own URL and is asked when it first appears in the list.
+    """
+
+    def __init__(self, client: EngineClient, *, refresh_s: float = _ENGINES_REFRESH_S):
+        self._client = client
+        self._refresh_s = refresh_s
+        self._engines: list[str] = []
+        self._for_url = ""
+        self._read_at = 0.0
+        self._limits: dict[str, int | None] = {}
+
+    def invalidate(self) -> None:
+        self._read_at = 0.0
+
+    async def engines(self) -> list[str]:
+        url = await self._client.locator.get()
+        if url != self._for_url or not self._engines or time.monotonic() - self._read_at > self._refresh_s:
+            status, listing = await self._client.get_json(f"{url}/workers")
+            urls = _engine_urls(listing) if status == 200 else None
+            engines = urls if urls else [url]  # no list (an engine), or a router with no engine yet
+            if engines != self._engines:
+                log.info("engines behind %s: %s", url, ", ".join(engines))
+            self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
+        return self._engines
+
+    async def limit_of(self, engine: str) -> int | None:
+        if engine not in self._limits:
+            limit = None
+            for path in ("/server_info", "/get_server_info"):  # the deprecated alias where the first is absent
+                status, info = await self._client.get_json(f"{engine}{path}")
+                if status == 200:
+                    limit = context_limit(info)
+                    break
+            if limit is None:
+                log.warning("%s does not say its context (no context_length or max_req_input_len in /server_info)",
+                            engine)
+            self._limits[engine] = limit
+        return self._limits[engine]
+
+    async def context_limit(self) -> int | None:
+        """The smallest limit over the engines (a request may be routed to any of them)."""
+        limits = [await self.limit_of(engine) for engine in await self.engines()]
+        known = [limit for limit in limits if limit is not None]
+        return min(known) if known else None
+
+
 # ---------------------------------------------------------------- client
 
 
@@ -231,7 +326,8 @@ class EngineClient:
         self.clock = clock  # None: answers carry no policy stamp (tests, standalone use)
         self._max_connections = max_connections  # 0 = unbounded; the engine's slots are the limit
         self._session: aiohttp.ClientSession | None = None
-        self._context_length: int | None = None
+        self.directory = EngineDirectory(self)
+        self._control_tasks: set[asyncio.Task[None]] = set()  # held until done: a bare task may be collected
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -241,6 +337,8 @@ class EngineClient:
         return self._session
 
     async def close(self) -> None:
+        if self._control_tasks:  # aborts under way still reach their engines before the session goes
+            await asyncio.wait(set(self._control_tasks), timeout=_CONTROL_TIMEOUT_S)
         if self._session is not None:
             await self._session.close()
 
@@ -251,25 +349,24 @@ class EngineClient:
         await self.close()
 
     async def context_length(self) -> int | None:
-        """The engine's context length (`/server_info`), or None when it does not say.
+        """The tokens input + max_new_tokens may reach on every engine behind the URL (what each
+        enforces, `EngineDirectory`), or None when no engine says. The episode runner sizes each
+        turn to fit, so a long episode ends truncated instead of with a 400."""
+        return await self.directory.context_limit()
 
-        SGLang refuses input + max_new_tokens over it with a 400, so the episode runner sizes
-        each turn to fit. Read once per client; an engine swapped behind a router serves
-        the same model.
-        """
-        if self._context_length is None:
-            url = await self.locator.get()
-            for path in ("/server_info", "/model_info"):
-                try:
-                    async with self.session.get(f"{url}{path}", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                        info = await resp.json(content_type=None) if resp.status == 200 else {}
-                except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-                    log.warning("%s%s: %s", url, path, exc)
-                    continue
-                if isinstance(info, dict) and isinstance(info.get("context_length"), int):
-                    self._context_length = int(info["context_length"])
-                    break
-        return self._context_length
+    async def get_json(self, url: str) -> tuple[int, Any]:
+        """(status, decoded JSON or None) of a GET; (0, None) when the server cannot be reached."""
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=_CONTROL_TIMEOUT_S)) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("GET %s: %s", url, exc)
+            return 0, None
+        try:
+            return status, msgspec.json.decode(body) if body else None
+        except msgspec.DecodeError:
+            return status, None
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str
@@ -309,10 +406,11 @@ class EngineClient:
                 payload = await resp.read()
                 status = resp.status
         except asyncio.TimeoutError:
-            asyncio.create_task(self.abort(rid))
+            self._hold(asyncio.create_task(self.abort(rid)))
             raise EngineError(f"rid {rid}: no answer from {url} within {self.timeout_s}s") from None
         except aiohttp.ClientError as exc:
             self.locator.invalidate()
+            self.directory.invalidate()
             return f"connection error to {url}: {exc.__class__.__name__}: {exc}"
         if status == 200:
             try:
@@ -323,18 +421,35 @@ class EngineClient:
         if status >= 500 or status == 429:
             return f"HTTP {status}: {message}"
         if status == 400 and _CONTEXT_OVERFLOW.search(message):
+            self.directory.invalidate()  # an engine with a smaller context may have joined: re-read the list
             raise ContextOverflow(f"rid {rid}: HTTP 400: {message}")
         if status == 400:
             raise BadRequest(f"rid {rid}: HTTP 400: {message}")
         raise EngineError(f"rid {rid}: HTTP {status}: {message}")
 
+    def _hold(self, task: asyncio.Task[None]) -> None:
+        self._control_tasks.add(task)
+        task.add_done_callback(self._control_tasks.discard)
+
     async def abort(self, rid: str) -> None:
-        """Best effort `/abort_request` for one rid (never raises)."""
+        """Best effort `/abort_request` for one rid on every engine behind the URL (never raises).
+
+        Through a router the engine that runs the rid is not known here (the router picked it), and
+        the router itself answers `/abort_request` with 404: each engine of its `GET /workers` list
+        is asked, as slime's own abort does; an engine that does not hold the rid ignores it."""
         try:
-            url = await self.locator.get()
+            engines = await self.directory.engines()
+        except Exception as exc:  # noqa: BLE001 - best effort by design
+            log.debug("abort of %s: no engine list: %s", rid, exc)
+            return
+        await asyncio.gather(*(self._abort_on(engine, rid) for engine in engines))
+
+    async def _abort_on(self, engine: str, rid: str) -> None:
+        try:
             async with self.session.post(
-                f"{url}/abort_request", json={"rid": rid, "abort_all": False}, timeout=aiohttp.ClientTimeout(total=5)
+                f"{engine}/abort_request", json={"rid": rid, "abort_all": False},
+                timeout=aiohttp.ClientTimeout(total=5),
             ) as resp:
                 await resp.read()
         except Exception as exc:  # noqa: BLE001 - best effort by design
-            log.debug("abort of %s failed: %s", rid, exc)
+            log.debug("abort of %s on %s failed: %s", rid, engine, exc)

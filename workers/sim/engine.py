@@ -264,6 +264,7 @@ class SimEngine:
     async def generate(self, request: web.Request) -> web.Response:
         started = time.monotonic()
         self.stats["requests"] += 1
+        number = self.stats["requests"]  # before any await: concurrent requests must not share a default rid
         if self._faults:
             status, message = self._faults.pop(0)
             return _error(status, message)
@@ -278,7 +279,7 @@ class SimEngine:
             return refusal
         input_ids: list[int] = body["input_ids"]
         params: dict[str, Any] = body.get("sampling_params") or {}
-        rid = str(body.get("rid") or f"sim-{self.stats['requests']}")
+        rid = str(body.get("rid") or f"sim-{number}")
         routing_key = request.headers.get("X-SMG-Routing-Key") or body.get("routing_key") or rid
         keys = self.stats["routing_keys"]
         keys[routing_key] = keys.get(routing_key, 0) + 1

@@ -270,13 +270,13 @@ def _per_k(families: dict[str, dict[str, float]], groups: int) -> dict[str, dict
                    "ttl_s": row["ttl_s"]} for name, row in families.items()}
 
 
-def bench_memory(url: str, *, quick: bool) -> list[Figure]:
+def bench_memory(url: str, *, quick: bool, groups: int | None = None) -> list[Figure]:
     from pipeline.aio import LoopThread
     from pipeline.buffer import GroupBuffer
     from pipeline.slime import RedisDataSource
     from pipeline.synthetic import make_group
 
-    total = 10_000 if quick else 100_000
+    total = groups or (10_000 if quick else 100_000)
     steps = total // BATCH
     keys = Keys(f"mem{uuid.uuid4().hex[:8]}")
     loop = LoopThread()
@@ -293,8 +293,8 @@ def bench_memory(url: str, *, quick: bool) -> list[Figure]:
         after: dict[str, Any]
         started = time.monotonic()
         for step in range(steps):
-            groups = [_renamed(template[i % 4], f"task{step * BATCH + i}:0") for i in range(BATCH)]
-            loop.run(_push_all(buffer, groups))
+            step_groups = [_renamed(template[i % 4], f"task{step * BATCH + i}:0") for i in range(BATCH)]
+            loop.run(_push_all(buffer, step_groups))
             if step == steps // 2:  # while running: this step's groups wait in the stream
                 running = {"used_memory": loop.run(_used_memory(redis)) - base,
                            "families": _per_k(loop.run(_families(redis, keys.ns)), step * BATCH + BATCH)}

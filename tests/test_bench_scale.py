@@ -1,0 +1,37 @@
+"""`rollout bench --sections scale` (scripts/bench_scale.py) on tiny sizes: it runs, and what it
+counts holds (issue 26 item 2): a heartbeat's Redis commands do not grow with W, and the keys
+the buffer and trainer path leave without a TTL do not grow with the groups pushed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pipeline.local_redis import LocalRedis
+from scripts import bench_scale
+
+
+def test_liveness_commands_per_heartbeat_do_not_grow_with_workers():
+    with LocalRedis() as server:
+        idle_cpu, _p99 = asyncio.run(bench_scale._idle(server.url, 0.2))
+        small = asyncio.run(bench_scale._liveness_run(server.url, 8, 1, idle_cpu))
+        large = asyncio.run(bench_scale._liveness_run(server.url, 128, 1, idle_cpu))
+    assert small["beats"] >= 8 and large["beats"] >= 128
+    assert small["pings"] > 0 and large["p99_ms"] > 0
+    # the beat, the own job set, and the cluster's one sweep (<= ~800 commands) shared by all beats:
+    # every worker walking every job set was W SMEMBERS a beat (128 here)
+    assert large["commands_per_beat"] < 25, large
+
+
+def _untimed_keys(url: str, groups: int) -> dict[str, float]:
+    figures = bench_scale.bench_memory(url, quick=True, groups=groups)
+    families = figures[0].details["after_consumption"]["families"]
+    assert families["{ns}:dedup:*"]["keys"] == groups and families["{ns}:dedup:*"]["ttl_s"] > 0
+    assert figures[1].value < 300 < figures[1].baseline_value  # the arq result without the job's arguments
+    return {name: row["keys"] for name, row in families.items() if row["ttl_s"] < 0}
+
+
+def test_keys_without_a_ttl_do_not_grow_with_the_groups_pushed():
+    with LocalRedis() as server:
+        few = _untimed_keys(server.url, 2 * bench_scale.BATCH)
+        many = _untimed_keys(server.url, 6 * bench_scale.BATCH)
+    assert few == many, (few, many)

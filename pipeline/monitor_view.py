@@ -45,7 +45,7 @@ def _staleness(snap: MonitorSnapshot) -> Table:
     t = Table(title="staleness (version - admission version)", title_justify="left", min_width=64,
               caption=f"waiting: the {sum(snap.waiting_staleness_hist.values())} groups the trainer has not read yet\n"
                       f"trained: the {sum(snap.staleness_hist.values())} groups of the last {snap.trained_steps} "
-                      "step(s), each at the step that trained it", caption_justify="left")
+                      "step(s), at the step that trained them", caption_justify="left")
     t.add_column("lag", justify="right")
     t.add_column("waiting", justify="right")
     t.add_column(f"trained (last {snap.trained_steps} steps)", justify="right")

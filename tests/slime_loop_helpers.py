@@ -1,0 +1,197 @@
+"""slime's own training loops, executed: the pinned snapshot's `train.py` and `train_async.py`
+loaded as modules and their `train(args)` run with the GPU-side actors stood in for.
+
+What stays slime's: the loop order in both files, `create_training_models` (it sets
+`start_rollout_id` and calls `rollout_manager.load(start - 1)`), `create_rollout_manager`,
+`should_run_periodic_action` (checkpoints), and the RolloutManager methods the loop reaches
+(`_get_rollout_data`: `call_rollout_fn` + `validate_rollout_id_annotated`, `save`, `load`),
+bound to a light object as tests/test_conformance_slime.py does. The data source and rollout
+function are the pipeline's, loaded by slime's `load_function` from `--data-source-path` and
+`--rollout-function-path`.
+
+What is stood in for: Ray (`ray.get` resolves futures; an actor's calls run one at a time in
+submission order on one thread, as a plain `@ray.remote` actor runs them), the placement
+groups, tracking, and the Megatron actor: `update_weights()` does what slime's updater does to
+the engines (pause, `/update_weight_version` with the per-process push count, continue; the
+simulator aborts running requests as SGLang does) and records which policy version each
+(run, label) really is, from the steps it trained: the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import urllib.request
+from argparse import Namespace
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+
+class Crash(Exception):
+    """The trainer process dies in the middle of a step."""
+
+
+def load_loop(slime_path: Path, name: str) -> ModuleType:
+    """slime's `train.py` or `train_async.py` as a fresh module (its imports are slime's own)."""
+    spec = importlib.util.spec_from_file_location(f"slime_loop_{name}", slime_path / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def resolve(ref: Any) -> Any:
+    """`ray.get`: a future's result, a list element-wise, anything else as is."""
+    if isinstance(ref, Future):
+        return ref.result()
+    if isinstance(ref, list):
+        return [resolve(r) for r in ref]
+    return ref
+
+
+FAKE_RAY = SimpleNamespace(get=resolve)
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> None:
+    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        reply.read()
+
+
+class _Remote:
+    def __init__(self, executor: ThreadPoolExecutor, fn: Any):
+        self.executor, self.fn = executor, fn
+
+    def remote(self, *args: Any, **kwargs: Any) -> Future:
+        return self.executor.submit(self.fn, *args, **kwargs)
+
+
+class RolloutManagerActor:
+    """A RolloutManager actor handle: slime's own methods on a light object, one call at a time."""
+
+    def __init__(self, cls: type, args: Namespace):
+        from slime.utils.misc import load_function
+
+        self.state = SimpleNamespace(args=args)
+        self.state.data_source = load_function(args.data_source_path)(args)  # RolloutManager.__init__
+        self.state.generate_rollout = load_function(args.rollout_function_path)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-manager")
+        get_data, save, load = (getattr(cls, n).__get__(self.state) for n in ("_get_rollout_data", "save", "load"))
+        self.batches: dict[int, list[Any]] = {}  # rollout id -> the samples generate() returned
+
+        def generate(rollout_id: int) -> list[Any]:
+            self.batches[rollout_id] = get_data(rollout_id=rollout_id)[0]
+            return self.batches[rollout_id]
+
+        self.generate = _Remote(self.executor, generate)
+        self.save = _Remote(self.executor, save)
+        self.load = _Remote(self.executor, load)
+        self.dispose = _Remote(self.executor, lambda: None)
+
+    @property
+    def data_source(self) -> Any:
+        return self.state.data_source
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+        self.data_source.close()
+
+    def die(self) -> None:
+        """The process is gone: the call in flight finishes (its batch is recorded), nothing closes."""
+        self.executor.shutdown(wait=True)
+        self.data_source._loop.close()
+
+
+class Cluster:
+    """The engines, the checkpoints and the truth, across trainer processes (runs)."""
+
+    def __init__(self, engine_url: str):
+        self.engine_url = engine_url
+        self.truth: dict[tuple[int, str], int] = {}  # (run, engine label) -> the policy version it was
+        self.checkpoint: int | None = None  # the last rollout id saved
+        self.trained: dict[int, dict[int, list[Any]]] = {}  # run -> rollout id -> samples trained
+        self.starts: dict[int, int] = {}  # run -> its start_rollout_id
+        self.managers: list[RolloutManagerActor] = []
+
+
+class MegatronActor:
+    """The train group of one trainer process (`RayTrainGroup`): trains, saves, pushes weights."""
+
+    def __init__(self, cluster: Cluster, run: int, start: int, crash_at: int | None):
+        self.cluster, self.run, self.start, self.crash_at = cluster, run, start, crash_at
+        self.steps = 0  # optimizer steps taken by this process
+        self.pushes = 0  # slime's updater counter: per process, from 0
+        self.lock = threading.Lock()
+        cluster.trained[run] = {}
+        cluster.starts[run] = start
+
+    def update_weights(self) -> None:
+        self.pushes += 1
+        label = str(self.pushes)
+        self.cluster.truth[(self.run, label)] = self.start + self.steps
+        url = self.cluster.engine_url
+        _post(url, "/pause_generation", {})
+        _post(url, "/update_weight_version", {"new_version": label})
+        _post(url, "/continue_generation", {})
+
+    def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
+        if rollout_id == self.crash_at:
+            raise Crash(f"trainer killed in step {rollout_id}")
+        self.cluster.trained[self.run][rollout_id] = data
+        self.steps += 1
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        self.cluster.checkpoint = rollout_id
+
+    def clear_memory(self) -> None:
+        pass
+
+
+def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int, save_interval: int) -> Namespace:
+    """The attributes slime's parser gives that train.py, train_async.py and the helpers above read."""
+    return Namespace(
+        release_train=False, offload_rollout=False, offload_train=False, use_critic=False, colocate=False,
+        check_weight_update_equal=False, num_rollout=num_rollout, num_epoch=None, eval_interval=None,
+        skip_eval_before_train=True, save_interval=save_interval, rollout_global_dataset=True,
+        update_weights_interval=interval, num_critic_only_steps=0, start_rollout_id=None,
+        data_source_path="pipeline.slime.RedisDataSource", rollout_function_path="pipeline.slime.generate_rollout",
+        load_debug_rollout_data=None, debug_rollout_only=False, debug_train_only=False,
+        **pipeline_args,
+    )
+
+
+def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None) -> None:
+    """Stand in for Ray, placement and the actor model under slime's own functions, for one
+    trainer process (its run number is the one its data source began)."""
+    placement = slime.modules["slime.ray.placement_group"]
+    rollout = slime.modules["slime.ray.rollout"]
+    manager_cls = rollout.RolloutManager.__ray_actor_class__  # slime's class (@ray.remote wraps it)
+
+    class RolloutManagerClass:
+        __ray_actor_class__ = manager_cls
+
+        @staticmethod
+        def options(**_: Any) -> Any:
+            return SimpleNamespace(remote=lambda args, pg: _new_manager(args))
+
+    def _new_manager(args: Namespace) -> RolloutManagerActor:
+        manager = RolloutManagerActor(manager_cls, args)
+        cluster.managers.append(manager)
+        return manager
+
+    def create_actor_model(args: Namespace, pgs: Any, rollout_manager: Any, actor_cls: Any = None) -> Any:
+        start = 0 if cluster.checkpoint is None else cluster.checkpoint + 1  # actor.py: loaded_rollout_id + 1
+        run = rollout_manager.data_source.run_id
+        return MegatronActor(cluster, run, start, crash_at), [start]
+
+    monkeypatch.setattr(rollout, "RolloutManager", RolloutManagerClass)
+    monkeypatch.setattr(placement, "ray", FAKE_RAY)
+    monkeypatch.setattr(placement, "create_actor_model", create_actor_model)
+    monkeypatch.setattr(loop, "ray", FAKE_RAY)
+    monkeypatch.setattr(loop, "create_placement_groups", lambda args: {"rollout": None, "actor": None, "critic": None})
+    for name in ("configure_logger", "init_tracking", "finish_tracking"):
+        monkeypatch.setattr(loop, name, lambda *a, **k: None)

@@ -128,7 +128,10 @@ class PolicyStamp(msgspec.Struct, frozen=True):
         the label slime's law gives the next push (a push the trainer has not published yet).
         A label is never read downwards: within a run the engines are never behind the
         published version, so a label that seems older only means a trainer that labels its
-        pushes otherwise (its own convention), and the published version stays right."""
+        pushes otherwise (its own convention), and the published version stays right.
+        Raising is exact only while the published labels follow the loop that really runs
+        (`pipeline_trainer_loop`, pipeline/staleness.py): tests/test_conformance_slime.py runs
+        slime's own train.py and train_async.py against it."""
         return min(
             (max(self.version, self.labels.get(label, self.version)) for label in engine_labels), default=self.version
         )

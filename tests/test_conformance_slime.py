@@ -11,7 +11,10 @@ runs on what this pipeline hands it, through a real redis-server.
   `start()` is run through `workers.episode.EpisodeRunner`, not built by hand;
 - the weight-version law of slime's updaters, executed;
 - the data-source calls of slime's train_async.py on a resume, with the engines' weight
-  versions restarting at "1".
+  versions restarting at "1", the groups stamped as workers stamp them;
+- slime's own train.py and train_async.py executed (tests/slime_loop_helpers.py) with real
+  workers on the simulator, intervals 1 and 2, a crash and a resume: every trained call carries
+  the true policy version.
 """
 
 from __future__ import annotations

@@ -57,14 +57,13 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
 
 
 def _peer_section(quick: bool) -> list[Figure]:
-    """slime's sync, partial and fully-async rollouts next to this pipeline (scripts/bench_peer.py
-    prints its own table; it needs the slime snapshot, see tests/conformance_support.py)."""
-    from scripts.bench_peer import main as bench_peer
+    """The frontier (issue 25): slime's sync and fully-async rollouts next to this pipeline at
+    eta 1, 2, 4, 8 and at fully async's max lag (scripts/bench_peer.py prints its tables and
+    writes bench-peer-frontier.png and every run's raw figures to bench-peer.json here; it needs
+    the slime snapshot, see tests/conformance_support.py). Its goals come back as figures."""
+    from scripts.bench_peer import bench_peer
 
-    rc = bench_peer(["--quick"] if quick else [])
-    if rc:
-        print(f"[peer] scripts.bench_peer exited with {rc}")
-    return []
+    return bench_peer(quick=quick, plot_path=Path("bench-peer-frontier.png"), json_path="bench-peer.json")
 
 
 # The engine answers after a per-token latency (mean 10 ms, ~0.5 s a turn), so the episodes are

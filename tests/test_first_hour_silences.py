@@ -331,6 +331,20 @@ def test_monitor_staleness_is_of_what_waits_and_what_was_trained_recently(redis_
     assert snap["staleness_hist"] == {"0": 6} and snap["staleness_max"] == 0, snap
     assert snap["trained_steps"] == 3
 
+    async def wandb_figures() -> dict[str, float]:
+        from pipeline.metrics import figures
+        from pipeline.monitor import snapshot
+
+        client = connect(redis_url)
+        try:
+            return figures(await snapshot(client, Keys(namespace)))
+        finally:
+            await client.aclose()
+
+    flat = asyncio.run(wandb_figures())  # what `rollout monitor --wandb` logs
+    assert flat["staleness/max"] == 0 and flat["staleness/trained_hist/0"] == 6
+    assert not [k for k in flat if k.startswith("staleness/") and k.endswith("/25")]
+
     push_groups(redis_url, namespace, [make_group("late:0", n=2, admission_version=22)])  # waits at lag 3
     snap = json.loads(_rollout("monitor", "--json", "--redis-url", redis_url, "--namespace", namespace).stdout)
     assert snap["waiting_staleness_hist"] == {"3": 1} and snap["staleness_max"] == 3

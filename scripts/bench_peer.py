@@ -271,7 +271,7 @@ def slime_path() -> Path:
         return snapshot_path("SLIME_PATH", "slime")
     except ImportError:  # tests/ not importable (an installed copy): the same rule
         env = os.environ.get("SLIME_PATH")
-        return Path(env) if env else REPO.parent / "shared" / "third_party"
+        return Path(env) if env else REPO.parent / "shared" / "third_party" / "slime"
 
 
 def write_inputs(workdir: Path) -> tuple[Path, Path]:

@@ -337,3 +337,109 @@ class LossyProxy:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ------------------------------------------------------------------ a run as processes
+
+class TrainerProcess:
+    """`python -m tests.chaos_trainer` (slime's train.py loop, the ledger on) in `workdir`:
+    SIGKILLable, and started again it resumes from its checkpoint as train.py does."""
+
+    def __init__(self, redis_url: str, ns: str, workdir: Path, tasks: Path, *, batch: int, n: int, eta: int,
+                 max_steps: int = 1000, train_step_s: float = 0.05):
+        import sys
+
+        self.workdir = workdir
+        self.args = [sys.executable, "-m", "tests.chaos_trainer", "--redis-url", redis_url, "--namespace", ns,
+                     "--workdir", str(workdir), "--tasks", str(tasks), "--batch", str(batch), "--n", str(n),
+                     "--eta", str(eta), "--max-steps", str(max_steps), "--train-step-s", str(train_step_s)]
+        self.proc: Any = None
+        self.starts = 0
+
+    def start(self) -> TrainerProcess:
+        import subprocess
+
+        self.starts += 1
+        log = open(self.workdir / f"trainer{self.starts}.log", "wb")  # noqa: SIM115 - the child holds it
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def training(self) -> int:
+        """The rollout id of the step it got and has not saved yet, or of the last saved one (-1: none)."""
+        path = self.workdir / "training"
+        return int(path.read_text() or -1) if path.exists() else -1
+
+    def steps(self, log: str = "steps") -> list[dict]:
+        """The saved steps' log lines (rid, wall time t, group ids), in order; `log="got"`: every
+        batch got (rid, group ids), replays included."""
+        path = self.workdir / f"{log}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def replays(self) -> tuple[int, int]:
+        """(steps got again after a restart, those whose groups differed from the first time)."""
+        first: dict[int, list[str]] = {}
+        replayed = differing = 0
+        for got in self.steps("got"):
+            if got["rid"] in first:
+                replayed += 1
+                differing += got["groups"] != first[got["rid"]]
+            else:
+                first[got["rid"]] = got["groups"]
+        return replayed, differing
+
+    def log_tail(self) -> str:
+        return "\n".join((self.workdir / f"trainer{i}.log").read_text(errors="replace")[-1500:]
+                         for i in range(1, self.starts + 1))
+
+
+def producer_process(config_path: str, tasks: Path, log_path: Path, *, max_requeues: int = 5) -> Any:
+    """`rollout enqueue` of one epoch of `tasks` (a child process; SIGKILLable, its cursor resumes)."""
+    from scripts.processes import ChildProcess
+
+    return ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--epochs", "1",
+                         "--max-requeues", str(max_requeues), "--poll", "0.05", "--quiet"], log_path=str(log_path))
+
+
+def pool_children(pool_pid: int) -> list[int]:
+    """The worker processes of a `rollout workers --processes N` parent (its spawned children)."""
+    children = Path(f"/proc/{pool_pid}/task/{pool_pid}/children").read_text().split()
+    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+@dataclass
+class LedgerVerdict:
+    """What the ledger (the Parquet files, the oracle of exactly-once training) says was trained."""
+
+    steps: list[int]
+    groups: dict[str, int]  # group id -> the step that trained it
+    lost: list[str]  # epoch-0 tasks with no trained group
+    twice: dict[str, list[str]]  # (task:epoch) -> its groups, where more than one was trained
+    in_two_steps: list[str]  # group ids found in more than one step
+    attempts: Tally  # attempt number -> groups trained
+
+
+def ledger_verdict(ledger_dir: Path, task_ids: Iterable[str]) -> LedgerVerdict:
+    from tests.chaos_trainer import ledger_rows
+
+    groups: dict[str, set[int]] = {}
+    per_task: dict[str, set[str]] = {}
+    attempts: Tally = Tally()
+    for row in ledger_rows(ledger_dir):
+        groups.setdefault(row["group_id"], set()).add(row["rollout_id"])
+        per_task.setdefault(f"{row['task_id']}:{row['epoch']}", set()).add(row["group_id"])
+    for group_id in groups:
+        attempts[int(group_id.rsplit(":", 1)[1].partition("r")[2] or 0)] += 1
+    steps = sorted({s for where in groups.values() for s in where})
+    return LedgerVerdict(
+        steps=steps,
+        groups={g: min(where) for g, where in groups.items()},
+        lost=sorted(set(task_ids) - {key.rsplit(":", 1)[0] for key in per_task if key.endswith(":0")}),
+        twice={key: sorted(gs) for key, gs in per_task.items() if len(gs) > 1},
+        in_two_steps=sorted(g for g, where in groups.items() if len(where) > 1),
+        attempts=attempts,
+    )

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ async def _math_reward(label: str, answer: str) -> tuple[float, object]:
     task = Task(id="m1", env="m", prompt="Solve it.", label=label)
     session = await env.start(task)
     try:
-        messages = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": answer}]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}, {"role": "assistant", "content": answer}]
         verification = await session.verify(EpisodeRecord(task=task, messages=messages, response_text=answer,
                                                            status=Status.COMPLETED, turns=1))
     finally:
@@ -210,13 +211,13 @@ async def test_verbose_shows_the_job_id_never_the_payload(redis, redis_url, keys
 # ------------------------------------------------------------------ the trainer's wait line names its cause
 
 
-def _source_args(redis_url: str, ns: str, **extra: object):
+def _source_args(redis_url: str, ns: str, **extra: Any):
     from tests.source_helpers import source_args
 
     return source_args(redis_url, ns, eta=1, batch=2, n=2, pipeline_wait_timeout_s=1.2, **extra)
 
 
-def _wait_lines(redis_url: str, ns: str, rid: int, caplog, **extra: object) -> list[str]:
+def _wait_lines(redis_url: str, ns: str, rid: int, caplog, **extra: Any) -> list[str]:
     from pipeline.slime import RedisDataSource, generate_rollout
 
     source = RedisDataSource(_source_args(redis_url, ns, **extra))

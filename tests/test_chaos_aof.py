@@ -9,7 +9,10 @@ outage out by itself (the outage budget of pipeline/redis_conn.py, arq's connect
 
 Asserts: every process is still alive and the run finishes by itself; every epoch-0 task is
 trained exactly once (0 lost, 0 duplicates); what the trainer acknowledged (save) before a
-kill is still acknowledged after it (none of those ids is pending again). With `always` no
+kill is still acknowledged after it (none of those groups is back in the stream), and at the
+end the counters equal the truth (`accepted` = groups the trainer got, `buffered` = trained +
+discarded + still ready). The run-shaped variant with the trainer and producer as processes
+and the ledger as the oracle is tests/test_chaos_run.py. With `always` no
 write is lost at all (stream and counters after the restart = before the kill). With
 `everysec` the last second of writes may be lost: the report says what that cost (pushes and
 counter moves that vanished, jobs re-run, duplicate pushes refused).
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from pipeline.local_redis import LocalRedis
@@ -162,6 +166,8 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
                     "counter_moves_lost": {k: v - after["counters"].get(k, 0) for k, v in before["counters"].items()
                                            if v > after["counters"].get(k, 0) and k != Counter.RUNNING},
                     "acked_groups_before": len(acked_before),
+                    # acknowledged before the kill, back in the stream after it (must stay acknowledged)
+                    "acked_back": sorted(set(acked_before) & set(after["entries"])),
                 })
             await asyncio.to_thread(trainer.join, 150)
             if trainer.error is not None or trainer.is_alive():
@@ -176,6 +182,7 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
             crashed = [w.proc.returncode for w in run.workers if w.proc.poll() is not None]
         counts = await counters(redis, keys)
         dead = await redis.xlen(keys.dead) if await redis.exists(keys.dead) else 0
+        ready, pending = await GroupBuffer(redis, keys).depth()
     finally:
         tail.running = False
         await redis.aclose()
@@ -189,6 +196,7 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
         "duplicate_pushes_refused": counts.get(Counter.DUPLICATES, 0),
         "jobs_failed": counts.get(Counter.FAILED, 0), "dead_letters": dead,
         "enqueued": counts.get(Counter.ENQUEUED, 0), "buffered": counts.get(Counter.BUFFERED, 0),
+        "accepted": counts.get(Counter.ACCEPTED, 0), "ready": ready, "pending": pending,
     }
     print(f"\nCHAOS redis AOF ({fsync}) report:", json.dumps(report))
     assert len(kills) == KILLS, report
@@ -197,3 +205,9 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
     assert len(trainer.trained_groups) == len(set(trainer.trained_groups)), report
     if not cut_s:  # a SIGKILLed redis-server loses no acknowledged write (always or everysec)
         assert all(k["entries_lost"] == 0 and not k["counter_moves_lost"] for k in kills), report
+        assert all(k["acked_back"] == [] for k in kills), report  # an acknowledged step stays acknowledged
+        # the counters equal the truth: every group the trainer got was counted accepted once, and
+        # every group buffered was trained, discarded or is still ready
+        discarded = counts.get(Counter.STALE, 0) + counts.get(Counter.FILTERED, 0)
+        assert counts.get(Counter.ACCEPTED, 0) == len(trainer.trained_groups), report
+        assert counts.get(Counter.BUFFERED, 0) == len(trainer.trained_groups) + discarded + ready, report

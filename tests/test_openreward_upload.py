@@ -47,6 +47,7 @@ class FakeApi:
     """POST /v1/rollouts as OpenReward's API takes it: `{"events": [...]}`; records each body."""
 
     delay_s: float = 0.0
+    refuse_messages: bool = False  # answer 400 to batches of message events (rollouts are created)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
 
@@ -55,6 +56,8 @@ class FakeApi:
         self.keys.append(request.headers.get("x-api-key", ""))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if self.refuse_messages and any(e.get("eventType") == "message" for e in body["events"]):
+            return web.json_response({"error": "refused"}, status=400)
         self.bodies.append(body)
         return web.json_response({"ok": True})
 
@@ -194,6 +197,25 @@ async def test_an_api_that_is_down_changes_no_episode_and_is_counted_and_logged_
     assert API_KEY not in caplog.text + printed.out + printed.err
 
 
+async def test_message_batches_the_api_refuses_are_counted(or_server, monkeypatch, caplog, capsys):
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    caplog.set_level(logging.WARNING, logger="workers.upload")
+    api = FakeApi(refuse_messages=True)
+    async with serve_api(api) as api_url:
+        env = _env(or_server, {"api_url": api_url})
+        try:
+            episodes, _ = await _episodes(env, [_task(0)], n=2)
+        finally:
+            await env.aclose()
+    assert env.uploader is not None
+    stats = env.uploader.stats()
+    assert stats["failed"] == 0 and stats["failed_batches"] >= 1 and len(api.events("rollout")) == 2
+    assert all(s.status is Status.COMPLETED for _, s in episodes)
+    assert any("last error: upload failed" in r.getMessage() for r in caplog.records), caplog.text
+    printed = capsys.readouterr()
+    assert "upload failed" not in printed.out + printed.err  # counted and reported by us, not printed per batch
+
+
 async def test_a_slow_api_delays_no_episode_and_drops_are_counted(or_server, monkeypatch, capsys):
     """Side by side, one run: a batch of episodes without upload, then with upload to an API
     that takes 3 s per request (the SDK's rollout start blocks its caller that long)."""
@@ -221,6 +243,38 @@ async def test_a_slow_api_delays_no_episode_and_drops_are_counted(or_server, mon
     assert [_summary(s) for _, s in with_upload] == [_summary(s) for _, s in without]
     assert seconds_with < seconds_without * 1.5 + 0.5 and seconds_with < 3.0
     assert stats["dropped"] >= 16 - 3 and stats["uploaded"] == 0  # one in the thread, two queued
+
+
+async def test_a_worker_job_uploads_its_group_under_the_pipelines_run(or_server, monkeypatch, redis, redis_url, keys):
+    """Through the worker's job function: the run name defaults to the pipeline's namespace and
+    each episode's rollout is named by its episode id (group / index / try)."""
+    from pipeline.buffer import GroupBuffer
+    from pipeline.config import parse_config
+    from pipeline.schema import PromptJob, encode
+    from workers.jobs import CTX_KEY, WorkerContext, run_group
+    from workers.liveness import Liveness
+
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    api = FakeApi()
+    async with serve_api(api) as api_url, serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, length_mu=1.0)) as engine:
+        options = {"environment": "arith", "base_url": or_server, "api_key_env": KEY_VAR, "upload": {"api_url": api_url}}
+        config = parse_config({"redis": {"url": redis_url, "namespace": keys.ns},
+                               "environments": {"arith": {"kind": "openreward", "options": options}}})
+        buffer = GroupBuffer(redis, keys)
+        await buffer.ensure_group()
+        context = WorkerContext(
+            config=config, keys=keys, buffer=buffer, engine=EngineClient(engine.url, max_retries=1), chat=chat_tokens(),
+            liveness=Liveness(redis, keys, "w1", heartbeat_s=1.0, dead_after_s=5.0), worker_id="w1",
+        )
+        job = PromptJob(task=_task(0), epoch=0, n_samples=2, sampling=SamplingParams(max_new_tokens=256))
+        try:
+            result = await run_group({CTX_KEY: context, "job_id": keys.arq_job_id(job.job_id), "job_try": 1}, encode(job))
+        finally:
+            await context.aclose()  # closes the environment: its uploader flushes
+    assert result["status"] == "pushed", result
+    rollouts = api.events("rollout")
+    assert {r["runName"] for r in rollouts} == {keys.ns}
+    assert sorted(r["rolloutName"] for r in rollouts) == [f"{job.job_id}/0/1", f"{job.job_id}/1/1"]
 
 
 def test_bad_upload_options_name_the_key():

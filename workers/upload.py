@@ -225,6 +225,9 @@ class TrajectoryUploader:
         return True
 
     def stats(self) -> dict[str, int]:
+        """uploaded: rollouts created with their messages handed to the SDK's sender; failed:
+        rollouts not created; failed_batches: message batches the sender gave up on; dropped:
+        episodes the full queue turned away; queued: waiting now."""
         with self._counts.lock:
             c = self._counts
             return {"uploaded": c.uploaded, "dropped": c.dropped, "failed": c.failed,

@@ -148,6 +148,30 @@ async def test_a_judge_outage_is_an_error_slime_retries_never_a_zero(nemo_gym, r
     assert status == 503 and "judge_failed" in body["error"]
 
 
+async def test_code_and_openreward_environments_score_for_slimes_remote_rm(rm_hub):
+    """The label as the data row: code tests run in the sandbox; an OpenReward task spec, the
+    response graded by the environment's `@terminal` tool on the SDK's own server."""
+    os.environ.setdefault("OPENREWARD_DISABLE_UPDATE_CHECK", "1")
+    from tests.env_helpers import serve_openreward
+    from tests.test_env_openreward import Arith
+
+    program = "```python\nprint(2 * int(input()))\n```"
+    tests = {"tests": [{"input": "3\n", "output": "6\n"}, {"input": "5\n", "output": "10\n"}]}
+    with serve_openreward(Arith) as or_url:
+        envs = {
+            "code": {"kind": "code", "options": {"require_isolation": False}},
+            "arith": {"kind": "openreward", "options": {"environment": "arith", "base_url": or_url}},
+        }
+        async with rm_server(envs) as base:
+            code = await rm_hub.remote_rm(_args(f"{base}/code"), _sample(rm_hub, program, tests, prompt="Double n."))
+            half = await rm_hub.remote_rm(_args(f"{base}/code"), _sample(rm_hub, "```python\nprint(6)\n```", tests))
+            spec = {"task_spec": {"question": "What is 6 * 7?", "answer": "42"}}
+            right = await rm_hub.remote_rm(_args(f"{base}/arith"), _sample(rm_hub, "<think>6*7</think>Answer: 42", spec))
+            wrong = await rm_hub.remote_rm(_args(f"{base}/arith"), _sample(rm_hub, "Answer: 41", spec))
+            await rm_hub._shared_session.close()
+    assert (code, half) == (1.0, 0.5) and (right, wrong) == (1.0, 0.0)
+
+
 async def test_an_unreachable_environment_server_is_an_error_not_a_zero(rm_hub):
     envs = {"gym": {"kind": "nemo_gym", "options": {"url": f"http://127.0.0.1:{free_port()}"},
                     "timeouts": {"start": {"timeout_s": 2, "retries": 0, "backoff_s": 0.01}}}}

@@ -67,16 +67,16 @@ class FakeApi:
 
 @asynccontextmanager
 async def serve_api(api: FakeApi) -> AsyncIterator[str]:
+    from aiohttp.test_utils import TestServer
+
     app = web.Application()
     app.router.add_post("/v1/rollouts", api.rollouts)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    server = TestServer(app, host="127.0.0.1")  # aiohttp's own loopback server, on a free port
+    await server.start_server()
     try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield str(server.make_url("")).rstrip("/")
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 def _env(url: str, upload: dict | None) -> OpenRewardEnvironment:
@@ -241,7 +241,8 @@ async def test_a_slow_api_delays_no_episode_and_drops_are_counted(or_server, mon
         print(f"\nupload to a 3 s API: a batch of 16 episodes took {seconds_with:.2f}s with it, "
               f"{seconds_without:.2f}s without (ratio {seconds_with / seconds_without:.2f}; 2 cores shared with other work)")
     assert [_summary(s) for _, s in with_upload] == [_summary(s) for _, s in without]
-    assert seconds_with < seconds_without * 1.5 + 0.5 and seconds_with < 3.0
+    # waiting on the API even once would cost 3 s; the ratio bound is loose for a loaded machine
+    assert seconds_with < 3.0 and seconds_with < seconds_without * 2 + 1.0
     assert stats["dropped"] >= 16 - 3 and stats["uploaded"] == 0  # one in the thread, two queued
 
 

@@ -31,6 +31,7 @@ start a stack once per module (`start_engine_stack` is blocking; async tests cal
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -60,24 +61,25 @@ _MODEL_CONFIG = {
 START_TIMEOUT_S = 240.0  # a loaded 2-core CI machine; ~50 s there when idle
 
 
-def _die_with_parent() -> None:
-    """preexec_fn of every stack process: SIGTERM when the test process dies (Linux's
-    PR_SET_PDEATHSIG), so a killed test run leaves no engine or router behind."""
-    try:
-        import ctypes
+# what `EngineStack.configure` may change (not the engine's context, slots or tokenizer)
+_CONFIGURABLE = ("accuracy", "tool_use", "malformed_rate", "length_mu", "length_sigma", "max_filler_tokens",
+                 "token_latency_s", "latency_sigma", "seed", "puzzle", "slots")
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+
+_LIVE: list[EngineStack] = []  # stopped at exit if a test run ends without their teardown
+
+
+def _stop_live() -> None:
+    for stack in list(_LIVE):
+        stack.stop()
+
+
+atexit.register(_stop_live)
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    import threading
-
-    # the death signal follows the forking *thread*: only the main thread lives as long as the run
-    hook = _die_with_parent if threading.current_thread() is threading.main_thread() else None
     with open(log, "wb") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=hook)
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def free_port() -> int:
@@ -99,14 +101,17 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, Any]:
 
 @dataclass
 class EngineStack:
-    router_url: str
+    router_url: str  # the first router's
     engine_urls: list[str]
     router: str
+    router_urls: dict[str, str] = field(default_factory=dict)  # every router in front of the engines, by name
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     startup_s: float = 0.0
 
     def stop(self) -> None:
+        if self in _LIVE:
+            _LIVE.remove(self)
         for proc in self.processes:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -126,6 +131,39 @@ class EngineStack:
         status, body = _get(f"{self.control_url(i)}/sim/stats")
         assert status == 200, f"no stats from engine {i}"
         return dict(body)
+
+    def total_stats(self) -> dict[str, Any]:
+        """Every engine's counters added up (`max_running`: the largest), routing keys merged."""
+        total: dict[str, Any] = {}
+        for i in range(len(self.engine_urls)):
+            for key, value in self.stats(i).items():
+                if isinstance(value, dict):
+                    merged = total.setdefault(key, {})
+                    for k, v in value.items():
+                        merged[k] = merged.get(k, 0) + v
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = max(total.get(key, 0), value) if key == "max_running" else total.get(key, 0) + value
+        return total
+
+    def all_bodies(self) -> list[Any]:
+        return [body for i in range(len(self.engine_urls)) for body in self.bodies(i)]
+
+    def bodies(self, i: int = 0) -> list[Any]:
+        """The /generate bodies engine i's SGLang front received since the last /sim/config."""
+        status, body = _get(f"{self.control_url(i)}/sim/bodies")
+        assert status == 200, f"no bodies from engine {i}"
+        return list(body)
+
+    def configure(self, i: int | None = None, **fields: Any) -> None:
+        """The simulator's SimConfig defaults updated with `fields`, on engine i or every engine;
+        counters, queued faults and kept bodies start afresh (a test's clean slate)."""
+        from workers.sim.engine import SimConfig
+
+        unknown = set(fields) - set(_CONFIGURABLE)
+        if unknown:
+            raise ValueError(f"not configurable at run time: {sorted(unknown)} (start_engine_stack's sim= sets them)")
+        defaults = SimConfig()
+        self.sim("config", {**{k: getattr(defaults, k) for k in _CONFIGURABLE}, **fields}, i)
 
     def sim(self, path: str, body: dict[str, Any], i: int | None = None) -> None:
         """POST /sim/<path> (config, fail_next) to engine i, or to every engine."""
@@ -161,11 +199,12 @@ def start_engine_stack(
     *,
     context_length: int | None = None,
     model_context: int = 32768,
-    router: str = "smg",
+    router: str | tuple[str, ...] = "smg",
     sim: dict[str, Any] | None = None,
     timeout_s: float = START_TIMEOUT_S,
 ) -> EngineStack:
-    """Start `n_engines` SGLang fronts over simulators and `router` in front of them.
+    """Start `n_engines` SGLang fronts over simulators and `router` (one name or several, each
+    its own process in front of all the engines; `router_url` is the first's) in front of them.
 
     `context_length` is SGLang's `--context-length` (None: the model's own, `model_context`
     = its `max_position_embeddings`, and /server_info says `context_length: null`, as for
@@ -173,13 +212,15 @@ def start_engine_stack(
     engine's simulator (accuracy, slots, token_latency_s, ...). Returns when the router lists
     every engine as healthy.
     """
-    if router not in ROUTERS:
-        raise ValueError(f"router must be one of {ROUTERS}, not {router!r}")
+    routers = (router,) if isinstance(router, str) else tuple(router)
+    if not routers or set(routers) - set(ROUTERS):
+        raise ValueError(f"router must be one or more of {ROUTERS}, not {router!r}")
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
-    stack = EngineStack(router_url="", engine_urls=[], router=router)
+    stack = EngineStack(router_url="", engine_urls=[], router=routers[0])
+    _LIVE.append(stack)
     for i in range(n_engines):
         port, stats_port = free_port(), free_port()
         log = tmp / f"front-{i}-{port}.log"
@@ -195,7 +236,9 @@ def start_engine_stack(
     try:
         _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
               list(stack.processes), stack, timeout_s)
-        stack.router_url = start_router(stack, router, tmp)
+        for name in routers:
+            stack.router_urls[name] = start_router(stack, name, tmp)
+        stack.router_url = stack.router_urls[routers[0]]
     except BaseException:  # a test timeout or ^C while starting: nothing is left running
         stack.stop()
         raise
@@ -229,6 +272,29 @@ def engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any) -> Iterator
         yield stack
     finally:
         stack.stop()
+
+
+_SHARED: list[EngineStack] = []
+SHARED_MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
+
+
+def shared_stack() -> EngineStack:
+    """The test session's stack, started on first use and stopped at exit: two engines (SGLang
+    fronts over simulators, seeds 0 and 1) at a 4096-token model context without
+    --context-length, behind smg (`router_url`) and sglang-router 0.3.2
+    (`router_urls["sglang-router"]`). A test starts with `configure(...)` (the simulator's
+    behaviour, a clean slate of counters); one stack start per session keeps CI fast."""
+    if _SHARED and all(p.poll() is None for p in _SHARED[0].processes):
+        return _SHARED[0]
+    require_stack_parts("smg")
+    require_stack_parts("sglang-router")
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="engine-stack-"))
+    stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"))
+    print(f"\nengine stack (2 SGLang fronts, smg, sglang-router) started in {stack.startup_s:.1f}s ({tmp})")
+    _SHARED[:] = [stack]
+    return stack
 
 
 def require_stack_parts(router: str = "smg") -> None:
@@ -286,6 +352,7 @@ class SimScheduler:
         self.send = ctx.socket(zmq.PUSH)
         self.send.connect(port_args.tokenizer_ipc_name)
         self.tasks: set[Any] = set()
+        self.bodies: list[Any] = []  # the /generate bodies the front received (`_recording`)
 
     def scheduler_info(self) -> dict[str, Any]:
         return {"status": "ready", "max_total_num_tokens": self.max_req_len + 1,
@@ -406,6 +473,36 @@ class SimScheduler:
         await self._reply(out)
 
 
+_KEPT_BODIES = 500
+
+
+def _recording(app: Any, bodies: list[Any]) -> Any:
+    """SGLang's ASGI app, keeping a copy of every POST /generate body it is sent (the last
+    `_KEPT_BODIES`, GET /sim/bodies): what the suite sends, as SGLang's server received it."""
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("path") != "/generate":
+            await app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+
+        async def tee() -> Any:
+            message = await receive()
+            if message.get("type") == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    try:
+                        bodies.append(json.loads(b"".join(chunks)))
+                    except ValueError:
+                        bodies.append(b"".join(chunks).decode(errors="replace"))
+                    del bodies[:-_KEPT_BODIES]
+            return message
+
+        await app(scope, tee, send)
+
+    return asgi
+
+
 async def _serve_front(args: argparse.Namespace) -> None:
     import asyncio
     import logging
@@ -439,11 +536,22 @@ async def _serve_front(args: argparse.Namespace) -> None:
         tokenizer_manager=manager, template_manager=TemplateManager(), scheduler_info=scheduler.scheduler_info()))
     manager.server_status = ServerStatus.Up
     logging.getLogger("sglang").setLevel(logging.WARNING)
-    server = uvicorn.Server(uvicorn.Config(http_server.app, host="127.0.0.1", port=args.port, lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(_recording(http_server.app, scheduler.bodies), host="127.0.0.1",
+                                           port=args.port, lifespan="off",
                                            log_level="warning", access_log=False, timeout_keep_alive=60))
     # /sim/stats of the scheduler's simulator, on its own port (SGLang's app has no such route)
     async with serve_sim_control(scheduler, args.stats_port):
-        await asyncio.gather(scheduler.serve(), server.serve())
+        await asyncio.gather(scheduler.serve(), server.serve(), _exit_with_parent())
+
+
+async def _exit_with_parent() -> None:
+    """A front whose test process is gone (killed, no teardown) exits too."""
+    import asyncio
+
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    os._exit(0)
 
 
 @contextlib.asynccontextmanager
@@ -459,12 +567,26 @@ async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
     engine = scheduler.engine
 
     async def configure(request: web.Request) -> web.Response:
+        """New SimConfig fields; the counters, the queued faults and the kept bodies start afresh."""
+        import asyncio
+
         fields = await request.json()
         engine.config = dataclasses.replace(engine.config, **fields)
+        if "slots" in fields:  # SGLang's max_running_requests, for the requests that come next
+            engine._slots = asyncio.Semaphore(engine.config.slots) if engine.config.slots > 0 else None
+        engine._faults.clear()
+        scheduler.bodies.clear()
+        for key, value in engine.stats.items():
+            engine.stats[key] = {} if isinstance(value, dict) else 0
+        engine.stats["max_running"] = len(engine._running)
         return web.json_response(dataclasses.asdict(engine.config))
+
+    async def bodies(_request: web.Request) -> web.Response:
+        return web.json_response(scheduler.bodies)
 
     app = web.Application()
     app.router.add_get("/sim/stats", engine.get_stats)
+    app.router.add_get("/sim/bodies", bodies)
     app.router.add_post("/sim/fail_next", engine.fail_next)
     app.router.add_post("/sim/config", configure)
     runner = web.AppRunner(app, access_log=None)

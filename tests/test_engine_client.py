@@ -6,7 +6,7 @@ import asyncio
 import time
 
 import pytest
-from engine_stack import START_TIMEOUT_S, engine_stack, require_stack_parts
+from engine_stack import SHARED_MODEL_CONTEXT, START_TIMEOUT_S, shared_stack
 
 from pipeline.config import EnvConfig, parse_config
 from pipeline.jobqueue import RemoteJobError, job_deserializer, job_serializer
@@ -23,7 +23,7 @@ from workers.sim.tokenizer import load_test_tokenizer
 # a test's timeout includes the module's stack start (engine_stack.START_TIMEOUT_S at most)
 pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 120)
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=64)
-MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
+MODEL_CONTEXT = SHARED_MODEL_CONTEXT  # the engines get no --context-length, as slime's
 # ~2048 filler tokens per turn at 1 ms a token: two turns of a tool episode pass 4096 tokens
 STACK_SIM = dict(accuracy=1.0, tool_use=1.0, length_mu=7.7, length_sigma=0.01, max_filler_tokens=2048,
                  token_latency_s=0.001, latency_sigma=0.01, slots=1)
@@ -34,13 +34,13 @@ def tokenizer():
     return load_test_tokenizer()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """smg in front of two SGLang fronts at a 4096-token model context, one slot each."""
-    require_stack_parts("smg")
-    with engine_stack(tmp_path_factory.mktemp("stack"), 2, model_context=MODEL_CONTEXT, sim=STACK_SIM) as running:
-        print(f"engine stack (2 fronts + smg) started in {running.startup_s:.1f}s")
-        yield running
+@pytest.fixture
+def stack():
+    """smg in front of two SGLang fronts at a 4096-token model context (the session's stack),
+    one slot each."""
+    running = shared_stack()
+    running.configure(**STACK_SIM)
+    return running
 
 
 def prompt_ids(tokenizer, text="What is 6 * 7?"):
@@ -60,14 +60,6 @@ async def stats(client: EngineClient) -> dict:
         return await resp.json()
 
 
-def routed_keys(stack) -> dict:
-    keys: dict = {}
-    for i in range(len(stack.engine_urls)):
-        for key, count in stack.stats(i)["routing_keys"].items():
-            keys[key] = keys.get(key, 0) + count
-    return keys
-
-
 async def test_generate_through_the_router_returns_ids_logprobs_and_the_routing_key(stack, tokenizer):
     async with EngineClient(stack.router_url) as client:
         gen = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3000), rid="r1",
@@ -77,7 +69,7 @@ async def test_generate_through_the_router_returns_ids_logprobs_and_the_routing_
         assert gen.finish == "stop" and gen.output_ids[-1] == tokenizer.eos_token_id
         assert gen.weight_version == "default"  # SGLang's label before any update
         assert tokenizer.decode(gen.output_ids, skip_special_tokens=True) == gen.text
-        assert routed_keys(stack)["episode-a"] == 1  # the body's routing_key reached the scheduler
+        assert stack.total_stats()["routing_keys"] == {"episode-a": 1}  # the body's routing_key reached the scheduler
 
 
 async def test_length_finish_respects_max_new_tokens(stack, tokenizer):
@@ -90,9 +82,9 @@ async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack
     """Issue 24, item 2 (fails on fe89cd3: only an integer `context_length` of /server_info or
     /model_info was read, both 404 through the router, so the 32768 guess stood)."""
     async with EngineClient(stack.router_url) as client:
-        assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
         # SGLang: context_length null (no --context-length), max_req_input_len = 4096 - 1 - 5
         assert await client.context_length() == MODEL_CONTEXT - 6
+        assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
         limits = client.directory._limits
         assert limits == {url: MODEL_CONTEXT - 6 for url in stack.engine_urls}  # each engine asked once
 
@@ -182,7 +174,7 @@ async def test_a_timed_out_request_frees_its_engine_slot_within_a_second_through
         with pytest.raises(EngineError, match="no answer .* within 0.3s"):  # ~2048 tokens at 1 ms: ~2 s
             await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3000), rid="slow",
                                   routing_key="slow-episode")
-        assert len(client._control_tasks) == 1  # the abort is under way, and held
+        held = len(getattr(client, "_control_tasks", ()))  # the abort under way, referenced by the client
         freed = None
         while time.monotonic() - started < 0.3 + 1.0:
             counts = [stack.stats(i) for i in range(len(stack.engine_urls))]
@@ -192,7 +184,7 @@ async def test_a_timed_out_request_frees_its_engine_slot_within_a_second_through
             await asyncio.sleep(0.05)
         assert freed is not None, f"the slot was still busy 1 s after the timeout: {counts}"
         assert sum(c["aborted"] for c in counts) == 1
-        assert not client._control_tasks  # done, and let go
+        assert held == 1 and not client._control_tasks  # held while it ran, let go when done
         gen = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=5), rid="next",
                                     routing_key="slow-episode")  # the one slot serves the next request
         assert gen.finish == "length"

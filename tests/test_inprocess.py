@@ -1,7 +1,10 @@
 """slime in-process mode (workers/inslime.py): `workers.inslime.generate` and
 `workers.inslime.reward` driven through slime's REAL `generate_and_rm` / `generate_and_rm_group`
-(the pinned snapshot, tests/conformance_support.py) with the simulated engine as slime's router
-on loopback and the test tokenizer as `--hf-checkpoint`.
+(the pinned snapshot, tests/conformance_support.py) against the engine path slime runs: smg as
+slime's router -> SGLang 0.5.23's own HTTP front -> the simulator as scheduler
+(tests/engine_stack.py, one stack for the module, reconfigured per test), with the test tokenizer
+as `--hf-checkpoint`. Every /generate body of these episodes is admitted or refused by SGLang's
+own server.
 
 What is checked on every sample slime gets back: prompt tokens = the chat template's rendering
 of the environment's messages and tools; every model token and its log-prob bit-exact what the
@@ -25,6 +28,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 from conformance_support import require_slime
+from engine_stack import START_TIMEOUT_S, shared_stack
 
 from pipeline.config import ConfigError
 from pipeline.schema import SamplingParams
@@ -34,7 +38,27 @@ QUESTIONS = [("What is 12 * 7?", "84"), ("What is 345 + 678?", "1023"), ("What i
 CALLS: list[object] = []  # what `recording_reward` was called with (the --group-rm test)
 
 
+# a test's timeout includes the module's stack start (engine_stack.START_TIMEOUT_S at most)
+STACK_TIMEOUT = pytest.mark.timeout(START_TIMEOUT_S + 120)
+
+
 # ------------------------------------------------------------------ helpers
+
+@pytest.fixture
+def stack():
+    """smg -> two SGLang fronts -> simulators (the session's stack); each test configures the
+    simulators first (`twin`)."""
+    return shared_stack()
+
+
+def twin(stack, **fields):
+    """A simulator configured as the stack's engine now is (`stack.configure(**fields)`), for
+    recomputing the engine's plan of a context in the test."""
+    from workers.sim.engine import SimConfig, SimEngine
+
+    stack.configure(**fields)
+    return SimEngine(SimConfig(**fields))
+
 
 @pytest.fixture
 def slime():
@@ -95,7 +119,7 @@ def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def _check_sample(slime, sample, sim, *, label: str, tools: list) -> None:
+def _check_sample(slime, sample, sim, stats: dict, *, label: str, tools: list) -> None:
     """The contract slime relies on, checked against what the engine actually produced."""
     from workers.chat import ChatTokens
     from workers.envs.local import extract_answer, numbers_match
@@ -112,13 +136,13 @@ def _check_sample(slime, sample, sim, *, label: str, tools: list) -> None:
     assert len(sample.loss_mask) == len(sample.rollout_log_probs) == sample.response_length > 0
     sample._validate_response_metadata_lengths()  # slime's own check
     # model tokens and log-probs: bit-exact what the engine planned for that context and routing key
-    keys = [k for k in sim.engine.stats["routing_keys"] if k.startswith(f"slime-{sample.session_id}-")]
+    keys = [k for k in stats["routing_keys"] if k.startswith(f"slime-{sample.session_id}-")]
     assert len(keys) == 1, keys
     model_runs = 0
     for value, start, end in _runs(sample.loss_mask):
         if value == 1:
             model_runs += 1
-            ids, lps, done = sim.engine._plan(sample.tokens[: P + start], keys[0])
+            ids, lps, done = sim._plan(sample.tokens[: P + start], keys[0])
             assert done == 0
             assert sample.tokens[P + start : P + end] == ids[: end - start]
             assert sample.rollout_log_probs[start:end] == lps[: end - start]
@@ -144,103 +168,102 @@ def _check_sample(slime, sample, sim, *, label: str, tools: list) -> None:
 # ------------------------------------------------------------------ through slime's generate_and_rm
 
 @pytest.mark.conformance
-async def test_generate_and_rm_runs_our_episodes(slime, tmp_path):
+@STACK_TIMEOUT
+async def test_generate_and_rm_runs_our_episodes(slime, stack, tmp_path):
     """slime's generate_and_rm with --custom-generate-function-path workers.inslime.generate:
-    multi-turn calculator episodes on the simulated router, with slime's own sampling params
-    (spaces_between_special_tokens, stop=None, stop_token_ids=None: the simulator refuses what
-    SGLang refuses, so a key it would not take fails the episode)."""
+    multi-turn calculator episodes through smg and SGLang's front, with slime's own sampling
+    params (spaces_between_special_tokens, stop=None, stop_token_ids=None: a key SGLang would not
+    take fails the episode)."""
     from workers.envs.local import CALCULATOR_TOOL
-    from workers.sim.engine import SimConfig, serve_sim_engine
 
     rollout = slime.modules["slime.rollout.sglang_rollout"]
-    async with serve_sim_engine(SimConfig(seed=3, tool_use=0.7, accuracy=0.6)) as sim:
-        args = _args(sim.url, _config(tmp_path))
-        state = rollout.GenerateState(args)
-        params = state.sampling_params
-        assert params["spaces_between_special_tokens"] is False and params["stop"] is None
-        groups = [_samples(slime, q, a, index0=i * N) for i, (q, a) in enumerate(QUESTIONS)]
-        done = await asyncio.gather(*(
-            rollout.generate_and_rm(args, s, sampling_params=params.copy()) for g in groups for s in g
-        ))
+    sim = twin(stack, seed=3, tool_use=0.7, accuracy=0.6)
+    args = _args(stack.router_url, _config(tmp_path))
+    state = rollout.GenerateState(args)
+    params = state.sampling_params
+    assert params["spaces_between_special_tokens"] is False and params["stop"] is None
+    groups = [_samples(slime, q, a, index0=i * N) for i, (q, a) in enumerate(QUESTIONS)]
+    done = await asyncio.gather(*(
+        rollout.generate_and_rm(args, s, sampling_params=params.copy()) for g in groups for s in g
+    ))
+    stats = stack.total_stats()
     assert [s.index for s in done] == list(range(len(QUESTIONS) * N))
     for sample in done:
         label = dict(QUESTIONS)[sample.prompt]
-        _check_sample(slime, sample, sim, label=label, tools=[CALCULATOR_TOOL])
+        _check_sample(slime, sample, sim, stats, label=label, tools=[CALCULATOR_TOOL])
     turns = [s.metadata["turns"] for s in done]
     assert max(turns) >= 2 and min(turns) >= 1  # multi-turn episodes with masked tool output among them
     rewards = {s.reward for s in done}
     assert rewards == {0.0, 1.0}  # the simulator is right 60 % of the time
-    assert sim.engine.stats["errors"] == 0
-    assert sim.engine.stats["max_running"] <= args.sglang_server_concurrency  # slime's semaphore: one slot per episode
+    assert stats["errors"] == 0
+    assert stats["max_running"] <= args.sglang_server_concurrency  # slime's semaphore: one slot per episode
 
 
 @pytest.mark.conformance
-async def test_an_abort_ends_the_episode_aborted_at_once(slime, tmp_path):
-    """slime aborts the engines' requests once its batch is full: the episode ends ABORTED with
-    what it had (no resume, as slime's own generate), well-formed, and slime takes no reward call."""
-    from workers.sim.engine import SimConfig, serve_sim_engine
+@STACK_TIMEOUT
+async def test_an_abort_ends_the_episode_aborted_at_once(slime, stack, tmp_path):
+    """slime aborts the engines' requests once its batch is full (POST /abort_request
+    {"abort_all": true} to each engine of the router's list): the episode ends ABORTED with what it
+    had (no resume, as slime's own generate), well-formed, and slime takes no reward call."""
+    import aiohttp
 
     rollout = slime.modules["slime.rollout.sglang_rollout"]
-    async with serve_sim_engine(SimConfig(seed=1, token_latency_s=0.01, length_mu=5.0, length_sigma=0.01,
-                                          tool_use=0.0)) as sim:
-        args = _args(sim.url, _config(tmp_path))
-        params = rollout.GenerateState(args).sampling_params
-        task = asyncio.ensure_future(
-            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy()))
-        while not sim.engine._running:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
-        aborted_at = asyncio.get_running_loop().time()
-        sim.engine._abort_all("Abort request")
-        sample = await task
-        assert asyncio.get_running_loop().time() - aborted_at < 1.0
+    twin(stack, seed=1, token_latency_s=0.01, length_mu=5.0, length_sigma=0.01, tool_use=0.0)
+    args = _args(stack.router_url, _config(tmp_path))
+    params = rollout.GenerateState(args).sampling_params
+    task = asyncio.ensure_future(
+        rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy()))
+    while not (await asyncio.to_thread(stack.total_stats))["running"]:
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    aborted_at = asyncio.get_running_loop().time()
+    async with aiohttp.ClientSession() as session:
+        for engine in stack.engine_urls:
+            async with session.post(f"{engine}/abort_request", json={"abort_all": True}) as resp:
+                assert resp.status == 200
+    sample = await task
+    assert asyncio.get_running_loop().time() - aborted_at < 1.0
     assert sample.status is slime.Sample.Status.ABORTED
     assert sample.metadata["turn_log"][-1]["finish"] == "abort" and sample.metadata["turns"] == 1
     assert 0 < sample.response_length < 148  # part of the ~148-token answer
     assert sample.loss_mask == [1] * sample.response_length
     assert len(sample.rollout_log_probs) == sample.response_length
-    assert sim.engine.stats["requests"] == 1  # not resumed
+    assert stack.total_stats()["requests"] == 1  # not resumed
 
 
 @pytest.mark.conformance
-async def test_what_generate_sends_is_what_sglang_admits(slime, tmp_path):
+@STACK_TIMEOUT
+async def test_what_generate_sends_is_what_sglang_admits(slime, stack, tmp_path):
     """Issue 18 item 11: slime's sampling params (spaces_between_special_tokens, no_stop_trim,
     skip_special_tokens, stop=None, stop_token_ids=None; an eval dataset's repetition_penalty and
-    min_new_tokens; a deterministic-inference seed) reach the engine as bodies SGLang's own request
-    classes and contract gate admit (tests/test_conformance_sglang.py `admit`)."""
-    from conformance_support import require_sglang
-    from test_conformance_sglang import admit
-
-    from workers.sim.engine import SimConfig, serve_sim_engine
-
-    sgl = require_sglang()
+    min_new_tokens; a deterministic-inference seed) reach the engine as bodies SGLang's own server
+    admits (the front keeps each body it received: `EngineStack.bodies`). slime is pointed at the
+    engine itself here: both routers re-serialize the body and drop `spaces_between_special_tokens`
+    (tests/test_conformance_sglang.py), and this test is about what our generate sends."""
     rollout = slime.modules["slime.rollout.sglang_rollout"]
-    bodies: list[dict] = []
-    async with serve_sim_engine(SimConfig(seed=2)) as sim:
-        refuse = sim.engine._refuse
-        sim.engine._refuse = lambda body: (bodies.append(body), refuse(body))[1]
-        args = _args(sim.url, _config(tmp_path))
-        train = rollout.GenerateState(args).sampling_params
-        evaluation = {**train, "repetition_penalty": 1.05, "min_new_tokens": 2, "sampling_seed": 1234}
-        done = await asyncio.gather(*(
-            rollout.generate_and_rm(args, s, sampling_params=p.copy(), evaluation=p is evaluation)
-            for p, s in zip((train, evaluation), _samples(slime, *QUESTIONS[1], n=2))
-        ))
-    assert all(s.status is not slime.Sample.Status.FAILED for s in done)
-    assert bodies and {b["sampling_params"].get("spaces_between_special_tokens") for b in bodies} == {False}
+    twin(stack, seed=2)
+    args = _args(stack.engine_urls[0], _config(tmp_path))
+    train = rollout.GenerateState(args).sampling_params
+    evaluation = {**train, "repetition_penalty": 1.05, "min_new_tokens": 2, "sampling_seed": 1234}
+    done = await asyncio.gather(*(
+        rollout.generate_and_rm(args, s, sampling_params=p.copy(), evaluation=p is evaluation)
+        for p, s in zip((train, evaluation), _samples(slime, *QUESTIONS[1], n=2))
+    ))
+    assert all(s.status is not slime.Sample.Status.FAILED for s in done)  # SGLang's front refused none
+    bodies = stack.bodies(0)
+    assert bodies and len(bodies) == stack.stats(0)["requests"]
+    assert {b["sampling_params"].get("spaces_between_special_tokens") for b in bodies} == {False}
     assert any(b["sampling_params"].get("sampling_seed") == 1234 for b in bodies)
     for body in bodies:
         assert "stop" not in body["sampling_params"] and "stop_token_ids" not in body["sampling_params"]
-        status, answer = admit(sgl, body)
-        assert status == 200, answer
 
 
 @pytest.mark.conformance
-async def test_no_turn_is_sent_once_slime_has_aborted(slime, tmp_path, monkeypatch):
+@STACK_TIMEOUT
+async def test_no_turn_is_sent_once_slime_has_aborted(slime, stack, tmp_path, monkeypatch):
     """slime's abort sets GenerateState.aborted and waits for every pending episode: an episode
     in its tool call at that moment ends ABORTED before its next turn, sending nothing more."""
     from workers.envs.local import CalculatorSession
-    from workers.sim.engine import SimConfig, serve_sim_engine
 
     rollout = slime.modules["slime.rollout.sglang_rollout"]
     step = CalculatorSession.step
@@ -250,13 +273,13 @@ async def test_no_turn_is_sent_once_slime_has_aborted(slime, tmp_path, monkeypat
         return await step(self, calls)
 
     monkeypatch.setattr(CalculatorSession, "step", step_then_abort)
-    async with serve_sim_engine(SimConfig(seed=4, tool_use=1.0)) as sim:
-        args = _args(sim.url, _config(tmp_path))
-        params = rollout.GenerateState(args).sampling_params
-        sample = (await asyncio.gather(
-            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy())
-        ))[0]
-        requests = sim.engine.stats["requests"]
+    twin(stack, seed=4, tool_use=1.0)
+    args = _args(stack.router_url, _config(tmp_path))
+    params = rollout.GenerateState(args).sampling_params
+    sample = (await asyncio.gather(
+        rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy())
+    ))[0]
+    requests = stack.total_stats()["requests"]
     assert requests == 1
     assert sample.status is slime.Sample.Status.ABORTED
     assert sample.metadata["turns"] == 2 and sample.metadata["turn_log"][-1]["finish"] == "abort"
@@ -274,18 +297,17 @@ async def recording_reward(args, samples, **kwargs):
 
 
 @pytest.mark.conformance
-async def test_group_rm_calls_reward_once_per_group_with_the_list(slime, tmp_path):
-    from workers.sim.engine import SimConfig, serve_sim_engine
-
+@STACK_TIMEOUT
+async def test_group_rm_calls_reward_once_per_group_with_the_list(slime, stack, tmp_path):
     rollout = slime.modules["slime.rollout.sglang_rollout"]
     CALLS.clear()
-    async with serve_sim_engine(SimConfig(seed=5)) as sim:
-        args = _args(sim.url, _config(tmp_path), group_rm=True, custom_rm_path="test_inprocess.recording_reward")
-        params = rollout.GenerateState(args).sampling_params
-        group = _samples(slime, *QUESTIONS[0])
-        for s in group:
-            s.session_id = None  # generate_and_rm_group gives each its own
-        stored = await rollout.generate_and_rm_group(args, group, sampling_params=params.copy())
+    twin(stack, seed=5)
+    args = _args(stack.router_url, _config(tmp_path), group_rm=True, custom_rm_path="test_inprocess.recording_reward")
+    params = rollout.GenerateState(args).sampling_params
+    group = _samples(slime, *QUESTIONS[0])
+    for s in group:
+        s.session_id = None  # generate_and_rm_group gives each its own
+    stored = await rollout.generate_and_rm_group(args, group, sampling_params=params.copy())
     assert len(CALLS) == 1 and isinstance(CALLS[0], list) and len(CALLS[0]) == N
     assert all(s.session_id for s in stored)
     for s in stored:  # the reward generate verified, returned as is
@@ -293,34 +315,34 @@ async def test_group_rm_calls_reward_once_per_group_with_the_list(slime, tmp_pat
 
 
 @pytest.mark.conformance
-async def test_reward_scores_slimes_own_generate(slime, tmp_path):
+@STACK_TIMEOUT
+async def test_reward_scores_slimes_own_generate(slime, stack, tmp_path):
     """slime's stock generate (no custom generate function), scored by --custom-rm-path
     workers.inslime.reward with the arithmetic environment: what evaluation through slime's
-    eval_rollout does with our environments."""
+    eval_rollout does with our environments. slime's own /generate bodies meet SGLang's front."""
     from workers.chat import ChatTokens
     from workers.envs.local import extract_answer, numbers_match
-    from workers.sim.engine import SimConfig, serve_sim_engine
     from workers.sim.tokenizer import load_test_tokenizer
 
     rollout = slime.modules["slime.rollout.sglang_rollout"]
     http_utils = slime.modules["slime.utils.http_utils"]
     chat = ChatTokens(load_test_tokenizer())
-    async with serve_sim_engine(SimConfig(seed=7, accuracy=0.5)) as sim:
-        args = _args(sim.url, _config(tmp_path), custom_generate_function_path=None)
+    twin(stack, seed=7, accuracy=0.5)
+    args = _args(stack.router_url, _config(tmp_path), custom_generate_function_path=None)
+    http_utils._http_client = None
+    http_utils.init_http_client(args)
+    try:
+        params = rollout.GenerateState(args).sampling_params
+        samples = []
+        for i, (q, a) in enumerate(QUESTIONS):
+            for s in _samples(slime, q, a, env="arith", index0=i * N):
+                s.tokens = chat.prompt_ids([{"role": "user", "content": q}], None)  # as --apply-chat-template
+                samples.append(s)
+        done = await asyncio.gather(*(rollout.generate_and_rm(args, s, sampling_params=params.copy())
+                                      for s in samples))
+    finally:
+        await http_utils._http_client.aclose()
         http_utils._http_client = None
-        http_utils.init_http_client(args)
-        try:
-            params = rollout.GenerateState(args).sampling_params
-            samples = []
-            for i, (q, a) in enumerate(QUESTIONS):
-                for s in _samples(slime, q, a, env="arith", index0=i * N):
-                    s.tokens = chat.prompt_ids([{"role": "user", "content": q}], None)  # as --apply-chat-template
-                    samples.append(s)
-            done = await asyncio.gather(*(rollout.generate_and_rm(args, s, sampling_params=params.copy())
-                                          for s in samples))
-        finally:
-            await http_utils._http_client.aclose()
-            http_utils._http_client = None
     for s in done:
         assert s.status is slime.Sample.Status.COMPLETED
         assert "pipeline_scored" not in s.metadata  # slime generated it; our reward verified it
@@ -331,20 +353,21 @@ async def test_reward_scores_slimes_own_generate(slime, tmp_path):
 
 
 @pytest.mark.conformance
-async def test_failed_episode_is_failed_removed_and_well_formed(slime, tmp_path):
-    """The engine answers 503 to everything and the config allows no retry: the episode fails;
-    slime gets FAILED, remove_sample=True, reward 0, and prompt + one masked token (slime's
-    log-prob target builder needs a response token)."""
-    from workers.sim.engine import SimConfig, serve_sim_engine
-
+@STACK_TIMEOUT
+async def test_failed_episode_is_failed_removed_and_well_formed(slime, stack, tmp_path):
+    """The engine answers 503 to everything (its scheduler aborts each request with that status,
+    which SGLang's front answers as an HTTP 503) and the config allows no retry: the episode
+    fails; slime gets FAILED, remove_sample=True, reward 0, and prompt + one masked token
+    (slime's log-prob target builder needs a response token)."""
     rollout = slime.modules["slime.rollout.sglang_rollout"]
-    async with serve_sim_engine(SimConfig()) as sim:
-        sim.engine._faults = [(503, "simulated outage")] * 50
-        args = _args(sim.url, _config(tmp_path, engine={"max_retries": 0}))
-        params = rollout.GenerateState(args).sampling_params
-        sample = (await asyncio.gather(
-            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy())
-        ))[0]
+    twin(stack)
+    stack.sim("fail_next", {"status": 503, "count": 50, "message": "simulated outage"})
+    args = _args(stack.router_url, _config(tmp_path, engine={"max_retries": 0}))
+    params = rollout.GenerateState(args).sampling_params
+    sample = (await asyncio.gather(
+        rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy())
+    ))[0]
+    twin(stack)  # no fault left for the next test
     assert sample.status is slime.Sample.Status.FAILED
     assert sample.remove_sample is True and sample.reward == 0.0
     assert sample.response_length == 1 and sample.loss_mask == [0] and sample.rollout_log_probs == [0.0]
@@ -358,14 +381,11 @@ async def test_failed_episode_is_failed_removed_and_well_formed(slime, tmp_path)
 
 @pytest.mark.conformance
 async def test_custom_generate_refuses_a_rendered_prompt(slime, tmp_path):
-    from workers.sim.engine import serve_sim_engine
-
     rollout = slime.modules["slime.rollout.sglang_rollout"]
-    async with serve_sim_engine() as sim:
-        args = _args(sim.url, _config(tmp_path), apply_chat_template=True)
-        params = rollout.GenerateState(args).sampling_params
-        with pytest.raises(ConfigError, match="--apply-chat-template"):
-            await rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params)
+    args = _args("http://127.0.0.1:9", _config(tmp_path), apply_chat_template=True)  # refused before any request
+    params = rollout.GenerateState(args).sampling_params
+    with pytest.raises(ConfigError, match="--apply-chat-template"):
+        await rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params)
 
 
 # ------------------------------------------------------------------ no slime needed

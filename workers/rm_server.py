@@ -171,7 +171,11 @@ async def serve(config: PipelineConfig, host: str, port: int, ready: Union[async
     runner = web.AppRunner(app_for(scorer), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the port is taken or the address is not this host's: the user's setting
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     names = ", ".join(f"http://{host}:{port}/{n}" for n in config.environments) or "none configured"
     print(f"rollout rm-server: listening on http://{host}:{port}; --rm-url {names}", flush=True)
     if ready is not None:

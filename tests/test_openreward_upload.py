@@ -278,7 +278,11 @@ async def test_a_worker_job_uploads_its_group_under_the_pipelines_run(or_server,
     assert sorted(r["rolloutName"] for r in rollouts) == [f"{job.job_id}/0/1", f"{job.job_id}/1/1"]
 
 
-def test_bad_upload_options_name_the_key():
+def test_bad_upload_options_name_the_key(monkeypatch):
+    monkeypatch.delenv(KEY_VAR, raising=False)
+    with pytest.raises(ConfigError, match=rf"environments\.arith\.options\.upload: the API key \${KEY_VAR} is not set"):
+        _env("http://x", {})
+    monkeypatch.setenv(KEY_VAR, API_KEY)
     with pytest.raises(ConfigError, match=r"environments\.arith\.options\.upload"):
         _env("http://x", {"every": 0})
     with pytest.raises(ConfigError, match=r"environments\.arith\.options\.upload\.runname"):

@@ -113,8 +113,10 @@ class OpenRewardEnvironment(Environment):
         self._handle: Any = None
         self.uploader: Union[TrajectoryUploader, None] = None
         if self.options.upload is not None:
+            if not os.environ.get(self.options.api_key_env):
+                raise ConfigError(f"environments.{name}.options.upload: the API key ${self.options.api_key_env} is not set")
             self.uploader = TrajectoryUploader(
-                api_key=os.environ.get(self.options.api_key_env, ""),
+                api_key=os.environ[self.options.api_key_env],
                 api_url=self.options.upload.api_url,
                 queue_size=self.options.upload.queue_size,
                 what=f"openreward upload (env {name!r})",

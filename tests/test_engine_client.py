@@ -217,3 +217,47 @@ def test_job_serializer_round_trips_results_and_exceptions():
     assert isinstance(failed["r"], RemoteJobError) and "ValueError: bad thing" in str(failed["r"])
     with pytest.raises(TypeError, match="cannot encode object"):
         job_serializer({**job, "r": object()})
+
+
+async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_others_are_not(stack):
+    """Known per engine once, re-read when the engine set changes: a smaller engine registered
+    with smg at run time (POST /workers, as slime registers its engines) lowers the limit at the
+    next read of the list; the engines already known are not asked again."""
+    import aiohttp
+
+    router = stack.router_url
+    asked: list[str] = []
+    async with serve_sim_engine(SimConfig(context_length=2048)) as small, EngineClient(router) as client:
+        get_json = client.get_json
+
+        async def counting(url: str):
+            asked.append(url)
+            return await get_json(url)
+
+        client.get_json = counting  # type: ignore[method-assign]
+        assert await client.context_length() == MODEL_CONTEXT - 6
+        workers: list = []
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{router}/workers", json={"url": small.url}) as resp:
+                assert resp.status < 300, await resp.text()
+            try:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    async with session.get(f"{router}/workers") as resp:
+                        workers = (await resp.json())["workers"]
+                    if any(w["url"] == small.url and w.get("is_healthy") for w in workers):
+                        break
+                    await asyncio.sleep(0.2)
+                client.directory.invalidate()  # what the next 30 s refresh, a connection error or an overflow does
+                assert await client.context_length() == 2048
+            finally:
+                ids = [w["id"] for w in workers if w["url"] == small.url]
+                for worker_id in ids:
+                    async with session.delete(f"{router}/workers/{worker_id}") as resp:
+                        assert resp.status < 300, await resp.text()
+                while any(w["url"] == small.url for w in workers):
+                    await asyncio.sleep(0.2)
+                    async with session.get(f"{router}/workers") as resp:
+                        workers = (await resp.json())["workers"]
+    info_reads = [url for url in asked if url.endswith("server_info")]
+    assert sorted(info_reads) == sorted([f"{u}/server_info" for u in stack.engine_urls] + [f"{small.url}/server_info"])

@@ -11,6 +11,7 @@ by a proxy between the worker and the simulated engine).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -20,13 +21,16 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
+from engine_stack import START_TIMEOUT_S, shared_stack
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.schema import PromptJob, SamplingParams, SchemaError, Task
 from tests.policy_helpers import trainer_started
+from workers.chat import ChatTokens
 from workers.jobs import run_episodes
 from workers.settings import _build_context
 from workers.sim.engine import serve_sim_engine
+from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
 
 N = 4
 
@@ -131,3 +135,45 @@ async def test_a_groups_seeds_on_the_wire_are_distinct_non_negative_integers(red
     assert len(seed_of_episode) == N
     assert all(len(seeds) == 1 for seeds in seed_of_episode.values()), seed_of_episode  # one seed per episode
     assert len({seed for seeds in seed_of_episode.values() for seed in seeds}) == N  # none shared in the group
+
+
+async def _post_status(url: str, body: dict) -> int:
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/generate", json=body) as r:
+        await r.read()
+        return r.status
+
+
+@pytest.mark.timeout(START_TIMEOUT_S + 120)
+async def test_seeds_through_slimes_router_and_sglangs_front(redis, redis_url, keys, namespace):
+    """The real path (tests/engine_stack.py: smg -> SGLang 0.5.23's own front -> the simulator):
+    smg refuses (422 text/plain) the negative seed SGLang takes and the float `max_new_tokens`
+    SGLang refuses with its own 400 (why the pipeline never sends either); a seeded group run by the worker's job code through it has every
+    body admitted, one seed per episode, none shared."""
+    stack = await asyncio.to_thread(shared_stack)
+    stack.configure()
+    ids = ChatTokens(load_test_tokenizer()).prompt_ids([{"role": "user", "content": "What is 6 * 7?"}], None)
+    # (params, what the router answers, what SGLang's front answers)
+    for params, router, front in (({"max_new_tokens": 4, "sampling_seed": -1}, 422, 200),
+                                  ({"max_new_tokens": 4.0}, 422, 400)):
+        assert await _post_status(stack.router_url, {"input_ids": ids, "sampling_params": params}) == router, params
+        assert await _post_status(stack.engine_urls[0], {"input_ids": ids, "sampling_params": params}) == front, params
+    stack.configure()  # a clean slate of kept bodies
+
+    await trainer_started(redis, keys)
+    config = parse_config({
+        "redis": {"url": redis_url, "namespace": namespace},
+        "engine": {"url": stack.router_url, "tokenizer": default_tokenizer_path(), "deterministic_inference": True},
+        "rollout": {"n_samples_per_prompt": N, "max_response_tokens": 256, "sampling": {"sampling_seed": 2**63 - N}},
+        "environments": {"calc": {"kind": "calculator"}},
+    })
+    task = Task(id="seeded-router", env="calc", prompt="What is 6 * 7?", label="42")
+    job = PromptJob(task=task, epoch=0, n_samples=N, sampling=config.rollout.sampling, enqueued_at=time.time())
+    context = await _build_context(config, keys, "seeds")
+    try:
+        group = await run_episodes(context, job, 1)
+    finally:
+        await context.aclose()
+    assert all(s.response_length > 0 and "error" not in s.metadata for s in group.samples), \
+        [s.metadata.get("error") for s in group.samples]
+    seeds = {body["rid"].split(":t")[0]: body["sampling_params"]["sampling_seed"] for body in stack.all_bodies()}
+    assert sorted(seeds.values()) == [2**63 - N + i for i in range(N)]

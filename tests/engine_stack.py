@@ -17,11 +17,14 @@ the project's simulator as the scheduler.
   (`python -m sglang_router.launch_router`, the version slime's Dockerfile pins), both the
   PyPI CPU wheels of the `conformance` extra, in front of one or more fronts.
 
-The front is a subprocess per engine (`python tests/engine_stack.py front ...`): importing
-SGLang's server sets uvloop as the event-loop policy and publishes process-wide config, and one
-process holds one engine, as in a real deployment. Importing it costs ~20 s of CPU, so tests
-start a stack once per module (`start_engine_stack` is blocking; async tests call
-`await asyncio.to_thread(start_engine_stack, ...)`).
+The fronts run in a subprocess (`python tests/engine_stack.py front --port P [P ...]`): importing
+SGLang's server sets uvloop as the event-loop policy and publishes process-wide config, so it
+stays out of the test process. Importing it costs ~20 s of CPU, so one process serves several
+engines by default (each its own TokenizerManager, sockets, simulator and port; SGLang's handlers
+find theirs through `_EngineState`), and the suite shares one stack per session
+(`shared_stack()`, reconfigured per test with `stack.configure(...)`). A test that kills or
+restarts engines starts its own with `engines_per_process=1`. `start_engine_stack` is blocking;
+async code calls `await asyncio.to_thread(start_engine_stack, ...)`.
 
     stack = start_engine_stack(tmp_path, n_engines=2, context_length=4096)
     stack.router_url, stack.engine_urls   # http://127.0.0.1:P ...
@@ -105,6 +108,7 @@ class EngineStack:
     engine_urls: list[str]
     router: str
     router_urls: dict[str, str] = field(default_factory=dict)  # every router in front of the engines, by name
+    engine_processes: list[subprocess.Popen[bytes]] = field(default_factory=list)  # the front process of engine i
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     startup_s: float = 0.0
@@ -201,6 +205,7 @@ def start_engine_stack(
     model_context: int = 32768,
     router: str | tuple[str, ...] = "smg",
     sim: dict[str, Any] | None = None,
+    engines_per_process: int | None = None,
     timeout_s: float = START_TIMEOUT_S,
 ) -> EngineStack:
     """Start `n_engines` SGLang fronts over simulators and `router` (one name or several, each
@@ -209,8 +214,10 @@ def start_engine_stack(
     `context_length` is SGLang's `--context-length` (None: the model's own, `model_context`
     = its `max_position_embeddings`, and /server_info says `context_length: null`, as for
     slime's engines, which pass none); `sim` are `SimConfig` fields of every
-    engine's simulator (accuracy, slots, token_latency_s, ...). Returns when the router lists
-    every engine as healthy.
+    engine's simulator (accuracy, slots, token_latency_s, ...; seeds count up from 0 unless
+    given). One front process serves `engines_per_process` engines (None: all of them; SGLang's
+    import costs ~20 s of CPU per process; 1 to kill engines one by one:
+    `stack.engine_processes[i]`). Returns when every router lists every engine as healthy.
     """
     routers = (router,) if isinstance(router, str) else tuple(router)
     if not routers or set(routers) - set(ROUTERS):
@@ -221,18 +228,22 @@ def start_engine_stack(
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
     stack = EngineStack(router_url="", engine_urls=[], router=routers[0])
     _LIVE.append(stack)
-    for i in range(n_engines):
-        port, stats_port = free_port(), free_port()
-        log = tmp / f"front-{i}-{port}.log"
-        cmd = [sys.executable, str(Path(__file__)), "front", "--port", str(port), "--stats-port", str(stats_port),
-               "--sim", json.dumps({"seed": i, **(sim or {})}), "--workdir", str(tmp / f"front-{i}"),
-               "--model-context", str(model_context)]
+    per_process = engines_per_process or n_engines
+    for first in range(0, n_engines, per_process):
+        group = range(first, min(n_engines, first + per_process))
+        ports, stats_ports = [free_port() for _ in group], [free_port() for _ in group]
+        log = tmp / f"front-{first}-{ports[0]}.log"
+        cmd = [sys.executable, str(Path(__file__)), "front", "--port", *map(str, ports),
+               "--stats-port", *map(str, stats_ports), "--first-seed", str(first), "--sim", json.dumps(sim or {}),
+               "--workdir", str(tmp / f"front-{first}"), "--model-context", str(model_context)]
         if context_length is not None:
             cmd += ["--context-length", str(context_length)]
-        stack.processes.append(_spawn(cmd, log, env))
+        proc = _spawn(cmd, log, env)
+        stack.processes.append(proc)
         stack.logs.append(log)
-        stack.engine_urls.append(f"http://127.0.0.1:{port}")
-        stack._stats_ports.append(stats_port)
+        stack.engine_urls += [f"http://127.0.0.1:{port}" for port in ports]
+        stack._stats_ports += stats_ports
+        stack.engine_processes += [proc] * len(ports)
     try:
         _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
               list(stack.processes), stack, timeout_s)
@@ -503,13 +514,40 @@ def _recording(app: Any, bodies: list[Any]) -> Any:
     return asgi
 
 
+class _EngineState:
+    """`http_server._global_state` when one process serves several engines: SGLang's handlers
+    read `_global_state.tokenizer_manager` (and `.scheduler_info`) at each request; this reads
+    them from the engine whose port took the request (`_serving`, set per request)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_serving.get(), name)
+
+
+_serving: Any = None  # contextvars.ContextVar of the serving engine's _GlobalState (set in _serve_front)
+
+
+def _bound(app: Any, state: Any) -> Any:
+    """The ASGI app with `state` as the global state of every request it serves (uvicorn runs
+    each request in a task of its own, so the context variable is that request's)."""
+
+    async def asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        _serving.set(state)
+        await app(scope, receive, send)
+
+    return asgi
+
+
 async def _serve_front(args: argparse.Namespace) -> None:
+    """One process, `len(args.port)` engines: each its own ServerArgs, TokenizerManager (own ZMQ
+    sockets), simulator-scheduler and uvicorn server on its port, all on SGLang's one app."""
     import asyncio
+    import contextvars
     import logging
 
     import uvicorn
     from conformance_support import _import_with_stubs
 
+    global _serving
     http_server = _import_with_stubs("sglang.srt.entrypoints.http_server", ("torchvision",))
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
@@ -519,29 +557,35 @@ async def _serve_front(args: argparse.Namespace) -> None:
 
     from workers.sim.engine import SimConfig, SimEngine
 
-    workdir = Path(args.workdir)
-    server_args = ServerArgs(
-        model_path=str(_model_dir(workdir, args.model_context)), context_length=args.context_length, device="cpu",
-        skip_server_warmup=True, host="127.0.0.1", port=args.port, log_level="warning",
-    )
-    publish(server_args, role="tokenizer")
-    port_args = PortArgs.init_new(server_args)
-    manager = TokenizerManager(server_args, port_args)
+    _serving = contextvars.ContextVar("sglang_engine")
+    http_server.set_global_state(_EngineState())
+    model = str(_model_dir(Path(args.workdir), args.model_context))
     sim_fields = json.loads(args.sim)
-    config = SimConfig(**{**sim_fields, "context_length": manager.context_len})
-    scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct)
-    manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
-    manager.set_startup_time({})
-    http_server.set_global_state(http_server._GlobalState(
-        tokenizer_manager=manager, template_manager=TemplateManager(), scheduler_info=scheduler.scheduler_info()))
-    manager.server_status = ServerStatus.Up
+    servers, schedulers = [], []
+    for i, (port, stats_port) in enumerate(zip(args.port, args.stats_port)):
+        server_args = ServerArgs(model_path=model, context_length=args.context_length, device="cpu",
+                                 skip_server_warmup=True, host="127.0.0.1", port=port, log_level="warning")
+        # process-wide config, last publish wins: the engines differ only in their port
+        publish(server_args, role="tokenizer")
+        port_args = PortArgs.init_new(server_args)
+        manager = TokenizerManager(server_args, port_args)
+        config = SimConfig(**{"seed": args.first_seed + i, **sim_fields, "context_length": manager.context_len})
+        scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct)
+        manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
+        manager.set_startup_time({})
+        manager.server_status = ServerStatus.Up
+        state = http_server._GlobalState(tokenizer_manager=manager, template_manager=TemplateManager(),
+                                         scheduler_info=scheduler.scheduler_info())
+        app = _bound(_recording(http_server.app, scheduler.bodies), state)
+        servers.append(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off",
+                                                     log_level="warning", access_log=False, timeout_keep_alive=60)))
+        schedulers.append((scheduler, stats_port))
     logging.getLogger("sglang").setLevel(logging.WARNING)
-    server = uvicorn.Server(uvicorn.Config(_recording(http_server.app, scheduler.bodies), host="127.0.0.1",
-                                           port=args.port, lifespan="off",
-                                           log_level="warning", access_log=False, timeout_keep_alive=60))
-    # /sim/stats of the scheduler's simulator, on its own port (SGLang's app has no such route)
-    async with serve_sim_control(scheduler, args.stats_port):
-        await asyncio.gather(scheduler.serve(), server.serve(), _exit_with_parent())
+    async with contextlib.AsyncExitStack() as controls:
+        for scheduler, stats_port in schedulers:  # the simulator's own routes, each engine on its own port
+            await controls.enter_async_context(serve_sim_control(scheduler, stats_port))
+        await asyncio.gather(*(sch.serve() for sch, _ in schedulers), *(srv.serve() for srv in servers),
+                             _exit_with_parent())
 
 
 async def _exit_with_parent() -> None:
@@ -603,9 +647,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    front = sub.add_parser("front", help="serve one SGLang front over a simulated scheduler")
-    front.add_argument("--port", type=int, required=True)
-    front.add_argument("--stats-port", type=int, required=True)
+    front = sub.add_parser("front", help="serve SGLang fronts over simulated schedulers, one per --port")
+    front.add_argument("--port", type=int, nargs="+", required=True)
+    front.add_argument("--stats-port", type=int, nargs="+", required=True)
+    front.add_argument("--first-seed", type=int, default=0, help="the simulators' seeds count up from it")
     front.add_argument("--context-length", type=int, default=None)
     front.add_argument("--model-context", type=int, default=32768, help="the model's max_position_embeddings")
     front.add_argument("--sim", default="{}", help="SimConfig fields as JSON")

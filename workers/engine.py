@@ -274,11 +274,12 @@ class EngineDirectory:
         self._read_at = 0.0
 
     async def engines(self) -> list[str]:
+        """The engine URLs behind the URL: [] for a router with no engine yet."""
         url = await self._client.locator.get()
         if url != self._for_url or not self._engines or time.monotonic() - self._read_at > self._refresh_s:
             status, listing = await self._client.get_json(f"{url}/workers")
             urls = _engine_urls(listing) if status == 200 else None
-            engines = urls if urls else [url]  # no list (an engine), or a router with no engine yet
+            engines = [url] if urls is None else urls  # no list: the URL is an engine
             if engines != self._engines:
                 log.info("engines behind %s: %s", url, ", ".join(engines))
             self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
@@ -353,6 +354,18 @@ class EngineClient:
         enforces, `EngineDirectory`), or None when no engine says. The episode runner sizes each
         turn to fit, so a long episode ends truncated instead of with a 400."""
         return await self.directory.context_limit()
+
+    async def model_info(self) -> tuple[int, Any]:
+        """(status, JSON) of `/model_info` (the model and tokenizer paths) from an engine behind
+        the URL: routers do not pass it on. (503, None) while a router lists no engine, (0, None)
+        while nothing answers: slime starts its engines after the workers."""
+        engines = await self.directory.engines()
+        if not engines:
+            return 503, None
+        status, info = await self.get_json(f"{engines[0]}/model_info")
+        if status in (0, 404):
+            self.directory.invalidate()  # that engine left the list: read it again
+        return status, info
 
     async def get_json(self, url: str) -> tuple[int, Any]:
         """(status, decoded JSON or None) of a GET; (0, None) when the server cannot be reached."""

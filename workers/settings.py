@@ -228,19 +228,17 @@ async def _engine_tokenizer_path(engine: EngineClient) -> str:
     logged_at = None
     while True:
         url = await engine.locator.get()
-        try:
-            async with engine.session.get(f"{url}/model_info", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-                resp.raise_for_status()
-                info = await resp.json()
+        status, info = await engine.model_info()  # an engine's: a router answers /model_info with 404
+        if status == 200 and isinstance(info, dict):
             break
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, aiohttp.ClientResponseError) as exc:
-            if isinstance(exc, aiohttp.ClientResponseError) and exc.status != 503:
-                raise
-            if logged_at is None or time.monotonic() - logged_at >= 10.0:
-                logged_at = time.monotonic()
-                log.info("waiting for the engine at %s (not up yet: %s)", url, type(exc).__name__)
-            engine.locator.invalidate()
-            await asyncio.sleep(2.0)
+        if status not in (0, 503):
+            raise RuntimeError(f"engine.tokenizer is not set and the engine behind {url} answers /model_info "
+                               f"with HTTP {status}")
+        if logged_at is None or time.monotonic() - logged_at >= 10.0:
+            logged_at = time.monotonic()
+            log.info("waiting for the engine at %s (not up yet: %s)", url, "no answer" if status == 0 else "HTTP 503")
+        engine.locator.invalidate()
+        await asyncio.sleep(2.0)
     path = info.get("tokenizer_path")
     if not path:
         raise RuntimeError(f"engine.tokenizer is not set and {url}/model_info has no tokenizer_path")

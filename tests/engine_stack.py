@@ -612,12 +612,9 @@ async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
 
     async def configure(request: web.Request) -> web.Response:
         """New SimConfig fields; the counters, the queued faults and the kept bodies start afresh."""
-        import asyncio
-
         fields = await request.json()
         engine.config = dataclasses.replace(engine.config, **fields)
-        if "slots" in fields:  # SGLang's max_running_requests, for the requests that come next
-            engine._slots = asyncio.Semaphore(engine.config.slots) if engine.config.slots > 0 else None
+        engine.set_slots(engine.config.slots)  # SGLang's max_running_requests, for the requests that come next
         engine._faults.clear()
         scheduler.bodies.clear()
         for key, value in engine.stats.items():

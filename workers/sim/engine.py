@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -118,7 +119,7 @@ class SimEngine:
         self.weight_version = config.weight_version
         self._filler_ids = self._single_token_words()
         self._assistant_header = self.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-        self._slots = asyncio.Semaphore(config.slots) if config.slots > 0 else None
+        self._slots = self._new_slots()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._paused_in_place = False  # in_place/retract: running requests wait instead of aborting
@@ -132,6 +133,14 @@ class SimEngine:
                                       "planned": {},
                                       # input tokens of requests resuming a turn (an abort's re-prefill)
                                       "resumed_requests": 0, "resumed_input_tokens": 0}
+
+    def _new_slots(self) -> asyncio.Semaphore | None:
+        return asyncio.Semaphore(self.config.slots) if self.config.slots > 0 else None
+
+    def set_slots(self, slots: int) -> None:
+        """Generations at once (SGLang's max_running_requests), for the requests that come next."""
+        self.config = dataclasses.replace(self.config, slots=slots)
+        self._slots = self._new_slots()
 
     def _single_token_words(self) -> list[int]:
         ids = [self.tokenizer.encode(" " + w, add_special_tokens=False) for w in _FILLER_WORDS]

@@ -305,7 +305,8 @@ def test_duplicate_rid_message(stack):
 
     async def both() -> list[tuple[int, Any]]:
         first = asyncio.create_task(asyncio.to_thread(admit, stack, body))
-        await asyncio.sleep(0.3)  # the first is generating
+        while not (await asyncio.to_thread(stack.stats, 0))["running"]:  # the first is generating
+            await asyncio.sleep(0.02)
         second = await asyncio.to_thread(admit, stack, body)
         return [await first, second]
 

@@ -285,6 +285,18 @@ def engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any) -> Iterator
         stack.stop()
 
 
+@contextlib.asynccontextmanager
+async def async_engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any) -> Any:
+    """`engine_stack` for async code: started and stopped in a thread, the event loop runs on."""
+    import asyncio
+
+    stack = await asyncio.to_thread(start_engine_stack, tmp, n_engines, **kwargs)
+    try:
+        yield stack
+    finally:
+        await asyncio.to_thread(stack.stop)
+
+
 _SHARED: list[EngineStack] = []
 SHARED_MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
 

@@ -78,10 +78,11 @@ async def test_length_finish_respects_max_new_tokens(stack, tokenizer):
         assert gen.finish == "length" and len(gen.output_ids) == 5
 
 
-async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack):
+@pytest.mark.parametrize("router", ["smg", "sglang-router"])
+async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack, router):
     """Issue 24, item 2 (fails on fe89cd3: only an integer `context_length` of /server_info or
     /model_info was read, both 404 through the router, so the 32768 guess stood)."""
-    async with EngineClient(stack.router_url) as client:
+    async with EngineClient(stack.router_urls[router]) as client:
         # SGLang: context_length null (no --context-length), max_req_input_len = 4096 - 1 - 5
         assert await client.context_length() == MODEL_CONTEXT - 6
         assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
@@ -166,10 +167,11 @@ async def test_undecodable_200_is_retried_like_a_5xx(tokenizer):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r2", routing_key="k")
 
 
-async def test_a_timed_out_request_frees_its_engine_slot_within_a_second_through_the_router(stack, tokenizer):
+@pytest.mark.parametrize("router", ["smg", "sglang-router"])
+async def test_a_timed_out_request_frees_its_engine_slot_within_a_second_through_the_router(stack, tokenizer, router):
     """Issue 24, item 3 (fails on fe89cd3: the abort went to the router's /abort_request, a 404,
     and the engine kept generating ~2 s for nobody; the abort task was not held either)."""
-    async with EngineClient(stack.router_url, timeout_s=0.3, max_retries=0) as client:
+    async with EngineClient(stack.router_urls[router], timeout_s=0.3, max_retries=0) as client:
         started = time.monotonic()
         with pytest.raises(EngineError, match="no answer .* within 0.3s"):  # ~2048 tokens at 1 ms: ~2 s
             await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3000), rid="slow",

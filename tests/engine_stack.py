@@ -376,6 +376,20 @@ class SimScheduler:
         self.send.connect(port_args.tokenizer_ipc_name)
         self.tasks: set[Any] = set()
         self.bodies: list[Any] = []  # the /generate bodies the front received (`_recording`)
+        from sglang.srt.managers.load_snapshot import create_load_snapshot_writer
+
+        # the scheduler's load snapshots, which the front's GET /v1/loads reads (slime's abort
+        # polls it until the engine is idle)
+        self.loads = create_load_snapshot_writer(port_args, 1, 0)
+        self.publish_load()
+
+    def publish_load(self) -> None:
+        from sglang.srt.managers.load_snapshot import LoadSnapshot
+
+        held, slots = len(self.engine._running), self.engine.config.slots
+        running = min(held, slots) if slots > 0 else held
+        self.loads.write(LoadSnapshot(timestamp=time.time(), num_running_reqs=running, num_waiting_reqs=held - running,
+                                      max_running_requests=slots, max_total_num_tokens=self.max_req_len + 1))
 
     def scheduler_info(self) -> dict[str, Any]:
         return {"status": "ready", "max_total_num_tokens": self.max_req_len + 1,
@@ -459,12 +473,14 @@ class SimScheduler:
         keys[routing_key] = keys.get(routing_key, 0) + 1
         running = engine._running[req.rid] = _Running(req.rid)
         engine.stats["max_running"] = max(engine.stats["max_running"], len(engine._running))
+        self.publish_load()
         try:
             await engine._resumed.wait()
             async with engine._slot():
                 ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
         finally:
             engine._running.pop(req.rid, None)
+            self.publish_load()
         engine.stats["output_tokens"] += len(ids)
         if finish.get("type") == "abort":
             finish = {**finish, "status_code": None, "err_type": None}

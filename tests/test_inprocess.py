@@ -202,33 +202,41 @@ async def test_generate_and_rm_runs_our_episodes(slime, stack, tmp_path):
 @pytest.mark.conformance
 @STACK_TIMEOUT
 async def test_an_abort_ends_the_episode_aborted_at_once(slime, stack, tmp_path):
-    """slime aborts the engines' requests once its batch is full (POST /abort_request
-    {"abort_all": true} to each engine of the router's list): the episode ends ABORTED with what it
-    had (no resume, as slime's own generate), well-formed, and slime takes no reward call."""
-    import aiohttp
-
+    """slime aborts the engines' requests once its batch is full, with its own `abort`: the
+    engines from the router's GET /workers, each sent /abort_request {"abort_all": true} until its
+    /v1/loads says idle. The episode ends ABORTED with what it had (no resume, as slime's own
+    generate), well-formed, and slime takes no reward call."""
     rollout = slime.modules["slime.rollout.sglang_rollout"]
+    http_utils = slime.modules["slime.utils.http_utils"]
     twin(stack, seed=1, token_latency_s=0.01, length_mu=5.0, length_sigma=0.01, tool_use=0.0)
     args = _args(stack.router_url, _config(tmp_path))
-    params = rollout.GenerateState(args).sampling_params
-    task = asyncio.ensure_future(
-        rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy()))
-    while not (await asyncio.to_thread(stack.total_stats))["running"]:
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    aborted_at = asyncio.get_running_loop().time()
-    async with aiohttp.ClientSession() as session:
-        for engine in stack.engine_urls:
-            async with session.post(f"{engine}/abort_request", json={"abort_all": True}) as resp:
-                assert resp.status == 200
-    sample = await task
-    assert asyncio.get_running_loop().time() - aborted_at < 1.0
+    http_utils._http_client = None
+    http_utils.init_http_client(args)
+    try:
+        params = rollout.GenerateState(args).sampling_params
+        task = asyncio.ensure_future(
+            rollout.generate_and_rm(args, _samples(slime, *QUESTIONS[0], n=1)[0], sampling_params=params.copy()))
+        while not (await asyncio.to_thread(stack.total_stats))["running"]:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        control = require_slime("slime.backends.sglang_utils.server_control").modules[
+            "slime.backends.sglang_utils.server_control"]
+        loads = [await control._get_server_num_requests(url) for url in stack.engine_urls]
+        assert sorted(loads) == [0, 1]  # SGLang's /v1/loads, from the scheduler's load snapshots
+        aborted_at = asyncio.get_running_loop().time()
+        await rollout.abort(args, rollout_id=0)  # returns once every engine's /v1/loads is idle
+        sample = await task
+        assert asyncio.get_running_loop().time() - aborted_at < 2.0
+    finally:
+        await http_utils._http_client.aclose()
+        http_utils._http_client = None
     assert sample.status is slime.Sample.Status.ABORTED
     assert sample.metadata["turn_log"][-1]["finish"] == "abort" and sample.metadata["turns"] == 1
     assert 0 < sample.response_length < 148  # part of the ~148-token answer
     assert sample.loss_mask == [1] * sample.response_length
     assert len(sample.rollout_log_probs) == sample.response_length
-    assert stack.total_stats()["requests"] == 1  # not resumed
+    stats = stack.total_stats()
+    assert stats["requests"] == 1 and stats["running"] == 0  # not resumed; the engines are idle
 
 
 @pytest.mark.conformance

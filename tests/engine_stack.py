@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -317,7 +318,13 @@ def shared_stack() -> EngineStack:
     stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"))
     print(f"\nengine stack (2 SGLang fronts, smg, sglang-router) started in {stack.startup_s:.1f}s ({tmp})")
     _SHARED[:] = [stack]
+    atexit.register(_stop_and_remove, stack, tmp)
     return stack
+
+
+def _stop_and_remove(stack: EngineStack, tmp: Path) -> None:
+    stack.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def require_stack_parts(router: str = "smg") -> None:

@@ -187,6 +187,12 @@ def serve_openreward(*env_classes: type) -> Iterator[str]:
 
     from pipeline.local_redis import free_port
 
+    try:  # sse-starlette keeps one exit event per process, bound to the loop of the server that made it:
+        from sse_starlette.sse import AppStatus  # a later server (another thread, another loop) needs its own
+
+        AppStatus.should_exit_event = None
+    except ImportError:  # pragma: no cover - the SDK's server depends on sse-starlette
+        pass
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(Server(list(env_classes)).app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

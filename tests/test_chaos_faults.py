@@ -153,7 +153,10 @@ class FaultProxy:
 
     async def _forward(self, request: web.Request, body: bytes) -> web.Response:
         assert self._http is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "x-smg-routing-key")}
+        # Host passes too: the simulator answers GET /workers with its own Host, so the workers'
+        # aborts come back through this proxy (as a router lists the engines it fronts).
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("content-type", "x-smg-routing-key", "host")}
         async with self._http.request(request.method, self.upstream + request.path, data=body, headers=headers) as up:
             return web.Response(body=await up.read(), status=up.status, content_type=up.content_type)
 

@@ -147,10 +147,13 @@ def test_partial_read_before_crash_is_not_lost(redis_url, namespace):
 
 @pytest.mark.parametrize("policy", ["requeue", "drop", "keep"])
 def test_staleness_policies(redis_url, namespace, policy):
+    """Arrival order: the one order that hands stale groups back (due-first dead-letters them,
+    test_due_first_hands_nothing_back below)."""
     fresh = [make_group(f"f{i}:0", n=4, admission_version=5) for i in range(2)]
     stale = msgspec.structs.replace(make_group("old:1r2", n=4, admission_version=1), epoch=1, attempt=2)
     push_groups(redis_url, namespace, [stale, *fresh])
-    ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=2, pipeline_stale_policy=policy))
+    ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=2, pipeline_stale_policy=policy,
+                               pipeline_consume_order="arrival"))
     out = generate_rollout(ds.args, 5, ds)  # version 5, eta 2: version 1 is 4 steps old
     counters = read_counters(redis_url, namespace)
     assert counters[Counter.STALE] == 1
@@ -171,6 +174,28 @@ def test_staleness_policies(redis_url, namespace, policy):
             Requeue(task=stale.task, epoch=1, attempt=2, reason=RequeueReason.STALE)
         ]
         assert out.metrics["rollout/pipeline/groups_requeued"] == 1
+    ds.close()
+
+
+def test_due_first_hands_nothing_back(redis_url, namespace):
+    """Due-first with stale_policy requeue: a group past eta (a resume) goes to the dead letters
+    with its reason, never to {ns}:requeue, which no producer may be reading (issue 25 item 4)."""
+    fresh = [make_group(f"f{i}:0", n=4, admission_version=5) for i in range(2)]
+    stale = msgspec.structs.replace(make_group("old:1r2", n=4, admission_version=1), epoch=1, attempt=2)
+    push_groups(redis_url, namespace, [stale, *fresh])
+    ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=2, pipeline_stale_policy="requeue"))
+    out = generate_rollout(ds.args, 5, ds)
+    assert _ids(out.samples) == ["f0:0", "f1:0"]
+
+    async def lists():
+        client = connect(redis_url)
+        requeued = await client.llen(Keys(namespace).requeue)
+        dead = await client.xrange(Keys(namespace).dead)
+        await client.aclose()
+        return requeued, dead
+    requeued, dead = asyncio.run(lists())
+    assert requeued == 0
+    assert len(dead) == 1 and b"stale under due-first" in dead[0][1][b"reason"]
     ds.close()
 
 

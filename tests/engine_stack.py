@@ -161,7 +161,7 @@ class EngineStack:
 
     def configure(self, i: int | None = None, **fields: Any) -> None:
         """The simulator's SimConfig defaults updated with `fields`, on engine i or every engine;
-        counters, queued faults and kept bodies start afresh (a test's clean slate)."""
+        weight label, counters, queued faults and kept bodies start afresh (a test's clean slate)."""
         from workers.sim.engine import SimConfig
 
         unknown = set(fields) - set(_CONFIGURABLE)
@@ -169,6 +169,14 @@ class EngineStack:
             raise ValueError(f"not configurable at run time: {sorted(unknown)} (start_engine_stack's sim= sets them)")
         defaults = SimConfig()
         self.sim("config", {**{k: getattr(defaults, k) for k in _CONFIGURABLE}, **fields}, i)
+        # the weight label through SGLang's own endpoint (its TokenizerManager keeps one too): a test
+        # that pushed weights must not leave the next one a label it did not set
+        for k in range(len(self.engine_urls)) if i is None else [i]:
+            request = urllib.request.Request(f"{self.engine_urls[k]}/update_weight_version",
+                                             data=json.dumps({"new_version": defaults.weight_version}).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                resp.read()
 
     def sim(self, path: str, body: dict[str, Any], i: int | None = None) -> None:
         """POST /sim/<path> (config, fail_next) to engine i, or to every engine."""

@@ -111,19 +111,7 @@ async def test_a_groups_seeds_on_the_wire_are_distinct_non_negative_integers(red
     integer `max_new_tokens`."""
     await trainer_started(redis, keys)
     async with serve_sim_engine() as sim, recording_proxy(sim.url) as (url, bodies):
-        config = parse_config({
-            "redis": {"url": redis_url, "namespace": namespace},
-            "engine": {"url": url, "deterministic_inference": True},
-            "rollout": {"n_samples_per_prompt": N, "max_response_tokens": 256, "sampling": {"sampling_seed": 0}},
-            "environments": {"calc": {"kind": "calculator"}},
-        })
-        task = Task(id="seeded", env="calc", prompt="What is 6 * 7?", label="42")
-        job = PromptJob(task=task, epoch=0, n_samples=N, sampling=config.rollout.sampling, enqueued_at=time.time())
-        context = await _build_context(config, keys, "seeds")
-        try:
-            group = await run_episodes(context, job, 1)
-        finally:
-            await context.aclose()
+        group = await _seeded_group(redis_url, namespace, keys, {"url": url}, seed=0, task_id="seeded")
     assert len(group.samples) == N and bodies
     seed_of_episode: dict[str, set[int]] = {}
     for body in bodies:
@@ -160,20 +148,28 @@ async def test_seeds_through_slimes_router_and_sglangs_front(redis, redis_url, k
     stack.configure()  # a clean slate of kept bodies
 
     await trainer_started(redis, keys)
-    config = parse_config({
-        "redis": {"url": redis_url, "namespace": namespace},
-        "engine": {"url": stack.router_url, "tokenizer": default_tokenizer_path(), "deterministic_inference": True},
-        "rollout": {"n_samples_per_prompt": N, "max_response_tokens": 256, "sampling": {"sampling_seed": 2**63 - N}},
-        "environments": {"calc": {"kind": "calculator"}},
-    })
-    task = Task(id="seeded-router", env="calc", prompt="What is 6 * 7?", label="42")
-    job = PromptJob(task=task, epoch=0, n_samples=N, sampling=config.rollout.sampling, enqueued_at=time.time())
-    context = await _build_context(config, keys, "seeds")
-    try:
-        group = await run_episodes(context, job, 1)
-    finally:
-        await context.aclose()
+    group = await _seeded_group(redis_url, namespace, keys,
+                                {"url": stack.router_url, "tokenizer": default_tokenizer_path()},
+                                seed=2**63 - N, task_id="seeded-router")
     assert all(s.response_length > 0 and "error" not in s.metadata for s in group.samples), \
         [s.metadata.get("error") for s in group.samples]
     seeds = {body["rid"].split(":t")[0]: body["sampling_params"]["sampling_seed"] for body in stack.all_bodies()}
     assert sorted(seeds.values()) == [2**63 - N + i for i in range(N)]
+
+
+async def _seeded_group(redis_url, namespace, keys, engine: dict, *, seed: int, task_id: str):
+    """One calculator group of N samples run by the real episode runner with `sampling_seed` = seed
+    and deterministic inference on, against the engine at engine["url"]."""
+    config = parse_config({
+        "redis": {"url": redis_url, "namespace": namespace},
+        "engine": {**engine, "deterministic_inference": True},
+        "rollout": {"n_samples_per_prompt": N, "max_response_tokens": 256, "sampling": {"sampling_seed": seed}},
+        "environments": {"calc": {"kind": "calculator"}},
+    })
+    task = Task(id=task_id, env="calc", prompt="What is 6 * 7?", label="42")
+    job = PromptJob(task=task, epoch=0, n_samples=N, sampling=config.rollout.sampling, enqueued_at=time.time())
+    context = await _build_context(config, keys, "seeds")
+    try:
+        return await run_episodes(context, job, 1)
+    finally:
+        await context.aclose()

@@ -81,6 +81,10 @@ class EngineSection(_Section, frozen=True):
     # the engines run SGLang's --enable-deterministic-inference (slime: --sglang-enable-deterministic-
     # inference): only then does a `rollout.sampling.sampling_seed` do anything (pipeline/sampling.py)
     deterministic_inference: bool = False
+    # send each request's group clock as SGLang `priority` (the group due soonest gets a free slot
+    # first) where every engine says enable_priority_scheduling in /server_info (slime:
+    # --sglang-enable-priority-scheduling); engines without it get no priority either way
+    due_priority: bool = True
 
 
 class RolloutSection(_Section, frozen=True):

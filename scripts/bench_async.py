@@ -80,6 +80,8 @@ class Setup:
     accuracy: float = 0.6
     drain_s: float = 60.0  # how long the end of a run waits for groups still generating
     due_wait_s: float = 600.0
+    # the engine's --enable-priority-scheduling: the workers send each group's clock as `priority`
+    priority_scheduling: bool = True
 
 
 # ------------------------------------------------------------------ one run
@@ -138,7 +140,7 @@ def engine_stats(url: str) -> dict[str, Any]:
 def engine_args(setup: Setup) -> list[str]:
     return ["--length-sigma", str(setup.length_sigma), "--token-latency-s", str(setup.token_latency_s),
             "--slots", str(setup.slots), "--seed", str(setup.seed), "--accuracy", str(setup.accuracy),
-            "--tasks", str(TASKS_FILE)]
+            "--tasks", str(TASKS_FILE), *(["--enable-priority-scheduling"] if setup.priority_scheduling else [])]
 
 
 class OccupancySampler(threading.Thread):

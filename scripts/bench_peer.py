@@ -78,6 +78,10 @@ CONTENDERS = {
 }
 FRONTIER_ETAS = (1, 2, 4, 8)
 FA_SWEEP = (1, 2, 4)  # fully async's sglang_server_concurrency, in multiples of the engine's slots
+# `--quick` (under 3 minutes on 2 cores): 5 steps, one repeat, fully async at its usual best (1x)
+QUICK_ETAS = (1, 2, 4)
+QUICK_SWEEP = (1,)
+FCFS = "pipeline (FCFS engine) eta"  # --fcfs: the same points on an engine without priority scheduling
 AREAL_SPEEDUP = 2.77  # AReaL (Fu et al. 2025): async RL vs synchronous, same hardware
 LENGTH_GOAL_PCT = 2.0
 WASTE_GOAL_PCT = 1.0
@@ -103,13 +107,17 @@ class Workload:
     concurrency: int = 32  # slime: sglang_server_concurrency (x 1 engine)
     eta: int = 2  # the pipeline's staleness bound
     groups_in_flight: int = 0  # the pipeline's worker concurrency in groups (0: 2 x slots / n)
+    # the engine's --enable-priority-scheduling (every contender's engine): slime's requests carry
+    # no priority (FCFS as without it), the pipeline's carry their group's clock (due first)
+    priority_scheduling: bool = True
     seed: int = 0
 
     def engine_args(self, tasks: str) -> list[str]:
         return ["--length-mu", str(self.length_mu), "--length-sigma", str(self.length_sigma),
                 "--token-latency-s", str(self.token_latency_s), "--slots", str(self.slots),
                 "--max-filler-tokens", str(self.max_filler_tokens), "--weight-version", "0",
-                "--seed", str(self.seed), "--tasks", tasks]
+                "--seed", str(self.seed), "--tasks", tasks,
+                *(["--enable-priority-scheduling"] if self.priority_scheduling else [])]
 
     def pipeline_groups(self) -> int:
         return self.groups_in_flight or max(1, 2 * self.slots // self.n)
@@ -145,6 +153,10 @@ class Result:
     resumed_input_tokens: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the loop
     counters: dict[str, int] = field(default_factory=dict)  # the pipeline's Redis counters
+    # the pipeline, per step: the longest episode of the groups it trained (s), and the trainer's
+    # step plus weight push (s) (`ceiling_tokens_per_s`)
+    cohort_tails_s: list[float] = field(default_factory=list)
+    step_overheads_s: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -466,9 +478,13 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                     out = generate_rollout(args, rollout_id, source)
                     record_step(result, rollout_id, out.samples,
                                 lambda s: s.metadata.get("engine_weight_versions") or s.weight_versions)
+                    result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
+                                                     for group in out.samples for s in group))
+                    trained_at = time.monotonic()
                     time.sleep(wl.train_step_s)
                     source.save(rollout_id)
                     sampler.push(engine_url, rollout_id + 1)
+                    result.step_overheads_s.append(time.monotonic() - trained_at)
                 result.wall_s = time.monotonic() - started
                 result.steps = wl.steps
                 stats = source.last_stats
@@ -643,6 +659,29 @@ def slot_use(r: Result, slots: int) -> tuple[float, float]:
     return float(busy.mean()), float(busy[after].mean()) if after.any() else float("nan")
 
 
+def ceiling_tokens_per_s(r: Result) -> float:
+    """The most trained tokens/s a schedule could reach on this run's own groups with lag <= eta
+    counted from admission (docs/benchmarks.md, "What limits eta 1 and 2").
+
+    Step k may start (S_k) only after step k-1's training and weight push (tau_k, measured):
+    S_k >= S_{k-1} + tau_{k-1}. A group trained at step k has lag <= eta, so it was admitted at
+    version k - eta or later, which is out at S_{k-eta-1} + tau; it cannot start earlier, and
+    the step cannot start before it ends: S_k >= S_{k-eta-1} + tau + D_k, D_k the longest
+    episode the step trained (measured). The earliest S_k by these two rules, plus the last
+    step's own tau, is the least wall time for the run's steps; every measured run takes at
+    least that long. (The first eta + 1 steps take groups admitted before the clock started.)"""
+    if r.eta < 0 or not r.steps or len(r.cohort_tails_s) != r.steps or len(r.step_overheads_s) != r.steps:
+        return float("nan")
+    tau, tails = r.step_overheads_s, r.cohort_tails_s
+    starts = [0.0]
+    for k in range(1, r.steps):
+        earliest = starts[k - 1] + tau[k - 1]
+        if k > r.eta:
+            earliest = max(earliest, starts[k - r.eta - 1] + tau[k - r.eta - 1] + tails[k])
+        starts.append(earliest)
+    return r.trained_tokens / (starts[-1] + tau[-1])
+
+
 def waste_pct(r: Result) -> float:
     return 100.0 * r.untrained_tokens / r.engine_tokens if r.engine_tokens else 0.0
 
@@ -675,7 +714,8 @@ def max_lag(r: Result) -> int:
 
 
 def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, repeats: int,
-                 etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP) -> list[Result]:
+                 etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP,
+                 fcfs: bool = False) -> list[Result]:
     """Per repeat: slime sync, fully async at each concurrency, then the pipeline at each eta and
     at the best fully-async run's max lag. Every run on a fresh engine, one after the other."""
     results: list[Result] = []
@@ -704,6 +744,9 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             best.notes.append("best fully async of this repeat (trained tokens/s)")
             best_k = best_k or best.concurrency // wl.slots
         by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas}
+        if fcfs:  # the ablation: what the requests' priority buys (issue 25 item 3)
+            for eta in etas:
+                one("d", f"{FCFS} {eta}", replace(wl, eta=eta, priority_scheduling=False), rep)
         if best is not None:
             target = max(1, max_lag(best))
             same = by_eta.get(target) or one("d", f"pipeline eta {target}", replace(wl, eta=target), rep)
@@ -741,12 +784,12 @@ def _fmt(values: list[float], spec: str = ".2f") -> str:
 def frontier_table(results: list[Result], wl: Workload) -> str:
     head = ("| contender | groups/s | trained response tok/s | trained len mean / p90 | plan len mean / p90 | "
             "length bias mean / p90 | engine slot use (after pushes) | lag mean / max | lag distribution (calls) | "
-            "tokens never trained | re-prefilled tok per push |")
-    lines = [head, "|" + "---|" * 11]
+            "tokens never trained | re-prefilled tok per push | ceiling tok/s at lag <= eta |")
+    lines = [head, "|" + "---|" * 12]
     for label, runs in _rows(results).items():
         ran = [r for r in runs if r.ran]
         if not ran:
-            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * 9)
+            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * 10)
             continue
         tl = [float(np.mean(r.trained_lengths)) for r in ran]
         tp = [_pct(r.trained_lengths, 90) for r in ran]
@@ -765,7 +808,8 @@ def frontier_table(results: list[Result], wl: Workload) -> str:
             f"{_fmt([u[0] for u in use])} ({_fmt([u[1] for u in use])}) | "
             f"{_fmt([float(np.mean(r.lags)) if r.lags else 0.0 for r in ran])} / {max(max_lag(r) for r in ran)} | {dist} | "
             f"{_fmt([waste_pct(r) for r in ran], '.1f')} % | "
-            f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} |")
+            f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} | "
+            f"{_fmt([ceiling_tokens_per_s(r) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
     return "\n".join(lines)
 
 
@@ -816,10 +860,14 @@ def goals(results: list[Result]) -> list[Figure]:
         worst_bias = max(biases, key=abs)
         same_lag = label.startswith("pipeline eta =")
         want = SAME_LAG_TOKENS_GOAL if same_lag else 1.0
+        ceiling = statistics.median(ceiling_tokens_per_s(mine[k]) for k in common)
+        limit = (f"; ceiling at this eta from the run's own group tails {ceiling:.0f} tok/s"
+                 + (f", below fully async's x {want:g} ({want * fa_tok:.0f}): no schedule with lag <= eta and nothing "
+                    "discarded reaches the goal here" if ceiling < want * fa_tok else ""))
         figures.append(Figure(
             section="peer", name=f"{label}: trained response tokens/s, median {tok:.0f} (worst repeat ratio "
             f"{min(ratios):.2f}x); trained length vs plan median {statistics.median(biases):+.1f} % (worst "
-            f"{worst_bias:+.1f} %; fully async {fa_bias:+.1f} %)", value=tok, unit="tok/s",
+            f"{worst_bias:+.1f} %; fully async {fa_bias:+.1f} %){limit}", value=tok, unit="tok/s",
             baseline="slime fully async, best concurrency, same run", baseline_value=fa_tok, ratio=statistics.median(ratios),
             goal=f">= {want:g}x fully async's trained tokens/s, length within {LENGTH_GOAL_PCT:g} % of the plan",
             met=statistics.median(ratios) >= want and abs(statistics.median(biases)) <= LENGTH_GOAL_PCT))
@@ -867,7 +915,8 @@ def plot(results: list[Result], path: Path) -> Path | None:
         if not ran or label == "slime fully async, best of the sweep":
             continue
         family = ("slime sync" if label.startswith("slime sync") else "slime fully async (1x, 2x, 4x slots)"
-                  if label.startswith("slime fully") else "this pipeline, due-first (eta 1, 2, 4, 8, = FA max lag)")
+                  if label.startswith("slime fully") else "this pipeline, FCFS engine" if label.startswith(FCFS)
+                  else "this pipeline, due-first (eta 1, 2, 4, 8, = FA max lag)")
         x = statistics.median(max_lag(r) for r in ran)
         y = statistics.median(r.trained_tokens_per_s for r in ran)
         bias = statistics.median(length_bias(r)[0] for r in ran)
@@ -891,22 +940,24 @@ def plot(results: list[Result], path: Path) -> Path | None:
 
 
 def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = None, plot_path: Path | None = None,
-               json_path: str = "", keep: str = "") -> list[Figure]:
+               json_path: str = "", keep: str = "", etas: tuple[int, ...] | None = None,
+               sweep: tuple[int, ...] | None = None, fcfs: bool = False) -> list[Figure]:
     """The frontier section (`rollout bench --sections peer`): tables, plot, goals as figures."""
     wl = Workload(steps=steps or (5 if quick else 12))
     repeats = repeats or (1 if quick else 3)
-    sweep = FA_SWEEP
+    etas = etas or (QUICK_ETAS if quick else FRONTIER_ETAS)
+    sweep = sweep or (QUICK_SWEEP if quick else FA_SWEEP)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         workdir = Path(keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
-        results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, sweep=sweep)
+        results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs)
     took = time.monotonic() - started
     print(f"\nWorkload: B={wl.batch} n={wl.n} steps={wl.steps} train step {wl.train_step_s}s, weight push after each "
           f"(abort mode); engine: {wl.slots} slots, {wl.token_latency_s * 1e3:.1f} ms/token, lognormal lengths "
-          f"mu={wl.length_mu} sigma={wl.length_sigma}; the pipeline: due-first, {wl.pipeline_groups()} groups in "
-          f"flight; fully async at sglang_server_concurrency {', '.join(f'{k * wl.slots}' for k in sweep)}; "
+          f"mu={wl.length_mu} sigma={wl.length_sigma}, --enable-priority-scheduling; the pipeline: due-first, "
+          f"{wl.pipeline_groups()} groups in flight, eta {', '.join(map(str, etas))}; fully async at sglang_server_concurrency {', '.join(f'{k * wl.slots}' for k in sweep)}; "
           f"{repeats} repeat(s), median (min-max). Run took {took:.0f} s.")
     text = frontier_table(results, wl)
     print(text)
@@ -921,6 +972,10 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
     return figures
 
 
+def _ints(text: str) -> tuple[int, ...] | None:
+    return tuple(int(x) for x in text.split(",") if x.strip()) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="5 steps, 1 repeat (12 steps, 3 repeats without)")
@@ -930,11 +985,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", default="bench-peer-frontier.png", help="the frontier plot (PNG)")
     p.add_argument("--contenders", default="", help="issue 17's single points instead of the frontier: a,b,c,d,e")
     p.add_argument("--keep", default="", help="run in this folder and keep the logs (engine, child, workers)")
+    p.add_argument("--etas", default="", help="the pipeline's points, e.g. 2,8 (default 1,2,4,8; quick 1,2,4)")
+    p.add_argument("--sweep", default="", help="fully async's concurrency in slots, e.g. 1,2 (default 1,2,4; quick 1)")
+    p.add_argument("--fcfs", action="store_true",
+                   help="also run each pipeline point on an engine without priority scheduling (the ablation)")
     opts = p.parse_args(argv)
 
     if not opts.contenders:
         figures = bench_peer(quick=opts.quick, repeats=opts.repeats, steps=opts.steps, plot_path=Path(opts.plot),
-                             json_path=opts.json, keep=opts.keep)
+                             json_path=opts.json, keep=opts.keep, etas=_ints(opts.etas), sweep=_ints(opts.sweep),
+                             fcfs=opts.fcfs)
         for figure in figures:
             print(figure.line())
         return 0

@@ -313,7 +313,7 @@ SHARED_MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --
 def shared_stack() -> EngineStack:
     """The test session's stack, started on first use and stopped at exit: two engines (SGLang
     fronts over simulators, seeds 0 and 1) at a 4096-token model context without
-    --context-length, behind smg (`router_url`) and sglang-router 0.3.2
+    --context-length, with --enable-priority-scheduling (larger values first, SGLang's default), behind smg (`router_url`) and sglang-router 0.3.2
     (`router_urls["sglang-router"]`). A test starts with `configure(...)` (the simulator's
     behaviour, a clean slate of counters); one stack start per session keeps CI fast."""
     if _SHARED and all(p.poll() is None for p in _SHARED[0].processes):
@@ -323,7 +323,8 @@ def shared_stack() -> EngineStack:
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="engine-stack-"))
-    stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"))
+    stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"),
+                               sim={"priority_scheduling": True})
     print(f"\nengine stack (2 SGLang fronts, smg, sglang-router) started in {stack.startup_s:.1f}s ({tmp})")
     _SHARED[:] = [stack]
     atexit.register(_stop_and_remove, stack, tmp)
@@ -491,7 +492,7 @@ class SimScheduler:
         self.publish_load()
         try:
             await engine._resumed.wait()
-            async with engine._slot():
+            async with engine._slot(engine._note_priority(req.rid, req.priority)):  # the scheduler's waiting queue (workers/sim/scheduler.py)
                 ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
         finally:
             engine._running.pop(req.rid, None)
@@ -606,8 +607,12 @@ async def _serve_front(args: argparse.Namespace) -> None:
     sim_fields = json.loads(args.sim)
     servers, schedulers = [], []
     for i, (port, stats_port) in enumerate(zip(args.port, args.stats_port)):
+        # the simulator's priority_scheduling is SGLang's --enable-priority-scheduling: the front
+        # says so in /server_info and its TokenizerManager handles `priority` as it would
         server_args = ServerArgs(model_path=model, context_length=args.context_length, device="cpu",
-                                 skip_server_warmup=True, host="127.0.0.1", port=port, log_level="warning")
+                                 skip_server_warmup=True, host="127.0.0.1", port=port, log_level="warning",
+                                 enable_priority_scheduling=bool(sim_fields.get("priority_scheduling")),
+                                 schedule_low_priority_values_first=bool(sim_fields.get("low_priority_values_first")))
         # process-wide config, last publish wins: the engines differ only in their port
         publish(server_args, role="tokenizer")
         port_args = PortArgs.init_new(server_args)

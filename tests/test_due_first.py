@@ -29,6 +29,14 @@ def engine(tmp_path_factory):
         yield sim.url
 
 
+def _engine_stats(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
 def _lengths(groups) -> list[tuple[str, int]]:
     return sorted((g.group_id, model_tokens(s)) for g in groups for s in g.samples)
 
@@ -46,6 +54,10 @@ def test_due_first_trains_every_generated_group_within_eta(redis_url, engine, tm
     resolved = [g for _rid, g in source.trained] + source.discarded
     assert _lengths(g for _rid, g in source.trained) == _lengths(resolved)
     assert r["len_diff_mean_pct"] == 0.0 and r["len_diff_p90_pct"] == 0.0
+    # the engine schedules by priority (issue 25 item 3): every request carried its group's clock
+    # (-clock: larger first), never one the policy had not reached
+    priorities = _engine_stats(engine)["priorities"]
+    assert priorities and set(priorities.values()) <= {-v for v in range(SETUP.steps + 1)}
 
 
 def test_arrival_order_discards_long_groups_in_the_same_run(redis_url, engine, tmp_path):

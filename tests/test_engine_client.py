@@ -3,6 +3,7 @@ the simulator as scheduler (tests/engine_stack.py), and against the simulator al
 injects faults the front cannot (5xx, garbage 200s, a closed port)."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -86,8 +87,38 @@ async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack
         # SGLang: context_length null (no --context-length), max_req_input_len = 4096 - 1 - 5
         assert await client.context_length() == MODEL_CONTEXT - 6
         assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
-        limits = client.directory._limits
+        limits = {url: facts.limit for url, facts in client.directory._facts.items()}
         assert limits == {url: MODEL_CONTEXT - 6 for url in stack.engine_urls}  # each engine asked once
+
+
+@pytest.mark.parametrize("router", ["smg", "sglang-router"])
+async def test_due_clock_reaches_sglangs_scheduler_as_priority_through_the_router(stack, router, tokenizer):
+    """Issue 25 item 3: the engines say --enable-priority-scheduling in /server_info (SGLang's own
+    front), so a request carries its group's clock as `priority` (larger first: -clock), and the
+    router passes it on to SGLang's front: the body the front received has it."""
+    stack.configure(token_latency_s=0.0)
+    async with EngineClient(stack.router_urls[router]) as client:
+        assert await client.directory.priority_order() == -1
+        await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="due-3", routing_key="k3",
+                              due_clock=3)
+        await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="free", routing_key="k4")
+    by_rid = {b.get("rid"): b for b in stack.all_bodies()}
+    assert by_rid["due-3"]["priority"] == -3
+    assert "priority" not in by_rid["free"]
+    # and SGLang's TokenizerManager handed it to the scheduler (TokenizedGenerateReqInput.priority)
+    assert stack.total_stats()["priorities"] == {"due-3": -3}
+
+
+async def test_an_engine_without_priority_scheduling_gets_no_priority(tmp_path):
+    """Where an engine does not schedule by priority, no `priority` is sent (SGLang would ignore
+    it, or refuse the request with --abort-on-priority-when-disabled)."""
+    config = SimConfig(token_latency_s=0.0)
+    async with serve_sim_engine(config) as sim, EngineClient(sim.url) as client:
+        assert await client.directory.priority_order() is None
+        assert await client.priority(5) is None
+    async with serve_sim_engine(dataclasses.replace(config, priority_scheduling=True, low_priority_values_first=True)) as sim, \
+            EngineClient(sim.url) as client:
+        assert await client.priority(5) == 5  # lower values first: the clock itself
 
 
 async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_by_a_400(stack):

@@ -74,3 +74,43 @@ async def test_a_cancelled_waiter_gives_up_its_place_and_slots_are_not_lost():
         await doomed
     assert started == ["holder", "later"]
     assert queue.free == 1 and not queue._waiting
+
+
+async def test_the_engine_gives_a_free_slot_to_the_largest_priority_over_http():
+    """`rollout engine --enable-priority-scheduling` over HTTP: one slot, held by a long request;
+    three short ones queue with priorities 1, 5, 3 (no priority: last) and end in priority order,
+    and /server_info says how the engine orders them (what the workers read, workers/engine.py)."""
+    import aiohttp
+
+    from workers.sim.engine import SimConfig, serve_sim_engine
+    from workers.sim.tokenizer import load_test_tokenizer
+
+    tok = load_test_tokenizer()
+    ids = tok.encode("What is 6 * 7?", add_special_tokens=False)
+    config = SimConfig(slots=1, token_latency_s=0.01, latency_sigma=0.0, length_mu=6.0, length_sigma=0.01,
+                       priority_scheduling=True)
+    finished: list[str] = []
+    async with serve_sim_engine(config) as sim, aiohttp.ClientSession() as http:
+        async with http.get(f"{sim.url}/server_info") as resp:
+            info = await resp.json()
+        assert info["enable_priority_scheduling"] is True and info["schedule_low_priority_values_first"] is False
+
+        async def ask(rid: str, max_new: int, priority: int | None) -> None:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}, "rid": rid}
+            if priority is not None:
+                body["priority"] = priority
+            async with http.post(f"{sim.url}/generate", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            finished.append(rid)
+
+        holder = asyncio.create_task(ask("holder", 60, None))  # 0.6 s on the only slot
+        await asyncio.sleep(0.1)
+        waiting = []
+        for rid, priority in (("none", None), ("p1", 1), ("p5", 5), ("p3", 3)):
+            waiting.append(asyncio.create_task(ask(rid, 2, priority)))
+            await asyncio.sleep(0.05)
+        await asyncio.gather(holder, *waiting)
+        async with http.post(f"{sim.url}/generate", json={"input_ids": ids, "priority": 2**63}) as resp:
+            assert resp.status == 400  # SGLang's signed 64-bit check
+        assert sim.engine.stats["priorities"] == {"p1": 1, "p5": 5, "p3": 3}
+    assert finished == ["holder", "p5", "p3", "p1", "none"]

@@ -27,6 +27,14 @@ input + max_new_tokens over `context_length` (null in /server_info unless `--con
 passed, as slime passes none); the client's limit is the smallest of these over the engines, read
 once per engine and again for an engine that joins the list.
 
+Due first in the engine's queue: a request may carry its group's admission clock (`due_clock`,
+the step it is due at minus eta). Where every engine says `enable_priority_scheduling` in its
+/server_info (SGLang's --enable-priority-scheduling, slime's --sglang-enable-priority-scheduling),
+the body carries it as SGLang's `priority`, oriented by `schedule_low_priority_values_first`
+(default: larger values first, so -clock), so a free slot goes to the group due soonest, FCFS
+among equals. Where any engine does not, no `priority` is sent: SGLang ignores it there, or
+refuses the request with --abort-on-priority-when-disabled.
+
 Every attempt has its own rid (`{rid}~{k}` for the k-th retry): SGLang keeps a rid
 registered while its request lives, and for a few seconds after a client disconnect, and
 answers a reused one with 400 "Duplicate request ID detected". Before each attempt the
@@ -253,6 +261,23 @@ def context_limit(info: Any) -> int | None:
     return min(limits) if limits else None
 
 
+def priority_order(info: Any) -> int | None:
+    """How an engine orders `priority`, from its `/server_info`: -1 larger values first (SGLang's
+    default), +1 lower values first (--schedule-low-priority-values-first), None when it does not
+    schedule by priority (or does not say)."""
+    if not isinstance(info, dict) or info.get("enable_priority_scheduling") is not True:
+        return None
+    return 1 if info.get("schedule_low_priority_values_first") is True else -1
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What one engine's /server_info says that requests depend on."""
+
+    limit: int | None = None  # context_limit
+    priority_order: int | None = None  # priority_order
+
+
 class EngineDirectory:
     """The engines behind the URL, and each one's context limit (module doc).
 
@@ -268,7 +293,7 @@ class EngineDirectory:
         self._engines: list[str] = []
         self._for_url = ""
         self._read_at = 0.0
-        self._limits: dict[str, int | None] = {}
+        self._facts: dict[str, EngineFacts] = {}
 
     def invalidate(self) -> None:
         self._read_at = 0.0
@@ -285,25 +310,34 @@ class EngineDirectory:
             self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
         return self._engines
 
-    async def limit_of(self, engine: str) -> int | None:
-        if engine not in self._limits:
-            limit = None
+    async def facts_of(self, engine: str) -> EngineFacts:
+        if engine not in self._facts:
+            facts = EngineFacts()
             for path in ("/server_info", "/get_server_info"):  # the deprecated alias where the first is absent
                 status, info = await self._client.get_json(f"{engine}{path}")
                 if status == 200:
-                    limit = context_limit(info)
+                    facts = EngineFacts(context_limit(info), priority_order(info))
                     break
-            if limit is None:
+            if facts.limit is None:
                 log.warning("%s does not say its context (no context_length or max_req_input_len in /server_info)",
                             engine)
-            self._limits[engine] = limit
-        return self._limits[engine]
+            self._facts[engine] = facts
+        return self._facts[engine]
+
+    async def limit_of(self, engine: str) -> int | None:
+        return (await self.facts_of(engine)).limit
 
     async def context_limit(self) -> int | None:
         """The smallest limit over the engines (a request may be routed to any of them)."""
         limits = [await self.limit_of(engine) for engine in await self.engines()]
         known = [limit for limit in limits if limit is not None]
         return min(known) if known else None
+
+    async def priority_order(self) -> int | None:
+        """The engines' common `priority` order (`priority_order`); None unless every engine
+        schedules by priority the same way (a request may be routed to any of them)."""
+        orders = {(await self.facts_of(engine)).priority_order for engine in await self.engines()}
+        return orders.pop() if len(orders) == 1 else None
 
 
 # ---------------------------------------------------------------- client
@@ -382,21 +416,26 @@ class EngineClient:
             return status, None
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str,
+        due_clock: int | None = None,
     ) -> Generation:
+        """`due_clock`: the group's admission clock, sent as SGLang `priority` where the engines
+        schedule by it (module doc): older clocks are due sooner."""
         headers = {"Content-Type": "application/json", ROUTING_HEADER: routing_key}
         params = sampling.to_dict()
+        priority = await self.priority(due_clock)
         for attempt in range(self.max_retries + 1):
             attempt_rid = rid if attempt == 0 else f"{rid}~{attempt}"
-            body = _json_encoder.encode(
-                {
-                    "input_ids": input_ids,
-                    "sampling_params": params,
-                    "return_logprob": True,
-                    "rid": attempt_rid,
-                    "routing_key": routing_key,
-                }
-            )
+            request: dict[str, Any] = {
+                "input_ids": input_ids,
+                "sampling_params": params,
+                "return_logprob": True,
+                "rid": attempt_rid,
+                "routing_key": routing_key,
+            }
+            if priority is not None:
+                request["priority"] = priority
+            body = _json_encoder.encode(request)
             policy = await self.clock.stamp() if self.clock is not None else None
             failure = await self._attempt(body, headers, attempt_rid)
             if isinstance(failure, Generation):
@@ -407,6 +446,13 @@ class EngineClient:
             log.warning("rid %s: %s; retry %d/%d in %.2fs", attempt_rid, failure, attempt + 1, self.max_retries, delay)
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
+
+    async def priority(self, due_clock: int | None) -> int | None:
+        """SGLang `priority` for a group of this admission clock: the older, the sooner."""
+        if due_clock is None:
+            return None
+        order = await self.directory.priority_order()
+        return None if order is None else order * due_clock
 
     async def _attempt(self, body: bytes, headers: dict[str, str], rid: str) -> Generation | str:
         """One request: a Generation, or a retryable failure's description; raises on final errors."""

@@ -115,12 +115,16 @@ class _Turn:
 class EpisodeRunner:
     """Runs episodes of one environment with one engine client and tokenizer."""
 
-    def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings, run: str = ""):
+    def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings, run: str = "",
+                 due_clock: int | None = None):
         self.engine = engine
         self.chat = chat
         self.env = env
         self.settings = settings
         self.run_name = run  # the pipeline run (Redis namespace), for EnvSession.episode_done
+        # the group's admission clock: its requests go first in the engine's queue the sooner the
+        # group is due (SGLang priority, workers/engine.py); None: no priority
+        self.due_clock = due_clock
 
     async def run(self, task: Task, episode_id: str, sample_index: int = 0) -> Sample:
         """One episode; `sample_index` (its place in the group) varies a configured sampling seed."""
@@ -253,7 +257,8 @@ class EpisodeRunner:
                 base, max_new_tokens=left, min_new_tokens=None if min_new is None else min(min_new, left)
             )
             gen = await self.engine.generate(
-                tokens + turn.ids, sampling, rid=f"{rid}.{turn.aborts}", routing_key=routing_key
+                tokens + turn.ids, sampling, rid=f"{rid}.{turn.aborts}", routing_key=routing_key,
+                due_clock=self.due_clock,
             )
             turn.ids += gen.output_ids
             turn.log_probs += gen.log_probs

@@ -229,13 +229,14 @@ class SlimeEngineClient(EngineClient):
     instead of holding slime's abort (which waits for every pending episode) for a whole turn."""
 
     async def generate(
-        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str
+        self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str,
+        due_clock: int | None = None,
     ) -> Generation:
         if slime_aborted():
             return Generation(output_ids=[], log_probs=[], finish="abort",
                               finish_message="slime aborted the rollout", weight_version="", text="",
                               cached_tokens=0, latency_s=0.0)
-        return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
+        return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key, due_clock=due_clock)
 
 
 _CHATS: dict[str, Any] = {}

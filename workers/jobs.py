@@ -354,7 +354,8 @@ def refuses_group(on_failure: str, failed: int, total: int) -> bool:
 async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> SampleGroup:
     env = w.environment(job.task.env)
     settings = EpisodeSettings.from_config(w.config, env.config, job.sampling)
-    runner = EpisodeRunner(w.engine, w.chat, env, settings, run=w.keys.ns)
+    runner = EpisodeRunner(w.engine, w.chat, env, settings, run=w.keys.ns,
+                           due_clock=job.admission_version if w.config.engine.due_priority else None)
     started = time.time()
     episodes = [asyncio.ensure_future(runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i))
                 for i in range(job.n_samples)]

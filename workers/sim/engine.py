@@ -29,7 +29,8 @@ it decodes the input ids, finds the last user question and:
   reason.
 Response length: a lognormal number of filler tokens (long tail). Latency: per token,
 lognormal around `token_latency_s` (0 = answer at once, for benchmarks). At most
-`slots` generations run at once; the rest queue, as in SGLang's scheduler.
+`slots` generations run at once; the rest queue, as in SGLang's scheduler: first come first
+served, or by each request's `priority` with `--enable-priority-scheduling` (workers/sim/scheduler.py).
 A turn's plan is seeded by (seed, routing key, context length), so a request resumed
 after an abort continues the same plan, and the n episodes of a group differ.
 
@@ -59,6 +60,7 @@ from aiohttp import web
 from pipeline.aio import wait_for
 from pipeline.sampling import sampling_errors
 from pipeline.schema import Task
+from workers.sim.scheduler import SlotQueue
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,10 @@ class SimConfig:
     token_latency_s: float = 0.0  # mean per output token; 0 = no sleeping at all
     latency_sigma: float = 0.5
     slots: int = 256  # concurrent generations; the rest wait (0 = unlimited)
+    # SGLang's --enable-priority-scheduling / --schedule-low-priority-values-first: the waiting
+    # queue ordered by each request's `priority` (workers/sim/scheduler.py)
+    priority_scheduling: bool = False
+    low_priority_values_first: bool = False
     context_length: int = 32768
     weight_version: str = "default"
     startup_s: float = 0.0  # /health answers 503 (and /generate is refused) this long after start
@@ -132,10 +138,14 @@ class SimEngine:
                                       # fresh turn (benchmarks compare trained lengths with it)
                                       "planned": {},
                                       # input tokens of requests resuming a turn (an abort's re-prefill)
-                                      "resumed_requests": 0, "resumed_input_tokens": 0}
+                                      "resumed_requests": 0, "resumed_input_tokens": 0,
+                                      "priorities": {}}  # rid -> the `priority` it was scheduled by
 
-    def _new_slots(self) -> asyncio.Semaphore | None:
-        return asyncio.Semaphore(self.config.slots) if self.config.slots > 0 else None
+    def _new_slots(self) -> SlotQueue | None:
+        c = self.config
+        if c.slots <= 0:
+            return None
+        return SlotQueue(c.slots, by_priority=c.priority_scheduling, low_values_first=c.low_priority_values_first)
 
     def set_slots(self, slots: int) -> None:
         """Generations at once (SGLang's max_running_requests), for the requests that come next."""
@@ -182,6 +192,8 @@ class SimEngine:
                 "tokenizer_path": self.tokenizer_path,
                 "context_length": self.config.context_length,
                 "max_running_requests": self.config.slots,
+                "enable_priority_scheduling": self.config.priority_scheduling,
+                "schedule_low_priority_values_first": self.config.low_priority_values_first,
                 "version": "0.5.23-sim",
             }
         )
@@ -300,7 +312,8 @@ class SimEngine:
         try:
             await self._resumed.wait()
             answers = await asyncio.gather(
-                *(self._answer_one(one, input_ids, f"{routing_key}#{i}" if n > 1 else routing_key, params, started)
+                *(self._answer_one(one, input_ids, f"{routing_key}#{i}" if n > 1 else routing_key, params, started,
+                                   body.get("priority"))
                   for i, one in enumerate(rids))
             )
         finally:
@@ -330,6 +343,12 @@ class SimEngine:
         errors = sampling_errors(params, pipeline=False)
         if errors:
             return _value_error(errors[0])
+        priority = body.get("priority")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)
+                                     or not -(1 << 63) <= priority < (1 << 63)):
+            # tokenizer_manager.py _set_default_priority
+            return _value_error("priority must be a signed 64-bit integer between -9223372036854775808 and "
+                                "9223372036854775807")
         rid = body.get("rid")
         if rid is not None and (str(rid) in self._running or f"{rid}_0" in self._running):
             return _value_error(f"Duplicate request ID detected: {rid}")
@@ -347,9 +366,10 @@ class SimEngine:
         return None
 
     async def _answer_one(
-        self, rid: str, input_ids: list[int], routing_key: str, params: dict[str, Any], started: float
+        self, rid: str, input_ids: list[int], routing_key: str, params: dict[str, Any], started: float,
+        priority: int | None = None,
     ) -> dict[str, Any]:
-        async with self._slot():
+        async with self._slot(self._note_priority(rid, priority)):
             ids, log_probs, finish, spans = await self._run(self._running[rid], input_ids, routing_key, params)
         self.stats["output_tokens"] += len(ids)
         meta: dict[str, Any] = {
@@ -367,12 +387,17 @@ class SimEngine:
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
+    def _note_priority(self, rid: str, priority: int | None) -> int | None:
+        if priority is not None:
+            self.stats["priorities"][rid] = priority
+        return priority
+
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    async def _slot(self, priority: int | None = None) -> AsyncIterator[None]:
         if self._slots is None:
             yield
             return
-        async with self._slots:
+        async with self._slots.slot(priority):
             yield
 
     async def _run(
@@ -737,6 +762,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     speed.add_argument("--slots", type=int, default=d.slots,
                        help="generations running at once, the rest queue as in SGLang's scheduler; 0 = unlimited "
                             "(default %(default)s)")
+    speed.add_argument("--enable-priority-scheduling", action="store_true",
+                       help="order the waiting queue by each request's `priority`, as SGLang's flag does")
+    speed.add_argument("--schedule-low-priority-values-first", action="store_true",
+                       help="with --enable-priority-scheduling: lower `priority` values first (SGLang's flag)")
     speed.add_argument("--context-length", type=int, default=d.context_length,
                        help="context length in tokens (/server_info); longer requests get SGLang's 400 (default %(default)s)")
     speed.add_argument("--startup-s", type=float, default=d.startup_s,
@@ -753,6 +782,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         accuracy=args.accuracy, tool_use=args.tool_use, malformed_rate=args.malformed_rate,
         length_mu=args.length_mu, length_sigma=args.length_sigma, max_filler_tokens=args.max_filler_tokens,
         token_latency_s=args.token_latency_s, latency_sigma=args.latency_sigma, slots=args.slots,
+        priority_scheduling=args.enable_priority_scheduling,
+        low_priority_values_first=args.schedule_low_priority_values_first,
         context_length=args.context_length, weight_version=args.weight_version, seed=args.seed,
         startup_s=args.startup_s, puzzle=args.puzzle,
         tokenizer_path=args.tokenizer, answers=load_answers(args.tasks) if args.tasks else {},

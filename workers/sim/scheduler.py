@@ -7,6 +7,8 @@ SGLang 0.5.23 (srt/managers/schedule_policy.py, scheduler.py), modelled here:
   `--schedule-low-priority-values-first`; a request without `priority` gets the least preferred
   value (`_set_or_validate_priority`: -sys.maxsize - 1, or sys.maxsize when low values go first);
 - without it, a request's `priority` is ignored (`--abort-on-priority-when-disabled` is not modelled).
+The simulator's slots are this queue (`SimEngine._slot`), from `/generate`'s `priority` or, behind
+SGLang's own front (tests/engine_stack.py), the TokenizedGenerateReqInput's.
 Not modelled: priority preemption of running requests (`--priority-scheduling-preemption-threshold`)
 and the queue-full eviction; a slot here is one running request, not KV memory.
 """

@@ -63,7 +63,7 @@ class PuzzlePlayer(ScriptedEngine):
     stops: list = field(default_factory=list)
     calls: dict = field(default_factory=dict)  # episode (routing key) -> turns answered
 
-    async def generate(self, tokens, sampling, *, rid, routing_key, due_clock=None):
+    async def generate(self, tokens, sampling, *, rid, routing_key, due_order=None):
         chat = chat_tokens()
         self.stops.append(sampling.stop)
         turn = self.calls.get(routing_key, 0)
@@ -163,7 +163,7 @@ async def test_invalid_format_is_an_observation_and_stops_nothing():
     task, _game = _task(sp, seed=7)
 
     class Babbler(PuzzlePlayer):
-        async def generate(self, tokens, sampling, *, rid, routing_key, due_clock=None):
+        async def generate(self, tokens, sampling, *, rid, routing_key, due_order=None):
             self.stops.append(sampling.stop)
             ids = chat_tokens().encode("no action here")
             return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
@@ -271,7 +271,7 @@ async def test_group_metrics_from_global_post_process_and_metrics():
     plan = _plan(sp.SlidingPuzzleGameLogic, game)
 
     class HalfBabbler(PuzzlePlayer):
-        async def generate(self, tokens, sampling, *, rid, routing_key, due_clock=None):
+        async def generate(self, tokens, sampling, *, rid, routing_key, due_order=None):
             if routing_key.endswith("/1"):
                 ids = chat_tokens().encode("no action here")
                 return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
@@ -311,7 +311,7 @@ class FailingMetricsEnv:
 
 
 class Sayer(PuzzlePlayer):
-    async def generate(self, tokens, sampling, *, rid, routing_key, due_clock=None):
+    async def generate(self, tokens, sampling, *, rid, routing_key, due_order=None):
         ids = chat_tokens().encode("done")
         return Generation(output_ids=ids, log_probs=[-1.0] * len(ids), finish="stop", finish_message="",
                           weight_version="1", text="", cached_tokens=0, latency_s=0.0)

@@ -32,7 +32,7 @@ ANSWERS = {0: "So 6 * 7 = 42, and the answer is \\boxed{42}.", 1: "I think it is
 class Answerer(ScriptedEngine):
     """The model: episode i of a group answers ANSWERS[i] (right, then wrong), ending with EOS."""
 
-    async def generate(self, tokens, sampling, *, rid, routing_key, due_clock=None):
+    async def generate(self, tokens, sampling, *, rid, routing_key, due_order=None):
         chat = chat_tokens()
         ids = chat.encode(ANSWERS[int(routing_key.rsplit("/", 1)[1]) % 2]) + [chat.eos_id]
         return Generation(output_ids=ids, log_probs=[-0.5] * len(ids), finish="stop", finish_message="",

@@ -54,10 +54,13 @@ def test_due_first_trains_every_generated_group_within_eta(redis_url, engine, tm
     resolved = [g for _rid, g in source.trained] + source.discarded
     assert _lengths(g for _rid, g in source.trained) == _lengths(resolved)
     assert r["len_diff_mean_pct"] == 0.0 and r["len_diff_p90_pct"] == 0.0
-    # the engine schedules by priority (issue 25 item 3): every request carried its group's clock
-    # (-clock: larger first), never one the policy had not reached
+    # the engine schedules by priority (issue 25 item 3): every request carried its group's due
+    # order (-admission µs: larger first), one place per group
     priorities = _engine_stats(engine)["priorities"]
-    assert priorities and set(priorities.values()) <= {-v for v in range(SETUP.steps + 1)}
+    by_group = {rid.split("/")[0]: p for rid, p in priorities.items()}
+    trained = [g.group_id for _rid, g in source.trained]
+    assert all(p < 0 for p in priorities.values()) and set(trained) <= set(by_group)
+    assert len({by_group[g] for g in trained}) == len(trained)
 
 
 def test_arrival_order_discards_long_groups_in_the_same_run(redis_url, engine, tmp_path):

@@ -92,15 +92,15 @@ async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack
 
 
 @pytest.mark.parametrize("router", ["smg", "sglang-router"])
-async def test_due_clock_reaches_sglangs_scheduler_as_priority_through_the_router(stack, router, tokenizer):
+async def test_due_order_reaches_sglangs_scheduler_as_priority_through_the_router(stack, router, tokenizer):
     """Issue 25 item 3: the engines say --enable-priority-scheduling in /server_info (SGLang's own
-    front), so a request carries its group's clock as `priority` (larger first: -clock), and the
+    front), so a request carries its group's due order as `priority` (larger first: -order), and the
     router passes it on to SGLang's front: the body the front received has it."""
     stack.configure(token_latency_s=0.0)
     async with EngineClient(stack.router_urls[router]) as client:
         assert await client.directory.priority_order() == -1
         await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="due-3", routing_key="k3",
-                              due_clock=3)
+                              due_order=3)
         await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="free", routing_key="k4")
     by_rid = {b.get("rid"): b for b in stack.all_bodies()}
     assert by_rid["due-3"]["priority"] == -3

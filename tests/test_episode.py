@@ -25,7 +25,7 @@ class RecordingClient(EngineClient):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[list[int], Generation]] = []
 
-    async def generate(self, input_ids, sampling, *, rid, routing_key, due_clock=None):
+    async def generate(self, input_ids, sampling, *, rid, routing_key, due_order=None):
         gen = await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
         self.calls.append((list(input_ids), gen))
         return gen

@@ -40,7 +40,7 @@ class RecordingClient(EngineClient):
         super().__init__(*args, **kwargs)
         self.calls: list[tuple[list[int], SamplingParams]] = []
 
-    async def generate(self, input_ids, sampling, *, rid, routing_key, due_clock=None):
+    async def generate(self, input_ids, sampling, *, rid, routing_key, due_order=None):
         self.calls.append((list(input_ids), sampling))
         return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key)
 

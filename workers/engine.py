@@ -27,12 +27,13 @@ input + max_new_tokens over `context_length` (null in /server_info unless `--con
 passed, as slime passes none); the client's limit is the smallest of these over the engines, read
 once per engine and again for an engine that joins the list.
 
-Due first in the engine's queue: a request may carry its group's admission clock (`due_clock`,
-the step it is due at minus eta). Where every engine says `enable_priority_scheduling` in its
-/server_info (SGLang's --enable-priority-scheduling, slime's --sglang-enable-priority-scheduling),
-the body carries it as SGLang's `priority`, oriented by `schedule_low_priority_values_first`
-(default: larger values first, so -clock), so a free slot goes to the group due soonest, FCFS
-among equals. Where any engine does not, no `priority` is sent: SGLang ignores it there, or
+Due first in the engine's queue: a request may carry its group's place in the order groups come
+due (`due_order`, `PromptJob.due_order`: its admission time, in microseconds; smaller = due
+sooner). Where every engine says `enable_priority_scheduling` in its /server_info (SGLang's
+--enable-priority-scheduling, slime's --sglang-enable-priority-scheduling), the body carries it as
+SGLang's `priority`, oriented by `schedule_low_priority_values_first` (default: larger values
+first, so -due_order), so a free slot goes to the group due soonest, and a request resumed after
+a weight push's abort keeps its place instead of queueing behind newer groups. Where any engine does not, no `priority` is sent: SGLang ignores it there, or
 refuses the request with --abort-on-priority-when-disabled.
 
 Every attempt has its own rid (`{rid}~{k}` for the k-th retry): SGLang keeps a rid
@@ -417,13 +418,13 @@ class EngineClient:
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str,
-        due_clock: int | None = None,
+        due_order: int | None = None,
     ) -> Generation:
-        """`due_clock`: the group's admission clock, sent as SGLang `priority` where the engines
-        schedule by it (module doc): older clocks are due sooner."""
+        """`due_order`: the group's place in the due order (smaller = sooner), sent as SGLang
+        `priority` where the engines schedule by it (module doc)."""
         headers = {"Content-Type": "application/json", ROUTING_HEADER: routing_key}
         params = sampling.to_dict()
-        priority = await self.priority(due_clock)
+        priority = await self.priority(due_order)
         for attempt in range(self.max_retries + 1):
             attempt_rid = rid if attempt == 0 else f"{rid}~{attempt}"
             request: dict[str, Any] = {
@@ -447,12 +448,12 @@ class EngineClient:
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def priority(self, due_clock: int | None) -> int | None:
-        """SGLang `priority` for a group of this admission clock: the older, the sooner."""
-        if due_clock is None:
+    async def priority(self, due_order: int | None) -> int | None:
+        """SGLang `priority` for a group at this place in the due order: the smaller, the sooner."""
+        if due_order is None:
             return None
         order = await self.directory.priority_order()
-        return None if order is None else order * due_clock
+        return None if order is None else order * due_order
 
     async def _attempt(self, body: bytes, headers: dict[str, str], rid: str) -> Generation | str:
         """One request: a Generation, or a retryable failure's description; raises on final errors."""

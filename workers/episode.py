@@ -116,15 +116,15 @@ class EpisodeRunner:
     """Runs episodes of one environment with one engine client and tokenizer."""
 
     def __init__(self, engine: EngineClient, chat: ChatTokens, env: Environment, settings: EpisodeSettings, run: str = "",
-                 due_clock: int | None = None):
+                 due_order: int | None = None):
         self.engine = engine
         self.chat = chat
         self.env = env
         self.settings = settings
         self.run_name = run  # the pipeline run (Redis namespace), for EnvSession.episode_done
-        # the group's admission clock: its requests go first in the engine's queue the sooner the
-        # group is due (SGLang priority, workers/engine.py); None: no priority
-        self.due_clock = due_clock
+        # the group's place in the due order (PromptJob.due_order): its requests go first in the
+        # engine's queue the sooner the group is due (SGLang priority, workers/engine.py); None: none
+        self.due_order = due_order
 
     async def run(self, task: Task, episode_id: str, sample_index: int = 0) -> Sample:
         """One episode; `sample_index` (its place in the group) varies a configured sampling seed."""
@@ -258,7 +258,7 @@ class EpisodeRunner:
             )
             gen = await self.engine.generate(
                 tokens + turn.ids, sampling, rid=f"{rid}.{turn.aborts}", routing_key=routing_key,
-                due_clock=self.due_clock,
+                due_order=self.due_order,
             )
             turn.ids += gen.output_ids
             turn.log_probs += gen.log_probs

@@ -230,13 +230,13 @@ class SlimeEngineClient(EngineClient):
 
     async def generate(
         self, input_ids: Sequence[int], sampling: SamplingParams, *, rid: str, routing_key: str,
-        due_clock: int | None = None,
+        due_order: int | None = None,
     ) -> Generation:
         if slime_aborted():
             return Generation(output_ids=[], log_probs=[], finish="abort",
                               finish_message="slime aborted the rollout", weight_version="", text="",
                               cached_tokens=0, latency_s=0.0)
-        return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key, due_clock=due_clock)
+        return await super().generate(input_ids, sampling, rid=rid, routing_key=routing_key, due_order=due_order)
 
 
 _CHATS: dict[str, Any] = {}

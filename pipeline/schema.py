@@ -128,13 +128,6 @@ class PromptJob(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise SchemaError(f"job {self.job_id}: n_samples must be >= 1, got {self.n_samples}")
 
     @property
-    def due_order(self) -> int:
-        """Where this group stands in the order groups come due: its admission time in µs
-        (admission clocks only grow with it within a run, and a producer's batch is a µs apart
-        in data order); 0 for a job no producer admitted. The engine's priority (workers/engine.py)."""
-        return round(self.enqueued_at * 1_000_000)
-
-    @property
     def job_id(self) -> str:
         """The group id, unique within a namespace (arq's id is `Keys.arq_job_id(job_id)`)."""
         return job_id_for(self.task.id, self.epoch, self.attempt)

@@ -253,12 +253,8 @@ class Producer:
         version = await self.state.get_version()
         now = time.time()
         jobs = []
-        now_us = round(now * 1_000_000)
-        for i, (_env, offset) in enumerate(batch):
-            # a µs apart in data order (whole µs: a float step of 1e-6 s is below what a float of
-            # the epoch time resolves): the engine serves the batch's groups in the order they come
-            # due (PromptJob.due_order), not all at once
-            job = self._job(self.reader.read(offset), self.epoch, version, (now_us + i) / 1_000_000)
+        for _env, offset in batch:
+            job = self._job(self.reader.read(offset), self.epoch, version, now)
             jobs.append((job.job_id, job_envelope(job, enqueue_time_ms=int(now * 1000))))
         try:
             result = await self.admission.admit_fresh(

@@ -99,6 +99,7 @@ async def test_due_order_reaches_sglangs_scheduler_as_priority_through_the_route
     stack.configure(token_latency_s=0.0)
     async with EngineClient(stack.router_urls[router]) as client:
         assert await client.directory.priority_order() == -1
+        assert await client.priority(2**40) == -(2**31)  # smg parses `priority` as an i32: clamped
         await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="due-3", routing_key="k3",
                               due_order=3)
         await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="free", routing_key="k4")

@@ -28,8 +28,8 @@ passed, as slime passes none); the client's limit is the smallest of these over 
 once per engine and again for an engine that joins the list.
 
 Due first in the engine's queue: a request may carry its group's place in the order groups come
-due (`due_order`, `PromptJob.due_order`: its admission time, in microseconds; smaller = due
-sooner). Where every engine says `enable_priority_scheduling` in its /server_info (SGLang's
+due (`due_order`: its admission clock; smaller = due sooner; not its admission time, which smg
+1.13.0 refuses with a 422: the router types `priority` as an i32). Where every engine says `enable_priority_scheduling` in its /server_info (SGLang's
 --enable-priority-scheduling, slime's --sglang-enable-priority-scheduling), the body carries it as
 SGLang's `priority`, oriented by `schedule_low_priority_values_first` (default: larger values
 first, so -due_order), so a free slot goes to the group due soonest, and a request resumed after
@@ -78,6 +78,7 @@ _WAIT_LOG_S = 10.0
 _MAX_BACKOFF_S = 10.0
 _ENGINES_REFRESH_S = 30.0  # re-read the router's engine list this often (and after a connection error)
 _CONTROL_TIMEOUT_S = 10.0
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1  # smg parses a body's `priority` as an i32
 
 
 class EngineError(RuntimeError):
@@ -453,7 +454,9 @@ class EngineClient:
         if due_order is None:
             return None
         order = await self.directory.priority_order()
-        return None if order is None else order * due_order
+        if order is None:
+            return None
+        return max(_I32_MIN, min(_I32_MAX, order * due_order))  # the router's type (module doc)
 
     async def _attempt(self, body: bytes, headers: dict[str, str], rid: str) -> Generation | str:
         """One request: a Generation, or a retryable failure's description; raises on final errors."""

@@ -122,7 +122,7 @@ class EpisodeRunner:
         self.env = env
         self.settings = settings
         self.run_name = run  # the pipeline run (Redis namespace), for EnvSession.episode_done
-        # the group's place in the due order (PromptJob.due_order): its requests go first in the
+        # the group's place in the due order (its admission clock): its requests go first in the
         # engine's queue the sooner the group is due (SGLang priority, workers/engine.py); None: none
         self.due_order = due_order
 

@@ -355,7 +355,7 @@ async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> Sample
     env = w.environment(job.task.env)
     settings = EpisodeSettings.from_config(w.config, env.config, job.sampling)
     runner = EpisodeRunner(w.engine, w.chat, env, settings, run=w.keys.ns,
-                           due_order=job.due_order if w.config.engine.due_priority else None)
+                           due_order=job.admission_version if w.config.engine.due_priority else None)
     started = time.time()
     episodes = [asyncio.ensure_future(runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i))
                 for i in range(job.n_samples)]

@@ -69,6 +69,12 @@ class Keys:
         return self._k("version")
 
     @property
+    def version_events(self) -> str:
+        """Pub/sub channel (no stored key): the version, published with every `version` write, so
+        producers wake the moment the bound lets them admit instead of at their next poll."""
+        return self._k("version_events")
+
+    @property
     def engine(self) -> str:
         return self._k("engine")
 

@@ -4,7 +4,8 @@
 
 - Admission: only while `(eta + v + 1) * B - (enqueued - discarded) > 0` (docs/architecture.md),
   checked and applied atomically in Redis (producers/admission.py). With no headroom
-  it sleeps on a short poll of the version and counters (never spins).
+  it waits for the trainer's next version (pub/sub on `{ns}:version_events`, woken the moment
+  it is published) or `--poll` seconds, whichever comes first, then looks again (never spins).
 - Order: seeded shuffle per epoch and per environment, environments interleaved by
   their configured weights (producers/task_index.py). Every task once per epoch.
 - Resume: `{ns}:cursor` holds the position per epoch, moved in the same script as the
@@ -52,14 +53,13 @@ if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo im
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.aio import wait_event
 from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.staleness import admission_headroom
-from pipeline.state import PipelineState, TrainerInfo
+from pipeline.state import PipelineState, TrainerInfo, VersionWake
 from pipeline.usage import usage_error
 from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader
@@ -77,7 +77,8 @@ class ProducerStats:
     refused: int = 0  # id already queued or finished (duplicate task id, second producer, repeated hand-back)
     dead: int = 0  # requeue entries given up on (max requeues, undecodable)
     epochs_done: int = 0
-    waits: int = 0  # polls that found no headroom
+    waits: int = 0  # waits for headroom or the trainer
+    woken: int = 0  # of those, ended by a published version (the rest: the poll interval or a stop)
     wait_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
 
@@ -88,9 +89,9 @@ class ProducerOptions:
     follow: bool = False
     seed: int = 0
     batch: int = 64  # jobs offered per admission script call
-    # how often to look at the version/counters while waiting: the next version's groups are admitted
-    # at most this long after its push (a few Redis reads a look; at eta 1, where a step is ~1.4 s,
-    # `--poll 0.02` saves up to 0.08 s a step: the benchmarks pass it)
+    # the longest wait between looks at the version/counters: a published version wakes the producer
+    # at once (VersionWake), so this only bounds what the wake-up cannot see (a discard freeing
+    # headroom, a lost message, a Redis without pub/sub) and how soon a stop is seen
     poll_s: float = 0.1
     max_requeues: int | None = None  # re-admissions per (task, epoch) before it is dead-lettered (None: rollout.max_requeues)
     reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed
@@ -111,6 +112,7 @@ class Producer:
         self.admission = Admission(redis, self.keys)
         self.buffer = GroupBuffer(redis, self.keys)
         self.reader = TaskReader(index.path)
+        self.wake = VersionWake(redis, self.keys.version_events)
         self.stats = ProducerStats()
         self.limits = Limits(1, 0, 1)
         self.epoch = 0
@@ -149,6 +151,7 @@ class Producer:
                     await self._wait(stop)
         finally:
             self.reader.close()
+            await self.wake.close()
         return self.stats
 
     async def _log_progress(self, *, blocked: bool) -> None:
@@ -193,10 +196,12 @@ class Producer:
         return self.options.follow or self.epoch < self.options.epochs
 
     async def _wait(self, stop: asyncio.Event) -> None:
-        """Sleep one poll interval (woken early by stop); the next loop re-reads v and counters."""
+        """Until the trainer publishes a version, or one poll interval; the next loop re-reads v and
+        counters. A cancel while waiting always propagates."""
         self.stats.waits += 1
         started = time.monotonic()
-        await wait_event(stop, self.options.poll_s)  # a cancel while polling always propagates
+        await self.wake.wait(stop, self.options.poll_s)
+        self.stats.woken = self.wake.wakes
         self.stats.wait_s += time.monotonic() - started
 
     async def _handed_back_work_may_come(self) -> bool:
@@ -437,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="shuffle seed (part of the cursor's fingerprint)")
     parser.add_argument("--batch", type=_positive_int, default=64, help="jobs offered per admission call")
     parser.add_argument("--poll", type=_positive_float, default=0.1,
-                        help="seconds between looks at the version while waiting")
+                        help="longest wait between looks at the version and counters while blocked "
+                             "(a published version wakes it at once)")
     parser.add_argument("--max-requeues", type=_non_negative_int, default=None,
                         help="re-admissions of one (task, epoch) before it is dead-lettered (default: rollout.max_requeues)")
     parser.add_argument("--reset-cursor", action="store_true", help="start the epochs over (counters are kept)")
@@ -480,7 +486,8 @@ def format_summary(stats: ProducerStats, elapsed_s: float, *, tasks: str, namesp
         f"  admitted      {stats.admitted} fresh task(s), {stats.requeued} requeued; epochs finished: {stats.epochs_done}",
         f"  refused       {stats.refused} (already queued or finished: duplicate id, another producer, repeated hand-back)",
         f"  dead-lettered {stats.dead} requeue entries (past --max-requeues or undecodable)",
-        f"  waited        {stats.wait_s:.1f}s for admission headroom or the trainer ({stats.waits} polls)",
+        f"  waited        {stats.wait_s:.1f}s for admission headroom or the trainer ({stats.waits} waits, "
+        f"{stats.woken} ended by a published version)",
     ]
     lines += [f"  warning       {w}" for w in stats.warnings]
     return "\n".join(lines)

@@ -198,7 +198,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
     workers = WorkerProcess(str(config_path), processes=setup.worker_processes, concurrency=setup.concurrency,
                             log_path=log).start()
     producer = ChildProcess(["enqueue", "--config", str(config_path), "--tasks", str(TASKS_FILE), "--follow",
-                             "--seed", str(setup.seed), "--poll", "0.02", "--quiet"], log_path=log).start()
+                             "--seed", str(setup.seed), "--quiet"], log_path=log).start()
     sampler = OccupancySampler(redis_url, keys, eta, setup.batch)
     sampler.start()
     wait_s = 0.0

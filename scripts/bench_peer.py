@@ -461,8 +461,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
             pipeline_trainer_loop="sync",  # weights pushed after each step, before the next rollout
         )
         workers = WorkerProcess(config_path, processes=1, concurrency=per_process, log_path=str(workdir / "workers.log"))
-        producer = ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--follow", "--quiet",
-                                 "--poll", "0.02"],  # the next version's admissions at once (issue 25 item 3)
+        # the default poll: a published version wakes the producer at once (issue 25 item 3)
+        producer = ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--follow", "--quiet"],
                                 log_path=str(workdir / "enqueue.log"))
         with workers, producer:
             source = RedisDataSource(args)  # publishes the trainer's settings: the producer starts admitting

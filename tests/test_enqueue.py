@@ -119,6 +119,60 @@ async def _eq(fn, value) -> bool:
     return await fn() == value
 
 
+async def test_a_published_version_wakes_the_blocked_producer_before_its_poll(tmp_path, redis_url, redis, keys, namespace):
+    """The trainer's publish (the call slime's rollout makes) wakes the producer at once: with a 60 s
+    poll, the next version's groups can only be admitted within the 20 s below by the wake-up; stop
+    ends its wait at once too."""
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
+    state = PipelineState(redis, keys)
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=60.0)))
+
+    async def count():
+        return (await state.counters()).get(Counter.ENQUEUED, 0)
+
+    await wait_for(lambda: _eq(count, 8), timeout=20)  # (eta + 0 + 1) * 4, then blocked
+    for version, admitted in ((1, 12), (2, 16)):
+        await state.publish_policy(run=1, start=0, engine_version=version, rollout_id=version)
+        await wait_for(lambda admitted=admitted: _eq(count, admitted), timeout=20)
+    stop.set()
+    stats = await asyncio.wait_for(run, 20)
+    assert stats.admitted == 16 and stats.woken >= 2, stats
+
+
+async def test_a_lost_wake_up_costs_one_poll_not_the_run(tmp_path, redis_url, redis, keys, namespace):
+    """The producer's pub/sub connection killed (as a Redis restart or a proxy would) while it waits:
+    it goes on polling, subscribes again, and admits every version that follows."""
+    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
+    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
+    state = PipelineState(redis, keys)
+    stop = asyncio.Event()
+    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.5)))
+
+    async def count():
+        return (await state.counters()).get(Counter.ENQUEUED, 0)
+
+    await wait_for(lambda: _eq(count, 8))
+    await wait_for(lambda: _subscribed(redis, keys.version_events))
+    assert await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+    await state.set_version(1)  # published while nobody listens: only the poll can see it
+    await wait_for(lambda: _eq(count, 12))
+    await wait_for(lambda: _subscribed(redis, keys.version_events))  # and it listens again
+    await state.set_version(2)
+    await wait_for(lambda: _eq(count, 16))
+    stop.set()
+    stats = await asyncio.wait_for(run, 20)
+    assert stats.admitted == 16, stats
+
+
+async def _subscribed(redis, channel: str) -> bool:
+    counts = await redis.pubsub_numsub(channel)
+    return bool(counts and counts[0][1] >= 1)
+
+
 @pytest.mark.parametrize("eta,version,batch,enqueued,discarded,offered", [
     (0, 0, 4, 0, 0, 10), (2, 3, 5, 17, 2, 10), (1, 0, 3, 6, 0, 5), (0, 5, 2, 20, 9, 1), (1, 2, 8, 0, 0, 64),
 ])

@@ -106,6 +106,21 @@ def test_frontier_goals_are_met_or_missed_by_the_counts():
     assert [f.met for f in goals(over) if f.unit == "%" and f.name.startswith("pipeline eta 2")] == [False]
 
 
+def test_the_ceiling_is_the_earliest_schedule_the_lag_bound_allows():
+    """Four steps, each 1 s of trainer step + push and a 3 s longest episode: at eta 0 every step
+    waits for its own decode (S = 0, 4, 8, 12, end 13); at eta 2 step 3 waits only for step 0's
+    push plus its decode (S = 0, 1, 2, 4, end 5)."""
+    from scripts.bench_peer import Result, ceiling_tokens_per_s
+
+    r = Result(contender="p", name="pipeline", label="pipeline eta 2", eta=2, concurrency=32, repeat=0, ran=True,
+               steps=4, trained_tokens=1300, cohort_tails_s=[3.0] * 4, step_overheads_s=[1.0] * 4)
+    assert ceiling_tokens_per_s(r) == pytest.approx(1300 / 5)
+    assert ceiling_tokens_per_s(r, eta=0) == pytest.approx(1300 / 13)
+    assert ceiling_tokens_per_s(r, eta=8) == pytest.approx(1300 / 4)  # the trainer alone
+    r.cohort_tails_s = [3.0] * 3  # a step without its measured tail: no bound claimed
+    assert ceiling_tokens_per_s(r) != ceiling_tokens_per_s(r)  # nan
+
+
 def test_length_bias_is_trained_against_the_engines_plan_and_tables_show_it(tmp_path):
     from scripts.bench_peer import Workload, frontier_table, length_bias, plot, slot_use
 

@@ -921,8 +921,8 @@ def plot(results: list[Result], path: Path) -> Path | None:
     lines: dict[str, list[tuple[float, float, float, str]]] = {}
     for label, runs in _rows(results).items():
         ran = [r for r in runs if r.ran]
-        if not ran or label == "slime fully async, best of the sweep":
-            continue
+        if not ran or label == "slime fully async, best of the sweep" or label.startswith("pipeline eta ="):
+            continue  # repeats of points drawn already (the best concurrency; the per-repeat etas)
         family = ("slime sync" if label.startswith("slime sync") else "slime fully async (1x, 2x, 4x slots)"
                   if label.startswith("slime fully") else "this pipeline, due-first, FCFS engine" if label.startswith(FCFS)
                   else "this pipeline, due-first, engine with priority scheduling")

@@ -107,12 +107,20 @@ class Session:
     def start(self, command: str) -> None:
         log = open(self.tmp / f"{len(self.background)}.log", "w")  # noqa: SIM115 - closed in stop()
         self.background[command] = subprocess.Popen(
-            ["bash", "-c", "exec " + self._argv(command)], cwd=self.tmp, env=self.env, text=True,
+            ["bash", "-c", "exec env " + self._argv(command)], cwd=self.tmp, env=self.env, text=True,  # env: VAR=1 cmd
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.background[command].log = log  # type: ignore[attr-defined]
 
     def wait(self, command: str, timeout: float) -> None:
         self.background[command].wait(timeout)
+
+    def until_printed(self, command: str, pattern: str, timeout: float) -> None:
+        """Until the background command's output has a line matching `pattern`."""
+        proc, deadline = self.background[command], time.monotonic() + timeout
+        while not _matches(pattern, Path(proc.log.name).read_text()):  # type: ignore[attr-defined]
+            assert proc.poll() is None, (command, Path(proc.log.name).read_text()[-3000:])  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, (command, "never printed", pattern)
+            time.sleep(0.2)
 
     def stop(self) -> None:
         for proc in self.background.values():
@@ -149,9 +157,17 @@ def test_the_recorded_normal_run_replays(tmp_path):
         started = time.monotonic()
         try:
             session.run(commands["rollout prepare"], timeout=60)
-            for key in ("rollout engine", "rollout workers", "rollout enqueue"):  # a terminal each
+            trainer = commands["ROLLOUT_WAIT_LOG_S=5 python trainer.py"]
+            # a terminal each; the workers' terminal last, once the trainer has said it waits for
+            # them (the doc's recorded wait took a slow machine's start-up; a fast one may not wait
+            # ROLLOUT_WAIT_LOG_S at all, and the line would never be printed)
+            for key in ("rollout engine", "rollout enqueue"):
                 session.start(commands[key])
-            session.run(commands["ROLLOUT_WAIT_LOG_S=5 python trainer.py"], timeout=240)
+            session.start(trainer)
+            session.until_printed(trainer, KEY_LINES["ROLLOUT_WAIT_LOG_S=5 python trainer.py"][0], timeout=60)
+            session.start(commands["rollout workers"])
+            session.wait(trainer, timeout=240)
+            assert session.background[trainer].returncode == 0
             session.wait(commands["rollout enqueue"], timeout=60)  # it ends once all 3 epochs are admitted
             session.run(commands["rollout monitor --once"], timeout=60)
         finally:

@@ -259,7 +259,8 @@ class FaultProxy:
     `"delay:<s>"` forwards the request and holds the answer back for `<s>` seconds;
     `"lose"` forwards it, waits for the server's whole answer, then closes the connection
     without a byte (the call ran; its answer is lost); `"502"` answers 502 without
-    forwarding. Requests are counted per path in `seen` (forwarded ones in `forwarded`).
+    forwarding; a callable forwards the request and answers `action(server's body)` (a server
+    whose answer has the wrong shape). Requests are counted per path in `seen` (forwarded ones in `forwarded`).
     Headers (session cookies) pass both ways.
     """
 
@@ -282,6 +283,8 @@ class FaultProxy:
         self.seen[path] = self.seen.get(path, 0) + 1
         actions = self.faults.get(path) or []
         action = actions.pop(0) if actions else ""
+        rewrite = action if callable(action) else None
+        action = "" if rewrite else action
         if action == "502":
             return web.json_response({"detail": "injected bad gateway"}, status=502)
         body = await request.read()
@@ -297,7 +300,7 @@ class FaultProxy:
             return web.Response()
         if action.startswith("delay:"):
             await asyncio.sleep(float(action.split(":", 1)[1]))
-        response = web.Response(body=payload, status=status)
+        response = web.Response(body=rewrite(payload) if rewrite else payload, status=status)
         for key, value in upstream_headers.items():
             if key.lower() not in ("content-length", "transfer-encoding", "content-encoding", "connection", "date", "server"):
                 response.headers.add(key, value)

@@ -303,6 +303,37 @@ async def test_episode_finished_after_a_lost_answer_is_an_environment_failure(ch
     assert proxy.seen["/chat/call"] == 2
 
 
+@pytest.mark.parametrize("field,wrong,says", [
+    (rb'"reward":\s*0\.5', b'"reward": "high"', "reward 'high' is not a finite number"),
+    (rb'"finished":\s*false', b'"finished": "false"', "finished 'false' is not true or false"),
+])
+async def test_a_wrong_shaped_tool_answer_fails_the_episode_as_the_servers_fault(chat_server, field, wrong, says):
+    """The SDK client copies an answer's reward and finished off the wire unchecked: a string
+    reward used to reach float() in the episode (a ValueError: our bug, the job failed loudly),
+    a string "false" ended the episode. Both are the server's fault: a failed episode with the
+    reason, handed back per policy, never counted as a bug."""
+    import re
+
+    from workers.envs.answers import MalformedAnswer
+    from workers.errors import is_bug
+
+    Chat.RUNS.clear()
+    proxy = FaultProxy.to(chat_server, {"/chat/call": [lambda body: re.sub(field, wrong, body)]})
+    async with serve_proxy(proxy) as url:
+        env = _chat(url)
+        session = await env.start(CHAT_TASK)
+        try:
+            with pytest.raises(MalformedAnswer, match=says) as raised:
+                await session.step([ToolCall(id="a", name="add", arguments={"a": 1, "b": 2})])
+            assert not is_bug(raised.value) and not session.finished
+            result = await session.step([ToolCall(id="b", name="add", arguments={"a": 2, "b": 2})])
+            assert result.reward == 0.5 and not result.done  # the next answer, as sent, is fine
+        finally:
+            await session.close()
+            await env.aclose()
+    assert Chat.RUNS == [(1, 2), (2, 2)]  # each ran once: nothing sent again
+
+
 async def test_a_call_that_never_left_is_retried_then_fails_as_unreachable(chat_server):
     proxy = FaultProxy.to(chat_server)
     async with serve_proxy(proxy) as url:

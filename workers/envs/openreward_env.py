@@ -43,6 +43,7 @@ import asyncio
 import inspect
 import json
 import logging
+import math
 import os
 from typing import Any, Union
 
@@ -51,6 +52,7 @@ import aiohttp
 from pipeline.aio import wait_for
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Sample, Status, Task
+from workers.envs.answers import MalformedAnswer
 from workers.envs.base import (
     EnvError,
     Environment,
@@ -211,7 +213,20 @@ class OpenRewardSession(EnvSession):
                 ) from exc
             self.tool_errors += 1  # the model's mistake: tell it
             return f"error: {exc}", None, False
-        return blocks_text(output.blocks), output.reward, bool(output.finished)
+        return blocks_text(output.blocks), *self._checked(name, output.reward, output.finished)
+
+    def _checked(self, name: str, reward: Any, finished: Any) -> tuple[Union[float, None], bool]:
+        """The answer's reward and `finished` as its protocol types them. The SDK client copies
+        them off the wire unchecked, so a server's "reward": "high" would reach `float()` in our
+        code (a bug, failing the job) and "finished": "false" would end the episode (truthy):
+        both are the server's fault, a failed episode naming what came."""
+        what = f"openreward {self.env.name!r}: tool {name}"
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                                   or not math.isfinite(reward)):
+            raise MalformedAnswer(f"{what}: the answer's reward {reward!r} is not a finite number")
+        if not isinstance(finished, bool):
+            raise MalformedAnswer(f"{what}: the answer's finished {finished!r} is not true or false")
+        return (None if reward is None else float(reward)), finished
 
     async def _run_tool(self, name: str, arguments: dict[str, Any], budget: Any, deadline: Union[float, None] = None) -> tuple[str, Union[float, None]]:
         what = f"openreward {self.env.name!r}: tool {name}"
@@ -420,7 +435,7 @@ async def call_tool_once(session: Any, name: str, arguments: dict[str, Any]) -> 
             blocks=sdk_client._parse_blocks(output["blocks"]),
             metadata=output.get("metadata"),
             reward=output.get("reward"),
-            finished=bool(output.get("finished")),
+            finished=output.get("finished", False),  # as sent: checked by the session (_checked)
         )
     reason = res.get("reason")
     if reason not in getattr(sdk_client, "_VALID_REASONS", ()):

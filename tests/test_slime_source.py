@@ -270,6 +270,7 @@ def test_settings_from_env_and_password_never_shown(monkeypatch, namespace):
     monkeypatch.setenv("ROLLOUT_REDIS_URL", "redis://user:s3cret@127.0.0.1:1/0")
     monkeypatch.setenv("ROLLOUT_NAMESPACE", namespace)
     monkeypatch.setenv("ROLLOUT_ETA", "3")
+    monkeypatch.setenv("ROLLOUT_REDIS_OUTAGE_S", "1")  # nothing listens on port 1: no 30 s wait
     with pytest.raises(ConnectionError) as info:
         RedisDataSource(SimpleNamespace(rollout_batch_size=1, n_samples_per_prompt=1))
     assert "s3cret" not in str(info.value) and "user:***@127.0.0.1:1" in str(info.value)

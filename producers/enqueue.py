@@ -91,7 +91,7 @@ class ProducerOptions:
     batch: int = 64  # jobs offered per admission script call
     # the longest wait between looks at the version/counters: a published version wakes the producer
     # at once (VersionWake), so this only bounds what the wake-up cannot see (a discard freeing
-    # headroom, a lost message, a Redis without pub/sub) and how soon a stop is seen
+    # headroom, a lost message, a Redis without pub/sub); a stop ends any wait at once
     poll_s: float = 0.1
     max_requeues: int | None = None  # re-admissions per (task, epoch) before it is dead-lettered (None: rollout.max_requeues)
     reset_cursor: bool = False  # forget positions (not counters) when tasks/seed/weights changed

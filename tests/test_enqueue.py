@@ -92,17 +92,7 @@ def test_epoch_order_is_seeded_complete_and_shuffled(tmp_path):
 
 
 async def test_waits_at_the_bound_and_admits_as_it_moves(tmp_path, redis_url, redis, keys, namespace):
-    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
-    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
-    state = PipelineState(redis, keys)
-    stop = asyncio.Event()
-    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.02)))
-    enqueued = lambda: state.counters()  # noqa: E731
-
-    async def count():
-        return (await enqueued()).get(Counter.ENQUEUED, 0)
-
+    state, stop, run, count = _producer_at_eta_1(tmp_path, redis_url, redis, keys, namespace, poll_s=0.02)
     await wait_for(lambda: _eq(count, 8))  # (eta + 0 + 1) * 4
     await asyncio.sleep(0.2)
     assert await count() == 8  # blocked, not over the bound
@@ -119,20 +109,27 @@ async def _eq(fn, value) -> bool:
     return await fn() == value
 
 
-async def test_a_published_version_wakes_the_blocked_producer_before_its_poll(tmp_path, redis_url, redis, keys, namespace):
-    """The trainer's publish (the call slime's rollout makes) wakes the producer at once: with a 60 s
-    poll, the next version's groups can only be admitted within the 20 s below by the wake-up; stop
-    ends its wait at once too."""
+def _producer_at_eta_1(tmp_path, redis_url, redis, keys, namespace, *, poll_s: float):
+    """A producer of 40 tasks at B 4, eta 1 running in the background (no trainer): its state, stop
+    event, task, and a count of the groups it admitted."""
     write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
     config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
     state = PipelineState(redis, keys)
     stop = asyncio.Event()
     run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(wait_for_trainer=False, poll_s=60.0)))
+                                           options=ProducerOptions(wait_for_trainer=False, poll_s=poll_s)))
 
     async def count():
         return (await state.counters()).get(Counter.ENQUEUED, 0)
 
+    return state, stop, run, count
+
+
+async def test_a_published_version_wakes_the_blocked_producer_before_its_poll(tmp_path, redis_url, redis, keys, namespace):
+    """The trainer's publish (the call slime's rollout makes) wakes the producer at once: with a 60 s
+    poll, the next version's groups can only be admitted within the 20 s below by the wake-up; stop
+    ends its wait at once too."""
+    state, stop, run, count = _producer_at_eta_1(tmp_path, redis_url, redis, keys, namespace, poll_s=60.0)
     await wait_for(lambda: _eq(count, 8), timeout=20)  # (eta + 0 + 1) * 4, then blocked
     for version, admitted in ((1, 12), (2, 16)):
         await state.publish_policy(run=1, start=0, engine_version=version, rollout_id=version)
@@ -145,20 +142,11 @@ async def test_a_published_version_wakes_the_blocked_producer_before_its_poll(tm
 async def test_a_lost_wake_up_costs_one_poll_not_the_run(tmp_path, redis_url, redis, keys, namespace):
     """The producer's pub/sub connection killed (as a Redis restart or a proxy would) while it waits:
     it goes on polling, subscribes again, and admits every version that follows."""
-    write_tasks(tmp_path / "tasks.jsonl", namespace, {"a": 40})
-    config = make_config(redis_url, namespace, {"a": 1}, batch=4, eta=1)
-    state = PipelineState(redis, keys)
-    stop = asyncio.Event()
-    run = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", redis=redis, stop_event=stop,
-                                           options=ProducerOptions(wait_for_trainer=False, poll_s=0.5)))
-
-    async def count():
-        return (await state.counters()).get(Counter.ENQUEUED, 0)
-
+    state, stop, run, count = _producer_at_eta_1(tmp_path, redis_url, redis, keys, namespace, poll_s=0.5)
     await wait_for(lambda: _eq(count, 8))
     await wait_for(lambda: _subscribed(redis, keys.version_events))
     assert await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
-    await state.set_version(1)  # published while nobody listens: only the poll can see it
+    await state.set_version(1)  # likely published while nobody listens (the poll then sees it)
     await wait_for(lambda: _eq(count, 12))
     await wait_for(lambda: _subscribed(redis, keys.version_events))  # and it listens again
     await state.set_version(2)

@@ -29,12 +29,13 @@ once per engine and again for an engine that joins the list.
 
 Due first in the engine's queue: a request may carry its group's place in the order groups come
 due (`due_order`: its admission clock; smaller = due sooner; not its admission time, which smg
-1.13.0 refuses with a 422: the router types `priority` as an i32). Where every engine says `enable_priority_scheduling` in its /server_info (SGLang's
---enable-priority-scheduling, slime's --sglang-enable-priority-scheduling), the body carries it as
-SGLang's `priority`, oriented by `schedule_low_priority_values_first` (default: larger values
-first, so -due_order), so a free slot goes to the group due soonest, and a request resumed after
-a weight push's abort keeps its place instead of queueing behind newer groups. Where any engine does not, no `priority` is sent: SGLang ignores it there, or
-refuses the request with --abort-on-priority-when-disabled.
+1.13.0 refuses with a 422: the router types `priority` as an i32). Where every engine says
+`enable_priority_scheduling` in its /server_info (SGLang's --enable-priority-scheduling, slime's
+--sglang-enable-priority-scheduling), the body carries it as SGLang's `priority`, oriented by
+`schedule_low_priority_values_first` (default: larger values first, so -due_order), so a free slot
+goes to the group due soonest, and a request resumed after a weight push's abort keeps its place
+instead of queueing behind newer groups. Where any engine does not, no `priority` is sent: SGLang
+ignores it there, or refuses the request with --abort-on-priority-when-disabled.
 
 Every attempt has its own rid (`{rid}~{k}` for the k-th retry): SGLang keeps a rid
 registered while its request lives, and for a few seconds after a client disconnect, and

@@ -1,5 +1,6 @@
-"""scripts/bench_peer.py drives slime's own rollout code (the pinned snapshot) against the
-simulated engine: two steps of each slime contender, counts only (never times).
+"""scripts/peer_contenders.py (the contenders of scripts/bench_peer.py) drives slime's own rollout
+code (the pinned snapshot) against the simulated engine: two steps of each slime contender, counts
+only (never times).
 
 (a) sglang_rollout.generate_rollout, (b) the same with partial rollout and over-sampling, run
 here in the test's process one after the other (slime's GenerateState reset between them), and
@@ -21,7 +22,7 @@ STEPS = 2
 
 def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path):
     require_slime("slime.rollout.sglang_rollout", "slime.rollout.fully_async_rollout")
-    from scripts.bench_peer import (
+    from scripts.peer_contenders import (
         Workload,
         finish,
         run_contender,
@@ -56,7 +57,7 @@ def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path)
 
 def _result(label, rep, *, kind="d", eta=-1, tok_s=1000.0, groups_s=10.0, trained=None, planned=None, lags=(0,),
             engine=1000, trained_tokens=1000, carried=0, counters=None):
-    from scripts.bench_peer import CONTENDERS, Result
+    from scripts.peer_contenders import CONTENDERS, Result
 
     trained = trained if trained is not None else [50] * 8
     return Result(kind, CONTENDERS[kind], label=label, eta=eta, repeat=rep, ran=True, steps=2, wall_s=1.0,

@@ -167,6 +167,13 @@ class Keys:
         return self._k("job_owners")
 
     @property
+    def owner_recorders(self) -> str:
+        """Set of worker ids that record their jobs in `job_owners` (added by a worker's first
+        beat, removed when it leaves or is reaped). A live worker not in it runs the version
+        before the owners hash (a rolling upgrade): the orphan sweep reads its job set instead."""
+        return self._k("liveness:recorders")
+
+    @property
     def liveness_lease(self) -> str:
         """String, expires after one heartbeat: the worker holding it runs this interval's sweep
         (reaper and orphan check) for the whole cluster."""

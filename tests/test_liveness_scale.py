@@ -131,3 +131,37 @@ async def test_the_orphan_sweep_covers_a_long_queue_in_turns(redis, keys, monkey
         await asyncio.sleep(0.02)
     assert released == 1
     assert [await redis.exists(in_progress_key_prefix + j) for j in jobs] == [1, 1, 1, 1, 1, 0, 1]
+
+
+async def test_a_worker_of_the_version_before_the_owners_hash_keeps_its_jobs_in_a_rolling_upgrade(redis, keys):
+    """A rolling upgrade: a worker of the previous version runs a job beside this version's
+    workers, with exactly that version's Redis writes (its beat: ZADD at Redis time; its
+    job_started: SADD to its own set and `running` +1; no owner entry, no recorders mark). The
+    sweeps leave its job alone while it beats (before, they released it as an orphan half a
+    heartbeat after it started and another worker ran it again), a true orphan beside it is
+    still released, and once it stops beating the reaper releases its job."""
+    sweeper = Liveness(redis, keys, "new", heartbeat_s=0.2, dead_after_s=1.0)
+    await sweeper.beat()
+    assert await redis.smembers(keys.owner_recorders) == {b"new"}  # the first beat marks it
+    legacy_job, orphan = keys.arq_job_id("legacy:0"), keys.arq_job_id("orphan:0")
+    now_s, now_us = await redis.time()
+    await redis.zadd(keys.workers, {"old": now_s + now_us / 1e6})
+    await redis.sadd(keys.worker_jobs("old"), legacy_job)
+    await redis.hincrby(keys.counters, Counter.RUNNING, 1)
+    await redis.zadd(keys.queue, {legacy_job: 1, orphan: 2})
+    for job in (legacy_job, orphan):
+        await redis.set(in_progress_key_prefix + job, b"1")
+
+    released = 0
+    for _ in range(3):
+        released += await sweeper.release_orphans()
+        await asyncio.sleep(0.11)
+    assert released == 1  # the orphan, not the old worker's job
+    assert [await redis.exists(in_progress_key_prefix + j) for j in (legacy_job, orphan)] == [1, 0]
+
+    await redis.zadd(keys.workers, {"old": 1.0})  # its last beat long ago
+    assert await sweeper.reap() == (1, 1)
+    assert await redis.exists(in_progress_key_prefix + legacy_job) == 0  # arq's next poll re-runs it
+    assert (await PipelineState(redis, keys).counters()).get(Counter.RUNNING, 0) == 0
+    await sweeper.stop()
+    assert await redis.scard(keys.owner_recorders) == 0  # a clean leave forgets the mark too

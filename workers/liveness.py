@@ -13,7 +13,8 @@ deletes the in-progress keys of its jobs (they are still in arq's queue, so the 
 poll of any worker starts them again with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
-The sweep's orphan check releases jobs in progress that no worker owns (`_ORPHANS_LUA`).
+The sweep's orphan check releases jobs in progress that no worker owns (`_ORPHANS_LUA`); in a
+rolling upgrade, a live worker of the version before the owners hash owns what its set holds.
 
 `running` = the number of jobs in all workers' job sets, by construction: a job counts +1
 when it enters its worker's set (SADD that added it) and -1 when it leaves (SREM that
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 # Worker job-set keys are derived inside the script (their ids are only known there),
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
 _REAP_LUA = """
--- KEYS: workers zset, counters hash, job_errors hash, job owners hash
+-- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set
 -- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter
 local t = redis.call('TIME')
 local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
@@ -66,6 +67,7 @@ for _, worker in ipairs(dead) do
   released = released + #jobs
   redis.call('DEL', set_key)
   redis.call('ZREM', KEYS[1], worker)
+  redis.call('SREM', KEYS[5], worker)
 end
 return {#dead, released}
 """
@@ -77,14 +79,35 @@ return {#dead, released}
 # re-checks the suspects of earlier sweeps (released once seen unowned for `min age`: the
 # start-to-record window is ms long), then looks at the next ORPHAN_SCAN due queue entries
 # from a cursor that wraps, so a queue of any length is covered in turns at a bounded cost.
+# A rolling upgrade runs workers of the version before the owners hash beside these: they
+# record their jobs in their own set only, so a live worker missing from the recorders set
+# (every worker of this version is added by its first beat) owns what its set holds. Those sets
+# are read only for a job in progress with no owner entry, and only while such workers live.
 _ORPHANS_LUA = """
--- KEYS: queue zset, job owners hash, suspects hash, cursor string, job_errors hash
+-- KEYS: queue zset, job owners hash, suspects hash, cursor string, job_errors hash, workers zset,
+--       owner recorders set
 -- ARGV: now (ms, the queue's clock), how many queue entries to look at, arq in-progress prefix,
---       min age (s) of a suspect before it is released, reason
+--       min age (s) of a suspect before it is released, reason, job-set key prefix, suffix
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local legacy_sets = nil
+local function held_by_a_legacy_worker(job)
+  if legacy_sets == nil then
+    legacy_sets = {}
+    for _, worker in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
+      if redis.call('SISMEMBER', KEYS[7], worker) == 0 then
+        table.insert(legacy_sets, ARGV[6] .. worker .. ARGV[7])
+      end
+    end
+  end
+  for _, set_key in ipairs(legacy_sets) do
+    if redis.call('SISMEMBER', set_key, job) == 1 then return true end
+  end
+  return false
+end
 local function unowned(job)
   return redis.call('HEXISTS', KEYS[2], job) == 0 and redis.call('EXISTS', ARGV[3] .. job) == 1
+    and not held_by_a_legacy_worker(job)
 end
 local released = {}
 local suspects = redis.call('HGETALL', KEYS[3])
@@ -111,11 +134,14 @@ redis.call('SET', KEYS[4], offset)
 return released
 """
 _BEAT_LUA = """
--- KEYS: workers zset, sweep lease; ARGV: worker id, lease (ms).
+-- KEYS: workers zset, sweep lease, owner recorders set; ARGV: worker id, lease (ms).
 -- The score is Redis's clock, like the reaper's cutoff. Returns 1 when this beat took the
--- lease: its worker runs this interval's sweep for the whole cluster.
+-- lease: its worker runs this interval's sweep for the whole cluster. A first beat (the ZADD
+-- added the worker) also marks it as recording its jobs' owners (no command on later beats).
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
+if redis.call('ZADD', KEYS[1], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1]) == 1 then
+  redis.call('SADD', KEYS[3], ARGV[1])
+end
 if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
@@ -135,7 +161,8 @@ if changed == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], tonumber(ARGV[3])) 
 return changed
 """
 
-# KEYS: workers zset, our job set, counters hash, job owners hash; ARGV: worker id, running counter
+# KEYS: workers zset, our job set, counters hash, job owners hash, owner recorders set
+# ARGV: worker id, running counter
 _LEAVE_LUA = """
 local jobs = redis.call('SMEMBERS', KEYS[2])
 for _, job in ipairs(jobs) do
@@ -144,6 +171,7 @@ end
 if #jobs > 0 then redis.call('HINCRBY', KEYS[3], ARGV[2], -#jobs) end
 redis.call('DEL', KEYS[2])
 redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('SREM', KEYS[5], ARGV[1])
 return #jobs
 """
 
@@ -195,13 +223,14 @@ class Liveness:
 
     async def beat(self) -> bool:
         """Heart-beat; True when this beat took the sweep lease (this interval's sweep is ours)."""
-        return bool(await self._beat(keys=[self.keys.workers, self.keys.liveness_lease],
+        return bool(await self._beat(keys=[self.keys.workers, self.keys.liveness_lease, self.keys.owner_recorders],
                                      args=[self.worker_id, max(1, int(self.heartbeat_s * 1000))]))
 
     async def reap(self) -> tuple[int, int]:
         """(dead workers forgotten, jobs released)."""
         dead, released = await self._reap(
-            keys=[self.keys.workers, self.keys.counters, self.keys.job_errors, self.keys.job_owners],
+            keys=[self.keys.workers, self.keys.counters, self.keys.job_errors, self.keys.job_owners,
+                  self.keys.owner_recorders],
             args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING],
         )
         if dead:
@@ -213,9 +242,9 @@ class Liveness:
         apart or more; each sweep looks at the next ORPHAN_SCAN due queue entries."""
         found = await self._orphans(
             keys=[self.keys.queue, self.keys.job_owners, self.keys.orphan_suspects, self.keys.orphan_cursor,
-                  self.keys.job_errors],
+                  self.keys.job_errors, self.keys.workers, self.keys.owner_recorders],
             args=[int(time.time() * 1000), ORPHAN_SCAN, in_progress_key_prefix, self.heartbeat_s / 2,
-                  "its worker died before recording it"],
+                  "its worker died before recording it", self._set_prefix, self._set_suffix],
         )
         if found:
             log.warning("released %d orphaned in-progress job(s) for re-run", len(found))
@@ -289,4 +318,5 @@ class Liveness:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         # jobs still in our set (none after a clean drain) give back their `running` count
-        await self._leave(keys=[self.keys.workers, *self._job_keys()], args=[self.worker_id, Counter.RUNNING])
+        await self._leave(keys=[self.keys.workers, *self._job_keys(), self.keys.owner_recorders],
+                          args=[self.worker_id, Counter.RUNNING])

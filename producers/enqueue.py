@@ -207,10 +207,18 @@ class Producer:
     async def _handed_back_work_may_come(self) -> bool:
         """A plain run has admitted its epochs; in arrival order the trainer hands stale groups back
         to `{ns}:requeue` for this producer to re-admit, so it stays while any group it admitted is
-        still open (not trained, not given up)."""
+        still open (not trained, not given up) or handed back and not re-admitted yet. Both are read
+        in one transaction: the trainer's hand-back moves a group from `{ns}:open` to `{ns}:requeue`
+        in one, so two reads apart (the requeue found empty before it, `open` after it) saw neither
+        and the run exited with the task left in the requeue for nobody."""
         if self._trainer is None or not self._trainer.hands_back:
             return False
-        open_groups = int(await self.redis.zcard(self.keys.open))  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.zcard(self.keys.open)
+        pipe.llen(self.keys.requeue)
+        open_groups, handed_back = (int(n) for n in await pipe.execute())
+        if handed_back:
+            return True  # the next loop re-admits it
         now = time.monotonic()
         if open_groups and now - self._last_progress >= self.options.progress_s:
             self._last_progress = now

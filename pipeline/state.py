@@ -178,7 +178,9 @@ class VersionWake:
     The message is only a hint: the caller re-reads the version and counters after every wait, so a
     lost message (a reconnect, a Redis restarted, a server without pub/sub) costs one poll interval
     and nothing else. Admission then follows the trainer's push within a round trip instead of
-    half a poll on average."""
+    half a poll on average. The first wait after (re)subscribing ends when Redis confirms the
+    subscription (redis-py hands the ignored confirmation back as None): every later publish
+    reaches us, and the caller's look right after it sees a version published just before."""
 
     def __init__(self, redis: aioredis.Redis, channel: str):
         self.redis = redis

@@ -220,7 +220,7 @@ class OpenRewardSession(EnvSession):
         them off the wire unchecked, so a server's "reward": "high" would reach `float()` in our
         code (a bug, failing the job) and "finished": "false" would end the episode (truthy):
         both are the server's fault, a failed episode naming what came."""
-        what = f"openreward {self.env.name!r}: tool {name}"
+        what = self._tool_label(name)
         if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
                                    or not math.isfinite(reward)):
             raise MalformedAnswer(f"{what}: the answer's reward {reward!r} is not a finite number")
@@ -228,8 +228,11 @@ class OpenRewardSession(EnvSession):
             raise MalformedAnswer(f"{what}: the answer's finished {finished!r} is not true or false")
         return (None if reward is None else float(reward)), finished
 
+    def _tool_label(self, name: str) -> str:
+        return f"openreward {self.env.name!r}: tool {name}"
+
     async def _run_tool(self, name: str, arguments: dict[str, Any], budget: Any, deadline: Union[float, None] = None) -> tuple[str, Union[float, None]]:
-        what = f"openreward {self.env.name!r}: tool {name}"
+        what = self._tool_label(name)
         if deadline is not None:
             budget = _within(budget, deadline)
         try:

@@ -170,6 +170,8 @@ def _fleet_config(tmp: Path, upstream: str, ports: dict[str, int]) -> str:
 
 
 RESOURCES = ("single_tool", "counter", "math_plain", "math_judge", "math_judge_down", "code_gen")
+START_ATTEMPTS = 3
+PORT_TAKEN = "address already in use"
 
 
 @contextlib.contextmanager
@@ -178,24 +180,37 @@ def nemo_gym_fleet(gym: Path, tmp: Path) -> Iterator[Fleet]:
         link = tmp / "venvs" / server_dir / ".venv"
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(VENV, target_is_directory=True)
-    ports = {name: free_port() for name in ("head", "judge_up", "judge_down", *RESOURCES)}
     _Upstream.requests = []
     with fake_upstream() as upstream:
-        (tmp / "fleet.yaml").write_text(_fleet_config(tmp, upstream, ports))
         log = tmp / "gym.log"
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
-        env.pop("VIRTUAL_ENV", None)
-        with open(log, "wb") as out:
-            process = subprocess.Popen(
-                [str(gym), "env", "start", "--config", str(tmp / "fleet.yaml")],
-                cwd=tmp, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )
+        for attempt in range(START_ATTEMPTS):
+            ports = {name: free_port() for name in ("head", "judge_up", "judge_down", *RESOURCES)}
+            (tmp / "fleet.yaml").write_text(_fleet_config(tmp, upstream, ports))
+            process = _launch(gym, tmp, log)
+            try:
+                _wait_ready(process, log)
+                break
+            except RuntimeError:
+                _stop(process)
+                # a port found free was taken by another process of this machine before its server
+                # bound it (seen once on a busy machine): choose the ports again
+                if PORT_TAKEN not in log.read_text(errors="replace") or attempt == START_ATTEMPTS - 1:
+                    raise
         try:
-            _wait_ready(process, log)
             urls = {name: f"http://127.0.0.1:{ports[name]}" for name in RESOURCES}
             yield Fleet(urls=urls, log=log, upstream_requests=_Upstream.requests)
         finally:
             _stop(process)
+
+
+def _launch(gym: Path, tmp: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "NO_COLOR": "1"}
+    env.pop("VIRTUAL_ENV", None)
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [str(gym), "env", "start", "--config", str(tmp / "fleet.yaml")],
+            cwd=tmp, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
 
 
 def _wait_ready(process: subprocess.Popen, log: Path) -> None:

@@ -24,6 +24,7 @@ import msgspec
 from pipeline.aio import wait_for
 from pipeline.config import EnvConfig
 from pipeline.schema import Sample, Status, Task
+from workers.errors import OutsideFault
 
 Message = dict[str, Any]
 
@@ -69,6 +70,13 @@ class EnvError(RuntimeError):
     The message names the environment call and the last cause; it goes into the failed
     sample's metadata, so it never contains secrets.
     """
+
+
+class MeasurementFailed(EnvError, OutsideFault):
+    """A verifier ran and could not decide: its own timeout, recursion limit or an error inside it
+    (math-verify giving up on a 200-deep fraction). Never a 0 to train on: the episode fails with
+    this reason (removed from the loss, counted with the failed episodes), like an outage, but
+    retrying it does not help: the rm-server answers 422, not 503."""
 
 
 class EnvSession(abc.ABC):

@@ -9,6 +9,13 @@ recognises ("the answer is 1/2", "$x = 0.5$", a last number). The task's `label`
 gold is what follows the last `####` (`gold_answer`). Reward 1.0 when math-verify finds
 them equal, else 0.0; the extracted answer and the label go into the components.
 
+Only decided answers are graded. A last box that cannot be read (cut off by the length limit,
+`\\boxed 4` without braces) scores 0 with `components.reason: "unreadable final box"`: never an
+earlier box or the whole text (NeMo-Skills' `extract_answer` answers None there too). A check
+math-verify gave up on (its timeout, its LaTeX parser's recursion limit, an error inside it,
+asked with `raise_on_error`) raises `MeasurementFailed`: the episode fails with that reason
+(removed from the loss), never a trained 0.
+
 math-verify bounds its own parsing with SIGALRM, which only works in a process's
 main thread, and sympy can take seconds on adversarial input. So checks run in a
 small process pool by default (`check_in: process`): the worker's event loop never
@@ -19,11 +26,11 @@ the caller (fine for tests and tiny runs).
 from __future__ import annotations
 
 import re
-from typing import Literal, Union
+from typing import Literal, NamedTuple, Union
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Verification
+from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, MeasurementFailed, Verification
 from workers.envs.checkers import CheckerPool
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
@@ -55,47 +62,106 @@ def gold_answer(label: str) -> str:
     return answer.replace(",", "") if _THOUSANDS.fullmatch(answer) else answer
 
 
-def last_boxed(response: str) -> Union[str, None]:
-    """The last `\\boxed{...}` (or `\\fbox{...}`) of a response, braces balanced; None when there
-    is none or it never closes (a truncated answer). NeMo-Skills' `extract_answer` reads the last
-    one the same way (`rfind`, then brace matching)."""
-    start = max(response.rfind("\\boxed"), response.rfind("\\fbox"))
+_BOX_COMMANDS = ("\\boxed", "\\fbox")
+
+
+def final_box(response: str) -> tuple[bool, Union[str, None]]:
+    """(whether the response has a `\\boxed`/`\\fbox`, the last one with its braces when it can
+    be read). A last box that never closes (a truncated answer) or has no braces (`\\boxed 4`)
+    cannot be read: (True, None). NeMo-Skills' `extract_answer` reads the last one the same way
+    (`rfind`, then brace matching) and answers None for both."""
+    start, command = max((response.rfind(c), c) for c in _BOX_COMMANDS)
     if start < 0:
-        return None
+        return False, None
+    brace = start + len(command)
+    while brace < len(response) and response[brace].isspace():
+        brace += 1
+    if not response.startswith("{", brace):
+        return True, None
     depth = 0
-    for i in range(start, len(response)):
+    for i in range(brace, len(response)):
         if response[i] == "{":
             depth += 1
         elif response[i] == "}":
             depth -= 1
             if depth == 0:
-                return response[start : i + 1]
-    return None
+                return True, response[start : i + 1]
+    return True, None
 
 
-def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> tuple[float, Union[str, None]]:
-    """(reward, extracted answer text). `gold` is the task's label (`gold_answer` reads a GSM8K
-    one). Top level so a process pool can run it."""
-    from math_verify import parse, verify
+def last_boxed(response: str) -> Union[str, None]:
+    """The last `\\boxed{...}` (or `\\fbox{...}`) of a response, braces balanced; None when there
+    is none or it cannot be read (`final_box`)."""
+    return final_box(response)[1]
 
-    gold = gold_answer(gold)
 
-    if answer == "boxed" and "\\boxed" not in response:
-        return 0.0, None
-    # Under a non-main thread SIGALRM is unavailable: fall back to no timeout there.
+UNREADABLE_BOX = "unreadable final box"
+
+
+class Grade(NamedTuple):
+    """One checked answer: the reward, the answer read (math-verify's form) and, for a 0 given
+    without a comparison, why (`UNREADABLE_BOX`, "no boxed answer", "no answer found")."""
+
+    reward: float
+    answer: Union[str, None]
+    reason: Union[str, None] = None
+
+
+def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> Grade:
+    """The response graded against `gold`, the task's label (`gold_answer` reads a GSM8K one).
+    Only the final box counts when there is one: a last box that cannot be read ends the grading
+    at 0 (`UNREADABLE_BOX`), never an earlier box or the whole text. `MeasurementFailed` when
+    math-verify gave up (its timeout, its recursion limit, an error inside it): undecided, not
+    wrong. Top level so a process pool can run it."""
     import threading
 
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    gold = gold_answer(gold)
+    has_box, boxed = final_box(response)
+    if has_box and boxed is None:
+        return Grade(0.0, None, UNREADABLE_BOX)
+    if answer == "boxed" and boxed is None:
+        return Grade(0.0, None, "no boxed answer")
+    # Under a non-main thread SIGALRM is unavailable: fall back to no timeout there.
     timeout: Union[int, None] = timeout_s if threading.current_thread() is threading.main_thread() else None
-    # the last box alone: math-verify parses every box of a text into one set
-    predicted = parse(f"${boxed}$" if (boxed := last_boxed(response)) else response, parsing_timeout=timeout)
-    if not predicted:
-        return 0.0, None
-    extracted = str(predicted[-1])
-    gold_parsed = parse(gold if "$" in gold or "\\boxed" in gold else f"${gold}$", parsing_timeout=timeout)
-    if not gold_parsed:
-        gold_parsed = parse(gold, parsing_timeout=timeout)
-    correct = bool(gold_parsed) and verify(gold_parsed, predicted, timeout_seconds=timeout)
-    return (1.0 if correct else 0.0), extracted
+    try:
+        # the last box alone: math-verify parses every box of a text into one set
+        predicted = parse(f"${boxed}$" if boxed else response, parsing_timeout=timeout, raise_on_error=True)
+        if boxed and not any(not isinstance(p, str) for p in predicted):
+            raise_if_parser_gave_up(boxed[boxed.index("{") + 1 : -1], timeout)
+        if not predicted:
+            return Grade(0.0, None, "no answer found")
+        gold_text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
+        gold_parsed = parse(gold_text, parsing_timeout=timeout, raise_on_error=True) or parse(
+            gold, parsing_timeout=timeout, raise_on_error=True)
+        correct = bool(gold_parsed) and verify(gold_parsed, predicted, timeout_seconds=timeout, raise_on_error=True)
+    except TimeoutException as exc:  # a BaseException: math-verify's SIGALRM bound
+        during = str(exc).split(":", 1)[0] or "Timeout"  # "Timeout during parsing: <the whole text>"
+        raise MeasurementFailed(f"math-verify gave up: timed out after {timeout_s}s ({during})") from None
+    except (RecursionError, MemoryError) as exc:
+        raise MeasurementFailed(f"math-verify gave up: {type(exc).__name__}") from None
+    except Exception as exc:  # noqa: BLE001 - raise_on_error: any error inside math-verify
+        raise MeasurementFailed(f"math-verify failed: {type(exc).__name__}: {exc}"[:300]) from None
+    return Grade(1.0 if correct else 0.0, str(predicted[-1]))
+
+
+def raise_if_parser_gave_up(latex: str, timeout: Union[int, None]) -> None:
+    """For an answer math-verify turned into no expression: its LaTeX parser swallows every error
+    there, `raise_on_error` or not (math_verify 0.9 `extract_latex`), so ask the parser it uses
+    why. A syntax error is the model's (a wrong answer); RecursionError, MemoryError or math-verify's
+    TimeoutException (raised) mean the parser gave up on an answer it may have read right
+    (`\\frac{1}{\\frac{1}{...}}` 200 deep)."""
+    from latex2sympy2_extended import latex2sympy  # type: ignore[import-untyped]
+    from math_verify.utils import timeout as bounded
+
+    try:
+        bounded(timeout)(latex2sympy)(latex)
+    except (RecursionError, MemoryError):
+        raise
+    except Exception:  # noqa: BLE001 - the model's LaTeX does not parse: a wrong answer
+        return
 
 
 def final_answer_text(episode: EpisodeRecord) -> str:
@@ -117,7 +183,7 @@ class MathEnvironment(Environment):
             raise EnvError(f"math env {self.name!r}: task {task.id!r} has no label (the gold answer)")
         return MathSession(self, task)
 
-    async def check(self, response: str, gold: str) -> tuple[float, Union[str, None]]:
+    async def check(self, response: str, gold: str) -> Grade:
         args = (response, gold, self.options.answer, self.options.parse_timeout_s)
         if self.options.check_in == "inline":
             return check_answer(*args)
@@ -135,11 +201,13 @@ class MathSession(ToollessSession):
     async def verify(self, episode: EpisodeRecord) -> Verification:
         gold = self.task.label or ""
         timeouts = self.env.config.timeouts
-        reward, extracted = await call_with_budget(
+        grade = await call_with_budget(
             lambda: self.env.check(final_answer_text(episode), gold),
             timeouts.verify,
             f"math env {self.env.name!r}: check",
             deadline=deadline_in(timeouts.verify_deadline_s),
         )
-        components = {"answer": extracted, "gold": gold, "correct": reward == 1.0}
-        return shaped(self.env.config, [reward], terminal=episode.status == Status.COMPLETED, components=components)
+        components = {"answer": grade.answer, "gold": gold, "correct": grade.reward == 1.0}
+        if grade.reason:
+            components["reason"] = grade.reason
+        return shaped(self.env.config, [grade.reward], terminal=episode.status == Status.COMPLETED, components=components)

@@ -26,12 +26,14 @@ its text could change the tokens the policy sampled.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Message, Verification
+from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, MeasurementFailed, Message, Verification
 from workers.envs.checkers import CheckerPool
+from workers.envs.math import raise_if_parser_gave_up
 from workers.envs.options import Options, parse_options
 from workers.envs.rewards import call_with_budget, deadline_in, shaped
 from workers.envs.toolless import ToollessSession
@@ -106,23 +108,53 @@ def gold_answer(task: Task) -> Union[str, None]:
     return None if value is None or not str(value).strip() else str(value)
 
 
+class _GaveUp(logging.Handler):
+    """math-verify's own word that it gave up: NeMo-Skills' `math_equal` calls `parse`/`verify`
+    without `raise_on_error`, so their timeouts come out as a False plus one warning line
+    ("Timeout during parsing: ...", "Timeout during comparison") on the `math_verify` loggers."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Timeout during"):
+            self.lines.append(record.getMessage().split(":", 1)[0])
+
+
 def grade_math(response: str, gold: str) -> tuple[float, Union[str, None]]:
-    """NeMo-Skills' math environment on one sample: (reward, extracted answer). Top level for a pool."""
+    """NeMo-Skills' math environment on one sample: (reward, extracted answer). A 0 that math-verify
+    did not decide (its timeout, its LaTeX parser's recursion limit) is `MeasurementFailed` instead.
+    Top level for a pool."""
     import contextlib
     import io
-    import logging
 
     from math_verify.errors import TimeoutException
     from nemo_skills.evaluation.math_grader import extract_answer, math_equal
 
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    quiet = logging.getLogger("math_verify")
+    gave_up = _GaveUp()
+    quiet.setLevel(logging.WARNING)
+    quiet.propagate = False  # counted here, never printed
+    quiet.addHandler(gave_up)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             extracted = extract_answer(response)
             score = float(math_equal(gold, extracted))
-    except TimeoutException:
-        return 0.0, None
+            if score == 0.0 and extracted is not None and not gave_up.lines:
+                raise_if_parser_gave_up(extracted, PARSE_TIMEOUT_S)
+    except TimeoutException as exc:
+        raise MeasurementFailed(f"math-verify gave up: timed out ({str(exc).split(':', 1)[0]})") from None
+    except (RecursionError, MemoryError) as exc:
+        raise MeasurementFailed(f"math-verify gave up: {type(exc).__name__}") from None
+    finally:
+        quiet.removeHandler(gave_up)
+    if score == 0.0 and gave_up.lines:
+        raise MeasurementFailed(f"math-verify gave up: {gave_up.lines[0]}")
     return score, extracted
+
+
+PARSE_TIMEOUT_S = 5  # math-verify's own default, as NeMo-Skills' math_equal calls it
 
 
 def assistant_text(episode: EpisodeRecord) -> str:

@@ -25,7 +25,7 @@ from pipeline.config import parse_config
 from pipeline.local_redis import free_port
 from tests.conformance_support import require_slime
 from tests.nemo_gym_support import nemo_gym  # noqa: F401 - a fixture
-from workers.rm_server import serve
+from workers.rm_server import Scorer, serve
 
 pytestmark = [pytest.mark.conformance, pytest.mark.timeout(900)]
 
@@ -45,11 +45,11 @@ def rm_hub():
 
 
 @contextlib.asynccontextmanager
-async def rm_server(environments: dict) -> AsyncIterator[str]:
-    config = parse_config({"environments": environments})
+async def rm_server(environments: dict, scorer: Scorer | None = None, token: str | None = None) -> AsyncIterator[str]:
+    config = scorer.config if scorer is not None else parse_config({"environments": environments})
     port = free_port()
     ready = asyncio.Event()
-    task = asyncio.ensure_future(serve(config, "127.0.0.1", port, ready))
+    task = asyncio.ensure_future(serve(config, "127.0.0.1", port, ready, token=token, scorer=scorer))
     await asyncio.wait_for(ready.wait(), 30)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -180,3 +180,112 @@ async def test_an_unreachable_environment_server_is_an_error_not_a_zero(rm_hub):
             await rm_hub.remote_rm(_args(f"{base}/gym"), _sample(rm_hub, "\\boxed{2}", "2"), max_retries=1)
         await rm_hub._shared_session.close()
     assert caught.value.status == 503
+
+
+# ------------------------------------------------------------------ the secret, and a caller's mistakes
+
+TOKEN = "rm-4b9d2e7f1a6c3058be"
+
+
+def _rollout_rm_server(config: Path, *argv: str, token: str | None) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    if token is not None:
+        env["ROLLOUT_RM_TOKEN"] = token
+    return subprocess.Popen([sys.executable, "-m", "scripts.cli", "rm-server", "--config", str(config), *argv],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_rm_server_on_a_public_address_needs_its_token_which_no_line_shows(rm_hub, tmp_path):
+    """`--host 0.0.0.0` without a token refuses to start; with `$ROLLOUT_RM_TOKEN` every path
+    must begin with it (slime's `--rm-url http://host:port/<token>/<env>`), and neither the
+    start line nor a failure's log line nor any answer shows it."""
+    config = tmp_path / "pipeline.yaml"
+    dead = f"http://127.0.0.1:{free_port()}"  # an environment server that is down: a logged 503
+    gym = {"kind": "nemo_gym", "options": {"url": dead}, "timeouts": {"start": {"timeout_s": 2, "retries": 0, "backoff_s": 0.01}}}
+    config.write_text(json.dumps({"environments": {"math": {"kind": "math", "options": {"check_in": "inline"}}, "gym": gym}}))
+
+    refused = _rollout_rm_server(config, "--host", "0.0.0.0", "--port", str(free_port()), token=None)
+    out, _ = refused.communicate(timeout=60)
+    assert refused.returncode == 2 and "ROLLOUT_RM_TOKEN" in out and "reachable from other machines" in out, out
+    short = _rollout_rm_server(config, "--host", "0.0.0.0", "--token", "s3cr3t-short", token=None)
+    out, _ = short.communicate(timeout=60)
+    assert short.returncode == 2 and "at least 16 characters" in out and "s3cr3t-short" not in out, out
+
+    port = free_port()
+    process = _rollout_rm_server(config, "--host", "0.0.0.0", "--port", str(port), token=TOKEN)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert f"http://0.0.0.0:{port}/<token>/math" in line, line
+        base = f"http://127.0.0.1:{port}"
+
+        async def scenario():
+            right = await rm_hub.remote_rm(_args(f"{base}/{TOKEN}/math"), _sample(rm_hub, "So \\boxed{2}.", "2"))
+            statuses, bodies = [], []
+            async with aiohttp.ClientSession() as http:
+                for path in ("/math", f"/{TOKEN[:-1]}x/math", f"/{TOKEN}x/math", "/", f"/{TOKEN}/gym"):
+                    async with http.post(base + path, json={"prompt": QUESTION, "response": "\\boxed{2}", "label": "2"}) as resp:
+                        statuses.append(resp.status)
+                        bodies.append(await resp.text())
+            await rm_hub._shared_session.close()
+            return right, statuses, bodies
+
+        right, statuses, bodies = asyncio.run(scenario())
+        assert right == 1.0
+        assert statuses == [401, 401, 401, 401, 503], (statuses, bodies)
+        assert "must begin with this rm-server's token" in bodies[0]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+    assert "gym environment failed: 503" in out, out  # a failure was logged ...
+    assert TOKEN not in line + out and all(TOKEN not in body for body in bodies)  # ... and no line holds the token
+    assert process.returncode == 0
+
+
+async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_such(rm_hub):
+    """slime's own `remote_rm` on bodies that are the caller's fault: each answered 400 (404 for an
+    unknown environment) at once, with the field named, no environment built. slime retries every
+    error status alike (its `except Exception`): the server receives exactly one request per try
+    of slime's and adds none; 503 stays for outages, 422 for a verifier that could not decide."""
+    environments = {
+        "math": {"kind": "math", "options": {"check_in": "inline", "parse_timeout_s": 1}},
+        "code": {"kind": "code", "options": {"require_isolation": False}},
+    }
+    scorer = Scorer(parse_config({"environments": environments}))
+    async with rm_server(environments, scorer=scorer) as base:
+        async def slime_status(url: str, sample, tries: int = 1) -> int:
+            with pytest.raises(aiohttp.ClientResponseError) as caught:
+                await rm_hub.remote_rm(_args(url), sample, max_retries=tries)
+            return caught.value.status
+
+        started = time.monotonic()
+        no_label = await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{2}", None), tries=3)
+        retried_s = time.monotonic() - started
+        assert (no_label, scorer.answered[400]) == (400, 3)  # slime's three tries, three requests: no more
+        assert retried_s >= 1.0  # slime's own backoff between them (1 s, then 2 s, plus jitter)
+        assert await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{2}", "2", prompt=5)) == 400
+        assert await slime_status(f"{base}/code", _sample(rm_hub, "```python\nprint(1)\n```", "1")) == 400
+        assert await slime_status(f"{base}/maths", _sample(rm_hub, "\\boxed{2}", "2")) == 404
+        assert scorer.environments == {}  # none was built for a caller's mistake
+        undecided = await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{10^{10^{10}}}", "5"))
+        right = await rm_hub.remote_rm(_args(f"{base}/math"), _sample(rm_hub, "\\boxed{2}", "2"))
+        errors = {}
+        async with aiohttp.ClientSession() as http:
+            for case, body in {
+                "label": {"prompt": QUESTION, "response": "\\boxed{2}", "label": None},
+                "prompt": {"prompt": 5, "response": "\\boxed{2}", "label": "2"},
+                "no prompt": {"response": "\\boxed{2}", "label": "2"},
+                "response": {"prompt": QUESTION, "response": None, "label": "2"},
+                "tests": {"prompt": "Print 1.", "response": "```python\nprint(1)\n```", "label": {"tests": []}},
+            }.items():
+                async with http.post(f"{base}/{'code' if case == 'tests' else 'math'}", json=body) as resp:
+                    errors[case] = (resp.status, (await resp.json())["error"])
+        await rm_hub._shared_session.close()
+    assert undecided == 422 and right == 1.0
+    assert all(status == 400 for status, _ in errors.values()), errors
+    assert "no label" in errors["label"][1]
+    assert "'prompt' is a number: it must be a string or a list of chat messages" in errors["prompt"][1]
+    assert "has no 'prompt'" in errors["no prompt"][1] and "'response' is null, not a string" in errors["response"][1]
+    assert "no usable tests: metadata.tests must be a non-empty list" in errors["tests"][1]
+    assert scorer.answered == {400: 3 + 2 + 5, 404: 1, 422: 1, 200: 1}

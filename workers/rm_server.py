@@ -6,15 +6,24 @@ slime's `remote_rm` (slime/rollout/rm_hub, also reached through `batched_async_r
 `raise_for_status()` and takes `await resp.json()` as the reward; any error is retried (10
 tries, backoff up to 30 s), then raised. So this server answers:
 
-- `POST /<env>`: the environment `<env>` of the config; `POST /` when the config has exactly
-  one. (slime's body has no field for it: `--rm-url http://host:port/<env>`.)
+- `POST /<token>/<env>`: the environment `<env>` of the config; `POST /<token>` when the config
+  has exactly one. slime's `remote_rm` sends no headers and its body has no field for either,
+  so both live in the URL: `--rm-url http://host:port/<token>/<env>`. The token (`--token` or
+  `$ROLLOUT_RM_TOKEN`) is compared in constant time and is in no log line or answer; whoever
+  reaches the port without it drives no sandbox, judge or billed session (401). Without a token
+  the paths are `/<env>` and `/`, and the server listens on a loopback address only.
 - 200 and a JSON number: the environment's verification of the response as the one assistant
   turn after the environment's own prompt, with the episode's reward shaping
   (`final_reward`: nonterminal reward, clamps), as a worker would score it.
-- 503 `{"error": ...}` when the environment could not score (its server down, a judge that
-  failed, a masked NeMo Gym verification, a timeout): an error slime's retry sees, never a
-  0 that would be trained. 500 for a bug of ours or of an in-process environment; 400 for a
-  body that is not slime's; 404 for an unknown environment.
+- 400 `{"error": ...}` naming the field for a body that is not slime's or does not make a task
+  of the environment (no `response`, a `prompt` that is neither text nor chat messages, no
+  `label` where the environment grades against one); 404 for an unknown environment.
+- 503 only for an outage: the environment could not score (its server down, a judge that
+  failed, a masked NeMo Gym verification, a timeout). 422 when the verifier ran and could not
+  decide (`MeasurementFailed`: math-verify's timeout or recursion limit). 500 for a bug of ours
+  or of an in-process environment. Never a 0 that would be trained. slime's `remote_rm` retries
+  every error status alike (`except Exception`, 10 tries, about 2.5 minutes) and then raises:
+  the status and the `error` text tell its log which of these it met.
 
 The task: `prompt` (a string or chat messages) and `label`; a label that is a JSON object
 (or a string holding one) is the task's data row as well, `metadata` (a NeMo Gym row with
@@ -27,8 +36,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import hmac
+import ipaddress
 import json
 import logging
+import os
+import re
 import signal
 from typing import Any, Union
 
@@ -36,12 +50,16 @@ from aiohttp import web
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Status, Task
-from workers.envs.base import Environment, EpisodeRecord
+from workers.envs.base import Environment, EpisodeRecord, MeasurementFailed
 from workers.envs.registry import build_environment
 from workers.envs.rewards import final_reward
 from workers.errors import is_bug
+from workers.validate import task_problem
 
 log = logging.getLogger(__name__)
+
+TOKEN_ENV = "ROLLOUT_RM_TOKEN"
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~-]{16,}")  # one URL path segment, long enough to guess at no rate
 
 
 class BadRequest(ValueError):
@@ -56,6 +74,8 @@ class Scorer:
         self.environments: dict[str, Environment] = {}
         self.scored = 0
         self.failed = 0
+        self.answered: collections.Counter[int] = collections.Counter()  # HTTP status -> requests answered
+        self._task_checks: dict[str, Any] = {}
 
     def env_name(self, path: str) -> str:
         name = path.strip("/")
@@ -74,13 +94,17 @@ class Scorer:
         return env
 
     async def score(self, name: str, body: dict[str, Any]) -> float:
+        # the body first: a caller's mistake builds no environment and starts no session or sandbox
+        task = task_of(body, name, self.config.env(name).kind)
+        problem = task_problem(task, self.config, self._task_checks)
+        if problem:  # what the environment's `start` needs of the task (a math task's label)
+            raise BadRequest(f"{problem} (the body's 'label' is the task's label; a JSON object there is its data row)")
         env = self.environment(name)
-        task = task_of(body, name, env.config.kind)
         session = await env.start(task)
         try:
-            messages = [*session.messages, {"role": "assistant", "content": str(body.get("response") or "")}]
-            record = EpisodeRecord(task=task, messages=messages, response_text=str(body.get("response") or ""),
-                                   status=Status.COMPLETED, turns=1)
+            response = body["response"]
+            messages = [*session.messages, {"role": "assistant", "content": response}]
+            record = EpisodeRecord(task=task, messages=messages, response_text=response, status=Status.COMPLETED, turns=1)
             verification = await session.verify(record)
         finally:
             await asyncio.shield(session.close())
@@ -95,12 +119,12 @@ class Scorer:
 
 
 def task_of(body: dict[str, Any], env: str, kind: str) -> Task:
-    """slime's `{prompt, response, label}` as the task the environment scores."""
-    if "response" not in body:
-        raise BadRequest("the body has no 'response' (slime's remote_rm sends prompt, response, label)")
-    prompt = body.get("prompt")
-    if prompt is None:
-        prompt = ""
+    """slime's `{prompt, response, label}` as the task the environment scores; `BadRequest`
+    naming the field when the body is not slime's."""
+    if not isinstance(body.get("response"), str):
+        what = "has no 'response'" if "response" not in body else f"'response' is {_kind(body['response'])}, not a string"
+        raise BadRequest(f"the body {what} (slime's remote_rm sends prompt, response, label)")
+    prompt = _prompt(body)
     label = body.get("label")
     row = _row(label)
     extra = body.get("metadata")
@@ -119,6 +143,30 @@ def task_of(body: dict[str, Any], env: str, kind: str) -> Task:
         raise BadRequest(str(exc)) from exc
 
 
+def _prompt(body: dict[str, Any]) -> Union[str, list[dict[str, Any]]]:
+    """The body's `prompt`: text, or chat messages (slime keeps them with --apply-chat-template off)."""
+    if "prompt" not in body:
+        raise BadRequest("the body has no 'prompt' (slime's remote_rm sends prompt, response, label)")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in prompt):
+        return prompt
+    raise BadRequest(f"'prompt' is {_kind(prompt)}: it must be a string or a list of chat messages "
+                     "({\"role\": ..., \"content\": ...})")
+
+
+_JSON_KINDS = ((bool, "true/false"), (int, "a number"), (float, "a number"), (str, "a string"), (list, "a list"),
+               (dict, "an object"))
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, for an error naming what came instead of what was expected."""
+    if value is None:
+        return "null"
+    return next((name for t, name in _JSON_KINDS if isinstance(value, t)), type(value).__name__)
+
+
 def _row(label: Any) -> dict[str, Any]:
     if isinstance(label, dict):
         return dict(label)
@@ -131,10 +179,22 @@ def _row(label: Any) -> dict[str, Any]:
     return {}
 
 
-def app_for(scorer: Scorer) -> web.Application:
+def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
+    """The remote-RM app; with `token`, every path must begin with `/<token>` (`tokened_path`)."""
+
     async def handle(request: web.Request) -> web.Response:
+        response = await _answer(request)
+        scorer.answered[response.status] += 1
+        return response
+
+    async def _answer(request: web.Request) -> web.Response:
+        path = tokened_path(request.path, token)
+        if path is None:  # nothing of the request is echoed or logged: the path may hold a near-miss token
+            return web.json_response({"error": "unauthorized: the URL path must begin with this rm-server's token "
+                                               f"(--rm-url http://host:port/<token>/<env>, the token from --token or ${TOKEN_ENV})"},
+                                     status=401)
         try:
-            name = scorer.env_name(request.path)
+            name = scorer.env_name(path)
             scorer.config.env(name)
         except ConfigError as exc:
             return web.json_response({"error": str(exc)}, status=404)
@@ -148,6 +208,8 @@ def app_for(scorer: Scorer) -> web.Application:
             reward = await scorer.score(name, body)
         except BadRequest as exc:
             return web.json_response({"error": f"bad request: {exc}"[:600]}, status=400)
+        except MeasurementFailed as exc:  # the verifier could not decide: no outage, no 0 either
+            return _failed(name, exc, 422)
         except Exception as exc:  # noqa: BLE001 - an outage is an error slime retries, never a 0
             return _failed(name, exc, 500 if is_bug(exc) else 503)
         scorer.scored += 1
@@ -155,20 +217,63 @@ def app_for(scorer: Scorer) -> web.Application:
 
     def _failed(name: str, exc: BaseException, status: int) -> web.Response:
         scorer.failed += 1
-        what = "bug" if status == 500 else "environment failed"
+        what = {500: "bug", 422: "verifier could not decide"}.get(status, "environment failed")
         log.warning("rm-server: %s %s: %s: %r", name, what, status, exc)
         return web.json_response({"error": f"{name}: {what}: {exc}"[:600]}, status=status)
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_post("/", handle)
-    app.router.add_post("/{env}", handle)
+    app.router.add_post("/{path:.*}", handle)
     return app
 
 
-async def serve(config: PipelineConfig, host: str, port: int, ready: Union[asyncio.Event, None] = None) -> None:
-    """Serve until cancelled (or SIGTERM/SIGINT from `main`)."""
-    scorer = Scorer(config)
-    runner = web.AppRunner(app_for(scorer), access_log=None)
+def tokened_path(path: str, token: Union[str, None]) -> Union[str, None]:
+    """The path after `/<token>` (None when it does not begin so), or the path itself without a
+    token. The comparison takes the same time wherever the candidate differs (`hmac.compare_digest`)."""
+    if token is None:
+        return path
+    first, _, rest = path.lstrip("/").partition("/")
+    if not hmac.compare_digest(first.encode(), token.encode()):
+        return None
+    return "/" + rest
+
+
+def check_listen(host: str, token: Union[str, None]) -> None:
+    """`ConfigError` for a token that is not one URL path segment of 16+ characters, or for a
+    non-loopback `host` without a token. Neither message shows the token."""
+    if token is not None and not _TOKEN_CHARS.fullmatch(token):
+        raise ConfigError(f"rollout rm-server: the token (--token / ${TOKEN_ENV}) must be at least 16 characters of "
+                          "A-Z a-z 0-9 . _ ~ - (it is one segment of the --rm-url path); e.g. "
+                          "python -c 'import secrets; print(secrets.token_urlsafe(24))'")
+    if token is None and not _loopback(host):
+        raise ConfigError(f"rollout rm-server: --host {host} is reachable from other machines and the server has no "
+                          f"token: whoever reaches the port would drive its sandboxes, judges and billed sessions; "
+                          f"set ${TOKEN_ENV} (or --token) and give slime --rm-url http://host:port/<token>/<env>, "
+                          "or listen on 127.0.0.1")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+async def serve(
+    config: PipelineConfig,
+    host: str,
+    port: int,
+    ready: Union[asyncio.Event, None] = None,
+    *,
+    token: Union[str, None] = None,
+    scorer: Union[Scorer, None] = None,
+) -> None:
+    """Serve until cancelled (or SIGTERM/SIGINT from `main`). `ConfigError` (`check_listen`) for a
+    non-loopback host without a token. No access log: the path holds the token."""
+    check_listen(host, token)
+    scorer = scorer or Scorer(config)
+    runner = web.AppRunner(app_for(scorer, token), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -176,8 +281,10 @@ async def serve(config: PipelineConfig, host: str, port: int, ready: Union[async
     except OSError as exc:  # the port is taken or the address is not this host's: the user's setting
         await runner.cleanup()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    names = ", ".join(f"http://{host}:{port}/{n}" for n in config.environments) or "none configured"
-    print(f"rollout rm-server: listening on http://{host}:{port}; --rm-url {names}", flush=True)
+    prefix = f"http://{host}:{port}" + ("/<token>" if token else "")
+    names = ", ".join(f"{prefix}/{n}" for n in config.environments) or "none configured"
+    whose = f" (<token>: --token or ${TOKEN_ENV})" if token else ""
+    print(f"rollout rm-server: listening on http://{host}:{port}; --rm-url {names}{whose}", flush=True)
     if ready is not None:
         ready.set()
     try:
@@ -190,12 +297,19 @@ async def serve(config: PipelineConfig, host: str, port: int, ready: Union[async
 def main(argv: Union[list[str], None] = None) -> int:
     p = argparse.ArgumentParser(
         prog="rollout rm-server",
-        description="Serve slime's remote reward model protocol (--rm-url http://host:port/<env>) with the configured environments.",
+        description="Serve slime's remote reward model protocol (--rm-url http://host:port/<token>/<env>) with the "
+                    "configured environments.",
     )
     p.add_argument("--config", required=True, help="pipeline YAML whose environments score")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1); any other than loopback needs a token")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--token", default=None,
+                   help=f"the secret first segment of every path (default ${TOKEN_ENV}; prefer the variable: "
+                        "a flag is visible in the process list); at least 16 URL-safe characters")
     args = p.parse_args(argv)
+    token = args.token or os.environ.get(TOKEN_ENV) or None
+    check_listen(args.host, token)
     config = load_config(args.config)
     if not config.environments:
         raise ConfigError(f"config {args.config}: no environments to score with")
@@ -203,12 +317,12 @@ def main(argv: Union[list[str], None] = None) -> int:
 
     check_environments(config)  # kinds and options: a typo fails here, not in every request
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve_until_signal(config, args.host, args.port))
+    asyncio.run(_serve_until_signal(config, args.host, args.port, token))
     return 0
 
 
-async def _serve_until_signal(config: PipelineConfig, host: str, port: int) -> None:
-    task = asyncio.ensure_future(serve(config, host, port))
+async def _serve_until_signal(config: PipelineConfig, host: str, port: int, token: Union[str, None]) -> None:
+    task = asyncio.ensure_future(serve(config, host, port, token=token))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)

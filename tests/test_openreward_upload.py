@@ -287,3 +287,83 @@ def test_bad_upload_options_name_the_key(monkeypatch):
         _env("http://x", {"every": 0})
     with pytest.raises(ConfigError, match=r"environments\.arith\.options\.upload\.runname"):
         _env("http://x", {"runname": "x"})
+
+
+# ------------------------------------------------------------------ shutdown, attribution, the SDK's evictions
+
+
+def _trajectory(i: int) -> Any:
+    from workers.upload import Event, Trajectory
+
+    return Trajectory(run_name=RUN, rollout_name=f"t{i}/0", environment="arith", variant=None, split=None,
+                      task_spec={"question": "What is 6 * 7?", "answer": "42"}, metadata={"reward": 1.0},
+                      events=[Event("UserMessage", {"content": "What is 6 * 7?"}),
+                              Event("AssistantMessage", {"content": "Answer: 42"}, 1.0, True)])
+
+
+def _uploader(api_url: str, what: str, queue_size: int = 256) -> Any:
+    from workers.upload import TrajectoryUploader
+
+    return TrajectoryUploader(api_key=API_KEY, api_url=api_url, queue_size=queue_size, what=what)
+
+
+async def test_episodes_still_queued_at_close_are_counted_as_dropped_and_logged_once(caplog):
+    """6 submitted to an API that takes 3 s: the upload thread is in the SDK's blocking start of
+    the first when `close(0.5)` gives up; the 5 still queued are dropped, counted, and one line
+    says so with their number."""
+    caplog.set_level(logging.WARNING, logger="workers.upload")
+    api = FakeApi(delay_s=3.0)
+    async with serve_api(api) as api_url:
+        uploader = _uploader(api_url, "openreward upload (env 'slow')")
+        assert all(uploader.submit(_trajectory(i)) for i in range(6))
+        await asyncio.sleep(0.5)  # the thread took the first
+        await asyncio.to_thread(uploader.close, 0.5)
+        stats = uploader.stats()
+        await asyncio.sleep(3.5)  # the first upload ends; the thread stops after it
+    assert stats["dropped"] == stats["dropped_at_close"] == 5 and stats["queued"] == 0, stats
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.upload"]
+    assert [line for line in lines if "still queued" in line] == [
+        "openreward upload (env 'slow'): closed with 5 episode(s) still queued after 0.5s: dropped, not uploaded "
+        "(episodes are not affected)"], lines
+
+
+async def test_sdk_failures_are_counted_by_the_uploader_that_sent_them(monkeypatch):
+    """Two upload-enabled environments in one process, one API down: its failures are counted by
+    its uploader alone; the other's rollouts are all created and none counted as failed."""
+    api = FakeApi()
+    async with serve_api(api) as api_url:
+        healthy = _uploader(api_url, "openreward upload (env 'up')")
+        broken = _uploader(f"http://127.0.0.1:{free_port()}", "openreward upload (env 'down')")  # nothing listens
+        for i in range(3):
+            assert healthy.submit(_trajectory(i)) and broken.submit(_trajectory(10 + i))
+        await asyncio.gather(asyncio.to_thread(healthy.close, 30.0), asyncio.to_thread(broken.close, 30.0))
+    assert broken.stats()["failed"] == 3 and broken.stats()["uploaded"] == 0, broken.stats()
+    assert healthy.stats()["failed"] == 0 and healthy.stats()["uploaded"] == 3, healthy.stats()
+    assert len(api.events("rollout")) == 3
+
+
+async def test_messages_the_sdks_ring_buffer_evicts_are_counted(monkeypatch, caplog, capsys):
+    """The SDK's sender keeps messages in a ring buffer and evicts the oldest when it is full,
+    with one warning line each ("ring buffer full, evicted oldest event"). Its capacity is
+    100 000 in the SDK's client config: made 2 here (and its flush thresholds above that) so
+    that the SDK's own loop evicts; each eviction is counted and reported, none printed."""
+    import openreward.client
+    from openreward.models import SendLoopConfig
+
+    def small_ring(**fields: Any) -> SendLoopConfig:
+        return SendLoopConfig(**{**fields, "ring_capacity": 2, "max_items": 1000, "max_age": 60.0})
+
+    monkeypatch.setattr(openreward.client, "SendLoopConfig", small_ring)
+    caplog.set_level(logging.WARNING, logger="workers.upload")
+    api = FakeApi()
+    async with serve_api(api) as api_url:
+        uploader = _uploader(api_url, "openreward upload (env 'ring')")
+        assert uploader.submit(_trajectory(0))  # 2 messages: the ring is full, nothing evicted
+        assert uploader.submit(_trajectory(1))  # 2 more: 2 evicted
+        await asyncio.to_thread(uploader.close, 30.0)
+    stats = uploader.stats()
+    assert stats["evicted"] == 2 and stats["uploaded"] == 2, stats
+    assert len(api.events("message")) == 2  # what the ring kept
+    assert any("2 message(s) evicted by the SDK's buffer" in r.getMessage() for r in caplog.records), caplog.text
+    printed = capsys.readouterr()
+    assert "ring buffer full" not in printed.out + printed.err

@@ -9,11 +9,19 @@ message (`Rollout.log`), which the SDK's own background thread batches to POST /
 
 Never on the critical path: the event loop only does `queue.put_nowait`; a full queue (a
 slow or dead API) drops the episode and counts it. A rollout the API refused, or a batch of
-messages the SDK's sender gave up on, is counted as failed. Drops and failures are logged
-once a minute at most, with counts and the last cause; nothing is raised to the episode,
-and the sample is never changed. The API key is read from the environment by name and
-given to the SDK alone; it is in no log line of ours, and the SDK's own failure lines
-(which carry the server's answer) are counted instead of printed.
+messages the SDK's sender gave up on, is counted as failed; a message the SDK's own ring
+buffer evicted (its "ring buffer full, evicted oldest event" line) is counted as evicted.
+Drops, failures and evictions are logged once a minute at most, with counts and the last
+cause; nothing is raised to the episode, and the sample is never changed. The API key is
+read from the environment by name and given to the SDK alone; it is in no log line of ours,
+and the SDK's own failure lines (which carry the server's answer) are counted instead of
+printed, by the uploader whose threads logged them (its upload thread, its `RolloutAPI`'s
+sender thread), not by every uploader of the process.
+
+At shutdown (`close`, from the environment's `aclose`) the uploader takes no more episodes,
+uploads what is queued and flushes the SDK's sender for at most `CLOSE_TIMEOUT_S`; the
+episodes still queued then are dropped, counted (`dropped`, `dropped_at_close`) and named in
+one log line with their number.
 """
 
 from __future__ import annotations
@@ -131,8 +139,11 @@ class _Counts:
         self.dropped = 0
         self.failed = 0  # episodes whose rollout the API did not create
         self.failed_batches = 0  # message batches the SDK's sender gave up on
+        self.evicted = 0  # messages the SDK's ring buffer evicted before sending them
+        self.dropped_at_close = 0  # episodes still queued when close() gave up waiting
         self.unreported_dropped = 0
         self.unreported_failed = 0
+        self.unreported_evicted = 0
         self.last_error = ""
         self.last_report = 0.0
 
@@ -140,22 +151,28 @@ class _Counts:
 class _CountingSdkLog:
     """Stands in for the SDK's module loggers of the rollout client: its failure lines
     ("failed to start rollout", "upload failed": one per rollout or batch, with the server's
-    answer) become counts of the uploader, reported once a minute; other lines go to the SDK's
-    own logger. One per process (the SDK's loggers are module globals)."""
+    answer) and its eviction line become counts of the uploader that sent them (the one whose
+    thread logged the line), reported once a minute; other lines, and lines no uploader's
+    thread logged, go to the SDK's own logger. One per process (the SDK's loggers are module
+    globals)."""
 
     FAILURES = ("failed to start rollout", "upload failed")
+    EVICTED = "ring buffer full, evicted"  # background.py: the oldest buffered message is lost
 
     def __init__(self, original: Any) -> None:
         self.original = original
         self.uploaders: list[TrajectoryUploader] = []
 
     def _line(self, level: str, event: str = "", *args: Any, **kwargs: Any) -> None:
-        if any(event.startswith(f) for f in self.FAILURES):
-            cause = f"{event}: {kwargs.get('error', '')}"[:300]
-            for uploader in list(self.uploaders):
-                uploader._count_failure(cause, rollouts=event.startswith("failed to start"))
-            return
-        getattr(self.original, level)(event, *args, **kwargs)
+        counted = event.startswith(self.FAILURES) or event.startswith(self.EVICTED)
+        here = threading.current_thread()
+        owner = next((u for u in list(self.uploaders) if u._sends_on(here)), None) if counted else None
+        if owner is None:
+            getattr(self.original, level)(event, *args, **kwargs)
+        elif event.startswith(self.EVICTED):
+            owner._count_eviction()
+        else:
+            owner._count_failure(f"{event}: {kwargs.get('error', '')}"[:300], rollouts=event.startswith("failed to start"))
 
     def debug(self, event: str = "", *args: Any, **kwargs: Any) -> None:
         self._line("debug", event, *args, **kwargs)
@@ -226,12 +243,16 @@ class TrajectoryUploader:
 
     def stats(self) -> dict[str, int]:
         """uploaded: rollouts created with their messages handed to the SDK's sender; failed:
-        rollouts not created; failed_batches: message batches the sender gave up on; dropped:
-        episodes the full queue turned away; queued: waiting now."""
+        rollouts not created; failed_batches: message batches the sender gave up on; evicted:
+        messages the SDK's ring buffer evicted; dropped: episodes never uploaded because the
+        queue was full or still held them at close (`dropped_at_close` of them); queued:
+        waiting now."""
+        with self._queue.mutex:  # the stop sentinel is no episode
+            queued = sum(item is not None for item in self._queue.queue)
         with self._counts.lock:
             c = self._counts
-            return {"uploaded": c.uploaded, "dropped": c.dropped, "failed": c.failed,
-                    "failed_batches": c.failed_batches, "queued": self._queue.qsize()}
+            return {"uploaded": c.uploaded, "dropped": c.dropped, "dropped_at_close": c.dropped_at_close,
+                    "failed": c.failed, "failed_batches": c.failed_batches, "evicted": c.evicted, "queued": queued}
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Stop taking episodes, upload what is queued and flush the SDK's sender, for at most
@@ -249,8 +270,30 @@ class TrajectoryUploader:
                 except queue.Full:
                     continue
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        _unwatch(self)
+        if thread is None or not thread.is_alive():
+            _unwatch(self)  # else the thread does, when its last upload and the SDK's flush are over
+        left = self._drop_queued()
+        if left:
+            log.warning("%s: closed with %d episode(s) still queued after %.1fs: dropped, not uploaded "
+                        "(episodes are not affected)", self.what, left, timeout_s)
         self._report(force=True)
+
+    def _drop_queued(self) -> int:
+        """Empty the queue at close and count what it held as dropped. The stop sentinel goes back
+        for a thread still busy with an upload, so it ends after that one."""
+        left = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            left += item is not None
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put_nowait(None)
+        with self._counts.lock:
+            self._counts.dropped += left
+            self._counts.dropped_at_close += left
+        return left
 
     # ------------------------------------------------------------------ the upload thread
 
@@ -289,6 +332,9 @@ class TrajectoryUploader:
                 self._api.close()  # flushes the SDK's sender (its shutdown_timeout bounds it)
             except Exception as exc:  # noqa: BLE001
                 self._count_failure(f"close: {type(exc).__name__}: {exc}"[:300], rollouts=False)
+        if self._closed:  # a close() that stopped waiting for this thread: what happened since, in one line
+            _unwatch(self)
+            self._report(force=True)
 
     def _upload(self, t: Trajectory) -> None:
         from openreward.api.rollouts.serializers import base as upload_types
@@ -308,6 +354,15 @@ class TrajectoryUploader:
 
     # ------------------------------------------------------------------ counting and reporting
 
+    def _sends_on(self, thread: threading.Thread) -> bool:
+        """Whether `thread` is this uploader's: its upload thread or its `RolloutAPI`'s sender."""
+        return thread is self._thread or (self._api is not None and thread is getattr(self._api, "_thread", None))
+
+    def _count_eviction(self) -> None:
+        with self._counts.lock:
+            self._counts.evicted += 1
+            self._counts.unreported_evicted += 1
+
     def _count_failure(self, cause: str, *, rollouts: bool) -> None:
         """`rollouts`: an episode's rollout was not created (else: a batch of messages was lost)."""
         with self._counts.lock:
@@ -324,15 +379,16 @@ class TrajectoryUploader:
     def _report(self, *, force: bool) -> None:
         with self._counts.lock:
             c = self._counts
-            if not (c.unreported_dropped or c.unreported_failed):
+            if not (c.unreported_dropped or c.unreported_failed or c.unreported_evicted):
                 return
             now = time.monotonic()
             if not force and now - c.last_report < REPORT_EVERY_S:
                 return
-            dropped, failed, cause = c.unreported_dropped, c.unreported_failed, c.last_error
-            c.unreported_dropped = c.unreported_failed = 0
+            dropped, failed, evicted, cause = c.unreported_dropped, c.unreported_failed, c.unreported_evicted, c.last_error
+            c.unreported_dropped = c.unreported_failed = c.unreported_evicted = 0
             c.last_report = now
         log.warning(
-            "%s: %d upload(s) failed, %d episode(s) dropped (queue full) since the last report; "
-            "episodes are not affected; last error: %s", self.what, failed, dropped, cause or "-",
+            "%s: %d upload(s) failed, %d episode(s) dropped (queue full), %d message(s) evicted by the SDK's "
+            "buffer since the last report; episodes are not affected; last error: %s",
+            self.what, failed, dropped, evicted, cause or "-",
         )

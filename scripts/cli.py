@@ -53,7 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
     "show": ("pipeline.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
-    "rm-server": ("workers.rm_server:main", "serve slime's remote reward model (--rm-url) with the configured environments"),
+    "rm-server": ("workers.rm_server:main", "serve slime's remote reward model (--rm-url, behind $ROLLOUT_RM_TOKEN off loopback) with the configured environments"),
 }
 
 

@@ -22,6 +22,21 @@ def test_liveness_commands_per_heartbeat_do_not_grow_with_workers():
     assert large["commands_per_beat"] < 25, large
 
 
+def test_the_poll_bench_runs_the_real_pollers_and_counts_their_commands():
+    """W real RolloutWorker pollers with free slots beside J jobs in progress: the jobs in progress
+    are looked at once per recheck interval by the cluster (EXISTS), not by every poll of every
+    worker, which arq 0.28's poll (the baseline row) does."""
+    with LocalRedis() as server:
+        figures = bench_scale.bench_poll(server.url, quick=True, worker_counts=(2, 4), jobs_in_progress=(0, 60),
+                                         windows_s=(1.0, 1.5))
+    details = figures[0].details
+    table, arq = details["table"], details["arq_0_28_poll"]
+    assert set(table) == {2, 4} and set(table[4]) == {0, 60}
+    assert table[4][60]["exists_per_s"] <= 60 / 1.5 + 1, table  # each job at most once in the window
+    assert arq["exists_per_s"] > 10 * max(table[2][60]["exists_per_s"], 1.0), (arq, table[2])
+    assert figures[2].baseline_value > figures[2].value  # commands per worker: arq's poll above
+
+
 def _untimed_keys(url: str, groups: int) -> dict[str, float]:
     figures = bench_scale.bench_memory(url, quick=True, groups=groups)
     families = figures[0].details["after_consumption"]["families"]

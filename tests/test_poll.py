@@ -156,3 +156,30 @@ async def test_arqs_semantics_are_kept(namespace):
             await stop_worker(worker, task)
         finally:
             await redis.aclose()
+
+
+async def test_a_job_released_by_the_reaper_or_the_orphan_sweep_is_due_at_once(redis, keys):
+    """The poll scores a job it takes now + the recheck interval; a release (the reaper's, the
+    orphan sweep's) makes it due at once, as before the poll moved scores: recovery after a
+    SIGKILL does not wait for the next recheck."""
+    from workers.liveness import Liveness
+
+    sweeper = Liveness(redis, keys, "s", heartbeat_s=0.2, dead_after_s=1.0)
+    dead = Liveness(redis, keys, "dead", heartbeat_s=0.2, dead_after_s=1.0)
+    reaped, orphan = keys.arq_job_id("reaped:0"), keys.arq_job_id("orphan:0")
+    later = int(time.time() * 1000) + int(IN_PROGRESS_RECHECK_S * 1000)
+    await redis.zadd(keys.queue, {reaped: later, orphan: later})  # as the take left them
+    for job in (reaped, orphan):
+        await redis.set(in_progress_key_prefix + job, b"token")
+    await dead.beat()
+    await dead.job_started(reaped)
+    await redis.zadd(keys.workers, {"dead": 1.0})
+    await sweeper.beat()
+    assert await sweeper.reap() == (1, 1)
+    assert await redis.zscore(keys.queue, reaped) <= time.time() * 1000
+    released = 0
+    for _ in range(3):
+        released += await sweeper.release_orphans()
+        await asyncio.sleep(0.11)
+    assert released == 1
+    assert await redis.zscore(keys.queue, orphan) <= time.time() * 1000

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import redis.asyncio as aioredis
 from arq.constants import in_progress_key_prefix
@@ -47,8 +48,9 @@ log = logging.getLogger(__name__)
 # Worker job-set keys are derived inside the script (their ids are only known there),
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
 _REAP_LUA = """
--- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set
--- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter
+-- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set, queue zset
+-- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter,
+--       now (ms, the queue's clock)
 local t = redis.call('TIME')
 local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
@@ -58,6 +60,8 @@ for _, worker in ipairs(dead) do
   local jobs = redis.call('SMEMBERS', set_key)
   for _, job in ipairs(jobs) do
     redis.call('DEL', ARGV[4] .. job)
+    local score = redis.call('ZSCORE', KEYS[6], job)  -- due now, not at the poll's next recheck
+    if score and tonumber(score) > tonumber(ARGV[6]) then redis.call('ZADD', KEYS[6], 'XX', ARGV[6], job) end
     redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
     if redis.call('HGET', KEYS[4], job) == worker then redis.call('HDEL', KEYS[4], job) end
   end
@@ -95,7 +99,7 @@ _ORPHANS_LUA = """
 -- KEYS: queue zset, job owners hash, suspects hash, queue cursor, job_errors hash, workers zset,
 --       owner recorders set, cursors hash (owners, recorders)
 -- ARGV: entries to look at, arq in-progress prefix, min age (s) of a suspect before it is released,
---       reason, job-set key prefix, suffix
+--       reason, job-set key prefix, suffix, now (ms, the queue's clock)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local function live(worker) return redis.call('ZSCORE', KEYS[6], worker) ~= false end
@@ -135,6 +139,8 @@ for i = 1, #suspects, 2 do
     redis.call('HDEL', KEYS[3], job)
   elseif now - since >= tonumber(ARGV[3]) then
     redis.call('DEL', ARGV[2] .. job)
+    local score = redis.call('ZSCORE', KEYS[1], job)  -- due now, not at the poll's next recheck
+    if score and tonumber(score) > tonumber(ARGV[7]) then redis.call('ZADD', KEYS[1], 'XX', ARGV[7], job) end
     redis.call('HSET', KEYS[5], job, ARGV[4])
     redis.call('HDEL', KEYS[3], job)
     redis.call('HDEL', KEYS[2], job)
@@ -198,16 +204,18 @@ redis.call('SREM', KEYS[5], ARGV[1])
 return #jobs
 """
 
-# KEYS: our job set, counters hash, job_errors hash, job owners hash; ARGV: running counter,
-# arq in-progress prefix, reason, worker id, then job ids in our Redis set that this process does
-# not run. Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
+# KEYS: our job set, counters hash, job_errors hash, job owners hash, queue zset; ARGV: running
+# counter, arq in-progress prefix, reason, worker id, now (ms, the queue's clock), then job ids in our
+# Redis set that this process does not run (each made due now, not at the poll's next recheck). Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
 # removed by its own job_ended.
 _RECONCILE_LUA = """
 local released = 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then
     redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
     redis.call('DEL', ARGV[2] .. ARGV[i])
+    local score = redis.call('ZSCORE', KEYS[5], ARGV[i])
+    if score and tonumber(score) > tonumber(ARGV[5]) then redis.call('ZADD', KEYS[5], 'XX', ARGV[5], ARGV[i]) end
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[3])
     if redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
     released = released + 1
@@ -220,6 +228,11 @@ return released
 # ~1 ms of Redis per interval. A queue of Q jobs is covered in about Q / ORPHAN_SCAN intervals;
 # arq's own in-progress expiry (job_timeout + 10 s) is the backstop for an orphan not reached by then.
 ORPHAN_SCAN = 250
+
+
+def _now_ms() -> int:
+    """The queue's clock (arq scores jobs by the enqueuer's time, ms)."""
+    return int(time.time() * 1000)
 
 
 class Liveness:
@@ -253,8 +266,9 @@ class Liveness:
         """(dead workers forgotten, jobs released)."""
         dead, released = await self._reap(
             keys=[self.keys.workers, self.keys.counters, self.keys.job_errors, self.keys.job_owners,
-                  self.keys.owner_recorders],
-            args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING],
+                  self.keys.owner_recorders, self.keys.queue],
+            args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING,
+                  _now_ms()],
         )
         if dead:
             log.warning("reaped %d silent worker(s); released %d job(s) for re-run", dead, released)
@@ -267,7 +281,7 @@ class Liveness:
             keys=[self.keys.queue, self.keys.job_owners, self.keys.orphan_suspects, self.keys.orphan_cursor,
                   self.keys.job_errors, self.keys.workers, self.keys.owner_recorders, self.keys.sweep_cursors],
             args=[ORPHAN_SCAN, in_progress_key_prefix, self.heartbeat_s / 2,
-                  "its worker died before recording it", self._set_prefix, self._set_suffix],
+                  "its worker died before recording it", self._set_prefix, self._set_suffix, _now_ms()],
         )
         if found:
             log.warning("released %d orphaned in-progress job(s) for re-run", len(found))
@@ -300,9 +314,9 @@ class Liveness:
         if not ghosts:
             return 0
         released = int(await self._reconcile(
-            keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners],
+            keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners, self.keys.queue],
             args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)",
-                  self.worker_id, *ghosts],
+                  self.worker_id, _now_ms(), *ghosts],
         ))
         if released:
             log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes?)",

@@ -18,6 +18,7 @@ from arq.worker import func
 from pipeline.jobqueue import redis_settings
 from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
+from tests.test_worker_jobs import wait_for
 from workers.settings import IN_PROGRESS_RECHECK_S, RolloutWorker, stop_worker
 
 RAN: dict[str, list[float]] = {}
@@ -59,15 +60,6 @@ async def _calls(redis) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(row["calls"]) for name, row in stats.items()}
 
 
-async def _until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 async def test_an_idle_worker_pays_for_its_free_slots_not_for_the_jobs_in_progress(namespace):
     """200 jobs in progress elsewhere, one worker with 8 free slots and nothing to start, for 2 s:
     arq's poll made ~4 commands per job in progress, 50 times a second (~40,000 here); now each
@@ -103,11 +95,11 @@ async def test_a_job_behind_more_jobs_in_progress_than_a_poll_reads_is_started(n
         try:
             await _held_elsewhere(redis, queue, 150)
             task = asyncio.create_task(worker.async_run())
-            await _until(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
+            await wait_for(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
             pool = worker.pool
             tag = f"{namespace}-behind"
             await pool.enqueue_job("note", tag, _job_id=f"{queue}:behind", _queue_name=queue)
-            await _until(lambda: asyncio.sleep(0, tag in RAN), 10, "the job behind the jobs in progress")
+            await wait_for(lambda: asyncio.sleep(0, tag in RAN), 10, "the job behind the jobs in progress")
             await stop_worker(worker, task)
         finally:
             await redis.aclose()
@@ -123,23 +115,23 @@ async def test_arqs_semantics_are_kept(namespace):
         worker = _worker(server.url, queue, slots=1)
         try:
             task = asyncio.create_task(worker.async_run())
-            await _until(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
+            await wait_for(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
             pool = worker.pool
             first, second = f"{namespace}-first", f"{namespace}-second"
             await pool.enqueue_job("note", second, _job_id=f"{queue}:2", _queue_name=queue, _defer_by=0.3)
             await pool.enqueue_job("note", first, _job_id=f"{queue}:1", _queue_name=queue)
-            await _until(lambda: asyncio.sleep(0, second in RAN), 10, "both jobs")
+            await wait_for(lambda: asyncio.sleep(0, second in RAN), 10, "both jobs")
             assert RAN[first][0] < RAN[second][0]
             assert await redis.zcard(queue) == 0 and not await redis.keys(f"{in_progress_key_prefix}{queue}*")
 
             retried = f"{namespace}-retried"
             await pool.enqueue_job("retry_once", retried, 1.5, _job_id=f"{queue}:r", _queue_name=queue)
-            await _until(lambda: asyncio.sleep(0, len(RAN.get(retried, [])) == 2), 10, "the retry")
+            await wait_for(lambda: asyncio.sleep(0, len(RAN.get(retried, [])) == 2), 10, "the retry")
             assert 1.4 < RAN[retried][1] - RAN[retried][0] < IN_PROGRESS_RECHECK_S
 
             slow = f"{namespace}-slow"
             job = await pool.enqueue_job("note", slow, 30.0, _job_id=f"{queue}:slow", _queue_name=queue)
-            await _until(lambda: asyncio.sleep(0, slow in RAN), 10, "the slow job")
+            await wait_for(lambda: asyncio.sleep(0, slow in RAN), 10, "the slow job")
             score_taken = await redis.zscore(queue, f"{queue}:slow")
             assert score_taken > time.time() * 1000  # out of the due range while it runs
             assert await job.abort(timeout=5)
@@ -148,9 +140,9 @@ async def test_arqs_semantics_are_kept(namespace):
             handed = f"{namespace}-handed"
             await pool.enqueue_job("note", handed, 30.0, _job_id=f"{queue}:h", _queue_name=queue)
             enqueued_score = await redis.zscore(queue, f"{queue}:h")
-            await _until(lambda: asyncio.sleep(0, handed in RAN), 10, "the job to hand back")
+            await wait_for(lambda: asyncio.sleep(0, handed in RAN), 10, "the job to hand back")
             worker.tasks[f"{queue}:h"].cancel()  # what a drain does to a job past its grace: arq re-runs it
-            await _until(lambda: asyncio.sleep(0, len(RAN[handed]) == 2), 10, "the re-run of the handed-back job")
+            await wait_for(lambda: asyncio.sleep(0, len(RAN[handed]) == 2), 10, "the re-run of the handed-back job")
             assert RAN[handed][1] - RAN[handed][0] < IN_PROGRESS_RECHECK_S
             assert enqueued_score is not None
             await stop_worker(worker, task)

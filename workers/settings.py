@@ -2,6 +2,9 @@
 
 - `max_jobs` = groups per process (`--concurrency`), `poll_delay` small (a freed slot
   must not wait half a second), explicit `job_timeout`;
+- the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
+  looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
+  that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
 - arq's `max_tries` is ours + 1, so a job that comes back after its last try (its
   worker crashed) reaches `run_group`, which dead-letters it with its last error
   instead of arq failing it silently;

@@ -148,12 +148,13 @@ _CLAIM_LUA = """
 -- KEYS: queue zset
 -- ARGV: now (ms, the enqueuers' clock), slots, in-progress key prefix, in-progress ttl (ms),
 --       the score of an entry looked at (now + recheck, ms), this worker's token, entries to look at
--- -> {job id, its score, ...} for the jobs taken (in-progress key set to the token)
+-- -> {1 if it stopped at the look budget (more may be due) else 0, job id, its score, ...} for
+--    the jobs taken (in-progress key set to the token)
 local now, slots, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
-local taken, looked = {}, 0
-while #taken < 2 * slots and looked < budget do
+local taken, looked = {0}, 0
+while #taken < 1 + 2 * slots and looked < budget do
   local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0,
-                         math.min(slots - #taken / 2, budget - looked))
+                         math.min(slots - (#taken - 1) / 2, budget - looked))
   if #due == 0 then break end
   for i = 1, #due, 2 do
     local job = due[i]
@@ -166,6 +167,7 @@ while #taken < 2 * slots and looked < budget do
     redis.call('ZADD', KEYS[1], 'XX', ARGV[5], job)
   end
 end
+if looked >= budget then taken[1] = 1 end
 return taken
 """
 
@@ -194,8 +196,9 @@ class RolloutWorker(Worker):
         now = self.loop.time()
         free = self.max_jobs - self.job_counter
         if self.allow_pick_jobs and free > 0 and now >= self._next_claim_at:
-            started = await self.claim_jobs(free)
-            self._idle_delay_s = self.poll_delay_s if started else min(2 * self._idle_delay_s, IDLE_POLL_MAX_S)
+            started, more = await self.claim_jobs(free)
+            busy = started or more  # `more`: it looked at CLAIM_SCAN jobs in progress; more may be due
+            self._idle_delay_s = self.poll_delay_s if busy else min(2 * self._idle_delay_s, IDLE_POLL_MAX_S)
             # arq's poll wakes every poll_delay: the next claim is on the first wake past the wait
             self._next_claim_at = now + self._idle_delay_s - self.poll_delay_s / 2
         if self.allow_abort_jobs and self.job_tasks and now >= self._next_abort_check_at:
@@ -207,8 +210,9 @@ class RolloutWorker(Worker):
                 t.result()  # as arq: errors in run_job propagate
         await self.heart_beat()
 
-    async def claim_jobs(self, slots: int) -> int:
-        """Take up to `slots` due jobs in one script and start them; how many were started."""
+    async def claim_jobs(self, slots: int) -> tuple[int, bool]:
+        """Take up to `slots` due jobs in one script and start them: (how many were started,
+        whether the script stopped at its look budget with more entries perhaps due)."""
         from arq.constants import in_progress_key_prefix
         from arq.utils import timestamp_ms
 
@@ -219,7 +223,8 @@ class RolloutWorker(Worker):
             keys=[self.queue_name],
             args=[now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
                   now_ms + int(IN_PROGRESS_RECHECK_S * 1000), uuid.uuid4().hex, CLAIM_SCAN])
-        for job_id_b, score_b in zip(taken[::2], taken[1::2]):
+        more, pairs = bool(int(taken[0])), taken[1:]
+        for job_id_b, score_b in zip(pairs[::2], pairs[1::2]):
             await self.sem.acquire()  # free: slots <= max_jobs - job_counter
             self.job_counter = self.job_counter + 1
             job_id, score = job_id_b.decode(), int(float(score_b))
@@ -227,7 +232,7 @@ class RolloutWorker(Worker):
             t = self.loop.create_task(self.run_job(job_id, score))
             t.add_done_callback(functools.partial(self._job_task_done, job_id))
             self.tasks[job_id] = t
-        return len(taken) // 2
+        return len(pairs) // 2, more
 
     def _job_task_done(self, job_id: str, _task: asyncio.Task[None]) -> None:
         self._scores.pop(job_id, None)

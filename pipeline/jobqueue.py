@@ -73,9 +73,10 @@ def redis_settings(url: str, *, outage_s: float | None = None) -> RedisSettings:
     """arq's connection with the pipeline's reconnect policy (`pipeline.redis_conn`): retried
     across a Redis restart of up to the outage budget, socket timeouts set. arq's own writes
     replayed after a lost reply are safe: finishing a job is SET/DELETE/ZREM; taking a job is
-    a WATCHed transaction (a lost reply raises WatchError and arq skips the job, whose
-    in-progress key `workers.liveness` releases as an orphan); a replayed INCR of the retry
-    counter can skip one try number (the job's tries are bounded either way)."""
+    one script (`workers.settings._CLAIM_LUA`: a replay takes other jobs, and those whose reply
+    was lost are in progress with no owner, which `workers.liveness` releases as orphans); a
+    replayed INCR of the retry counter can skip one try number (the job's tries are bounded
+    either way)."""
     from pipeline.redis_conn import CONNECT_TIMEOUT_S, RETRY_ERRORS, OutageRetry, outage_budget_s, redact
 
     settings = RedisSettings.from_dsn(url)

@@ -187,8 +187,15 @@ class Keys:
 
     @property
     def orphan_cursor(self) -> str:
-        """String: where in the due queue the next orphan sweep goes on (0 after a full pass)."""
+        """String: the ZSCAN cursor of `{ns}:queue` where the next orphan sweep goes on (0 after
+        a full pass)."""
         return self._k("liveness:cursor")
+
+    @property
+    def sweep_cursors(self) -> str:
+        """Hash: where the next sweep's looks for entries of workers that are gone go on, `owners`
+        (HSCAN cursor of `job_owners`) and `recorders` (SSCAN cursor of `owner_recorders`)."""
+        return self._k("liveness:cursors")
 
     @property
     def job_errors(self) -> str:

@@ -55,7 +55,7 @@ MAX_DUE_JOBS_CHECKED = 1000  # due jobs probed one by one per refresh; above it 
 class QueueDepth(msgspec.Struct, kw_only=True):
     ready: int  # due, waiting for a worker slot
     deferred: int  # scheduled for later (retries with a delay)
-    running: int  # due and held by a worker (arq in-progress key)
+    running: int  # held by a worker (arq in-progress key; the workers' `running` count)
 
 
 class WorkerStatus(msgspec.Struct, kw_only=True):
@@ -141,8 +141,12 @@ async def snapshot(
     trainer = await state.get_trainer_info()
     counters = await state.counters()
     ready, pending = await GroupBuffer(redis, keys).depth()
-    running = await _count_in_progress(redis, due_ids) if due <= len(due_ids) else min(
-        due, max(0, counters.get(Counter.RUNNING, 0)))
+    recorded = max(0, counters.get(Counter.RUNNING, 0))
+    due_running = await _count_in_progress(redis, due_ids) if due <= len(due_ids) else min(due, recorded)
+    # this version's workers move a job they take out of the due range (workers/settings.py
+    # `_CLAIM_LUA`: score now + a recheck interval): those are the running ones counted as deferred
+    running = max(due_running, min(due + deferred, recorded))
+    deferred = max(0, deferred - (running - due_running))
     workers = await _worker_statuses(redis, keys, beats, now, dead_after_s)
     recent = _decode_summaries(raw_recent)
     waiting = [version - v for v in await _waiting_admission_versions(redis, keys)]
@@ -151,7 +155,7 @@ async def snapshot(
     return MonitorSnapshot(
         at=now,
         namespace=keys.ns,
-        queue=QueueDepth(ready=due - running, deferred=deferred, running=running),
+        queue=QueueDepth(ready=due - due_running, deferred=deferred, running=running),
         running_counter=counters.get(Counter.RUNNING, 0),
         buffer_ready=ready,
         buffer_pending=pending,

@@ -512,6 +512,9 @@ class RedisDataSource(_DataSourceBase):
             if back is not None:
                 pipe.rpush(self.keys.requeue, back)
                 pipe.hincrby(self.keys.counters, Counter.REQUEUED, 1)
+            else:  # dropped untrained for good (filter, stale drop, due-first's dead letter): its
+                # (task, epoch) ends here, and with it a handed-back task's attempts field
+                pipe.hdel(self.keys.requeue_attempts, attempts_field(entry.group.group_id))
             if dead_letter:
                 self.buffer.stage_dead_letter(pipe, source="groups", reason=dead_letter, payload=encode(entry.group),
                                               ref=entry.stream_id)

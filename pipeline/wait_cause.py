@@ -26,7 +26,8 @@ async def wait_cause(redis: aioredis.Redis, keys: Keys, *, due_missing: int = 0,
     pipe.zcount(keys.workers, now - dead_after_s, "+inf")
     pipe.zrange(keys.workers, -1, -1, withscores=True)  # the newest heartbeat
     pipe.zcard(keys.queue)  # arq keeps a job here until it finishes: queued or generating
-    pipe.zrange(keys.queue, 0, 0, withscores=True)  # the oldest job (score: enqueue time, ms)
+    # the oldest job not taken (score: enqueue time, ms; a job taken by a worker is moved past now)
+    pipe.zrange(keys.queue, 0, 0, withscores=True)
     pipe.zcard(keys.open)  # admitted and not yet trained or discarded
     pipe.llen(keys.requeue)
     live, newest, jobs, oldest, open_groups, requeued = await pipe.execute()
@@ -41,7 +42,8 @@ async def wait_cause(redis: aioredis.Redis, keys: Keys, *, due_missing: int = 0,
         causes.append(f"the producer is idle or out of tasks: nothing queued or admitted{waiting} "
                       f"(is `rollout enqueue` running on namespace {keys.ns}?)")
     elif jobs and live and not due_missing:
-        age = f", the oldest enqueued {max(0.0, now - oldest[0][1] / 1000):.0f}s ago" if oldest else ""
+        taken_all = not oldest or oldest[0][1] / 1000 > now  # every job is running
+        age = "" if taken_all else f", the oldest enqueued {max(0.0, now - oldest[0][1] / 1000):.0f}s ago"
         causes.append(f"{jobs} group(s) in flight on {live} live worker(s){age}")
     elif not jobs and open_groups and not due_missing:
         causes.append(f"{open_groups} admitted group(s) not trained yet and no job queued")

@@ -40,8 +40,17 @@ log = logging.getLogger(__name__)
 
 
 async def run_eval_group(ctx: dict[str, Any], round_id: str, payload: bytes) -> dict[str, Any]:
+    """Run the eval job; on every ending (a return: pushed, duplicate or failed) the job's entry in
+    `{ns}:job_errors` goes (the reaper's note of why it was re-run): nothing else deletes it."""
     w: WorkerContext = ctx[CTX_KEY]
-    job_id, job_try = str(ctx["job_id"]), int(ctx["job_try"])
+    job_id = str(ctx["job_id"])
+    outcome = await _run_eval_group(w, job_id, int(ctx["job_try"]), round_id, payload)
+    await w.buffer.redis.hdel(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
+    return outcome
+
+
+async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id: str, payload: bytes
+                          ) -> dict[str, Any]:
     gid = w.keys.group_id_of(job_id)
     max_tries = w.config.workers.max_tries
     try:

@@ -129,7 +129,9 @@ async def run_group(ctx: dict[str, Any], payload: bytes) -> dict[str, Any]:
         return await _out_of_tries(w, job, job_id, reason, payload)
     if job_try > 1 and await w.buffer.redis.exists(w.keys.dedup(job.job_id)):
         # A re-run whose earlier try stored the group (its worker died after the push):
-        # don't generate n episodes only to have the push refused.
+        # don't generate n episodes only to have the push refused. The job ends here, so does the
+        # reaper's note of why it was re-run.
+        await w.buffer.redis.hdel(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
         return await _duplicate(w, job)
     return await _run_counted(w, job, job_id, job_try, payload, ctx.get(ARQ_WORKER_KEY))
 

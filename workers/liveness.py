@@ -9,12 +9,14 @@ heartbeat): the one worker that takes it sweeps for everyone, so the cluster run
 per interval whatever its size (workers are W, the sweep costs O(dead workers' jobs +
 ORPHAN_SCAN), not the O(W x W x J) of every worker walking every job set).
 The sweep's reaper: a worker silent for `dead_after_s` is reaped by one Lua script that
-deletes the in-progress keys of its jobs (they are still in arq's queue, so the next
-poll of any worker starts them again with job_try + 1), notes the cause as the jobs'
+deletes the in-progress keys of its jobs (they are still in arq's queue: due again within the
+poll's recheck interval, workers/settings.py, and started with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
-The sweep's orphan check releases jobs in progress that no worker owns (`_ORPHANS_LUA`); in a
+The sweep's orphan check releases jobs in progress that no live worker owns (`_ORPHANS_LUA`); in a
 rolling upgrade, a live worker of the version before the owners hash owns what its set holds.
+Every part of the sweep costs O(its own work): cursors that do not walk, the rolling-upgrade
+lookup only while one is under way, the leftovers of an old version's reaper cleaned in turns.
 
 `running` = the number of jobs in all workers' job sets, by construction: a job counts +1
 when it enters its worker's set (SADD that added it) and -1 when it leaves (SREM that
@@ -46,8 +48,9 @@ log = logging.getLogger(__name__)
 # Worker job-set keys are derived inside the script (their ids are only known there),
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
 _REAP_LUA = """
--- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set
--- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter
+-- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set, queue zset
+-- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter,
+--       now (ms, the queue's clock)
 local t = redis.call('TIME')
 local cutoff = tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(ARGV[1])
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cutoff)
@@ -57,6 +60,8 @@ for _, worker in ipairs(dead) do
   local jobs = redis.call('SMEMBERS', set_key)
   for _, job in ipairs(jobs) do
     redis.call('DEL', ARGV[4] .. job)
+    local score = redis.call('ZSCORE', KEYS[6], job)  -- due now, not at the poll's next recheck
+    if score and tonumber(score) > tonumber(ARGV[6]) then redis.call('ZADD', KEYS[6], 'XX', ARGV[6], job) end
     redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
     if redis.call('HGET', KEYS[4], job) == worker then redis.call('HDEL', KEYS[4], job) end
   end
@@ -73,41 +78,58 @@ return {#dead, released}
 """
 
 
-# Jobs in progress (arq's in-progress key) that no worker's job set holds: a worker died
-# between arq marking the job in progress and our recording it. Ownership is read per job
+# Jobs in progress (arq's in-progress key) that no live worker owns: a worker died between
+# taking the job and recording it (or the reply of its take was lost). Ownership is read per job
 # from the owners hash (O(1) each), never by walking every worker's set. Each sweep first
 # re-checks the suspects of earlier sweeps (released once seen unowned for `min age`: the
-# start-to-record window is ms long), then looks at the next ORPHAN_SCAN due queue entries
-# from a cursor that wraps, so a queue of any length is covered in turns at a bounded cost.
+# take-to-record window is ms long), then looks at the next ORPHAN_SCAN queue entries from a
+# ZSCAN cursor: O(ORPHAN_SCAN) a sweep (no offset walked), and an entry present for a whole pass
+# is seen in it whatever its score does meanwhile (this version's poll moves the scores of jobs in
+# progress, workers/settings.py), so a queue of any length is covered in turns.
 # A rolling upgrade runs workers of the version before the owners hash beside these: they
 # record their jobs in their own set only, so a live worker missing from the recorders set
-# (every worker of this version is added by its first beat) owns what its set holds. Those sets
-# are read only for a job in progress with no owner entry, and only while such workers live.
+# (every worker of this version is added by its first beat) owns what its set holds. The counts
+# of the two sets differ then, and only then: only while they differ is the workers set read and
+# are the old workers' job sets asked. An old version's reaper does not know the recorders mark or
+# the owners hash: a mark of a worker that is gone is dropped (an SSCAN cursor over the marks,
+# ORPHAN_SCAN a sweep, before the counts are compared), an owner entry of a worker that is gone is
+# no owner (its job in progress is an orphan) and is deleted once its job is not in progress (an
+# HSCAN cursor over the owners hash, ORPHAN_SCAN a sweep).
 _ORPHANS_LUA = """
--- KEYS: queue zset, job owners hash, suspects hash, cursor string, job_errors hash, workers zset,
---       owner recorders set
--- ARGV: now (ms, the queue's clock), how many queue entries to look at, arq in-progress prefix,
---       min age (s) of a suspect before it is released, reason, job-set key prefix, suffix
+-- KEYS: queue zset, job owners hash, suspects hash, queue cursor, job_errors hash, workers zset,
+--       owner recorders set, cursors hash (owners, recorders)
+-- ARGV: entries to look at, arq in-progress prefix, min age (s) of a suspect before it is released,
+--       reason, job-set key prefix, suffix, now (ms, the queue's clock)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local legacy_sets = nil
-local function held_by_a_legacy_worker(job)
-  if legacy_sets == nil then
-    legacy_sets = {}
-    for _, worker in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
-      if redis.call('SISMEMBER', KEYS[7], worker) == 0 then
-        table.insert(legacy_sets, ARGV[6] .. worker .. ARGV[7])
-      end
+local function live(worker) return redis.call('ZSCORE', KEYS[6], worker) ~= false end
+local function page(command, key, field)
+  local reply = redis.call(command, key, redis.call('HGET', KEYS[8], field) or '0', 'COUNT', ARGV[1])
+  redis.call('HSET', KEYS[8], field, reply[1])
+  return reply[2]
+end
+for _, worker in ipairs(page('SSCAN', KEYS[7], 'recorders')) do
+  if not live(worker) then redis.call('SREM', KEYS[7], worker) end
+end
+local legacy_sets = {}
+if redis.call('ZCARD', KEYS[6]) ~= redis.call('SCARD', KEYS[7]) then
+  for _, worker in ipairs(redis.call('ZRANGE', KEYS[6], 0, -1)) do
+    if redis.call('SISMEMBER', KEYS[7], worker) == 0 then
+      table.insert(legacy_sets, ARGV[5] .. worker .. ARGV[6])
     end
   end
+end
+local function held_by_a_legacy_worker(job)
   for _, set_key in ipairs(legacy_sets) do
     if redis.call('SISMEMBER', set_key, job) == 1 then return true end
   end
   return false
 end
 local function unowned(job)
-  return redis.call('HEXISTS', KEYS[2], job) == 0 and redis.call('EXISTS', ARGV[3] .. job) == 1
-    and not held_by_a_legacy_worker(job)
+  if redis.call('EXISTS', ARGV[2] .. job) == 0 then return false end
+  local owner = redis.call('HGET', KEYS[2], job)
+  if owner and live(owner) then return false end
+  return not held_by_a_legacy_worker(job)
 end
 local released = {}
 local suspects = redis.call('HGETALL', KEYS[3])
@@ -115,22 +137,29 @@ for i = 1, #suspects, 2 do
   local job, since = suspects[i], tonumber(suspects[i + 1])
   if not unowned(job) then
     redis.call('HDEL', KEYS[3], job)
-  elseif now - since >= tonumber(ARGV[4]) then
-    redis.call('DEL', ARGV[3] .. job)
-    redis.call('HSET', KEYS[5], job, ARGV[5])
+  elseif now - since >= tonumber(ARGV[3]) then
+    redis.call('DEL', ARGV[2] .. job)
+    local score = redis.call('ZSCORE', KEYS[1], job)  -- due now, not at the poll's next recheck
+    if score and tonumber(score) > tonumber(ARGV[7]) then redis.call('ZADD', KEYS[1], 'XX', ARGV[7], job) end
+    redis.call('HSET', KEYS[5], job, ARGV[4])
     redis.call('HDEL', KEYS[3], job)
+    redis.call('HDEL', KEYS[2], job)
     table.insert(released, job)
   end
 end
-local offset = tonumber(redis.call('GET', KEYS[4]) or '0')
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', offset, ARGV[2])
-for _, job in ipairs(due) do
+local queued = redis.call('ZSCAN', KEYS[1], redis.call('GET', KEYS[4]) or '0', 'COUNT', ARGV[1])
+redis.call('SET', KEYS[4], queued[1])
+for i = 1, #queued[2], 2 do
+  local job = queued[2][i]
   if redis.call('HEXISTS', KEYS[3], job) == 0 and unowned(job) then
     redis.call('HSET', KEYS[3], job, now)
   end
 end
-if #due < tonumber(ARGV[2]) then offset = 0 else offset = offset + #due end
-redis.call('SET', KEYS[4], offset)
+local owners = page('HSCAN', KEYS[2], 'owners')
+for i = 1, #owners, 2 do
+  local job, owner = owners[i], owners[i + 1]
+  if not live(owner) and redis.call('EXISTS', ARGV[2] .. job) == 0 then redis.call('HDEL', KEYS[2], job) end
+end
 return released
 """
 _BEAT_LUA = """
@@ -175,16 +204,18 @@ redis.call('SREM', KEYS[5], ARGV[1])
 return #jobs
 """
 
-# KEYS: our job set, counters hash, job_errors hash, job owners hash; ARGV: running counter,
-# arq in-progress prefix, reason, worker id, then job ids in our Redis set that this process does
-# not run. Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
+# KEYS: our job set, counters hash, job_errors hash, job owners hash, queue zset; ARGV: running
+# counter, arq in-progress prefix, reason, worker id, now (ms, the queue's clock), then job ids in our
+# Redis set that this process does not run (each made due now, not at the poll's next recheck). Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
 # removed by its own job_ended.
 _RECONCILE_LUA = """
 local released = 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then
     redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
     redis.call('DEL', ARGV[2] .. ARGV[i])
+    local score = redis.call('ZSCORE', KEYS[5], ARGV[i])
+    if score and tonumber(score) > tonumber(ARGV[5]) then redis.call('ZADD', KEYS[5], 'XX', ARGV[5], ARGV[i]) end
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[3])
     if redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
     released = released + 1
@@ -193,10 +224,15 @@ end
 return released
 """
 
-# Due queue entries one sweep looks at (the next ones, from a cursor that wraps): ~1 ms of Redis
-# per interval. A queue of Q due jobs is covered in Q / ORPHAN_SCAN intervals; arq's own
-# in-progress expiry (job_timeout + 10 s) is the backstop for an orphan not reached by then.
+# Queue entries (and owner entries) one sweep looks at (the next ones, from cursors that wrap):
+# ~1 ms of Redis per interval. A queue of Q jobs is covered in about Q / ORPHAN_SCAN intervals;
+# arq's own in-progress expiry (job_timeout + 10 s) is the backstop for an orphan not reached by then.
 ORPHAN_SCAN = 250
+
+
+def _now_ms() -> int:
+    """The queue's clock (arq scores jobs by the enqueuer's time, ms)."""
+    return int(time.time() * 1000)
 
 
 class Liveness:
@@ -230,21 +266,22 @@ class Liveness:
         """(dead workers forgotten, jobs released)."""
         dead, released = await self._reap(
             keys=[self.keys.workers, self.keys.counters, self.keys.job_errors, self.keys.job_owners,
-                  self.keys.owner_recorders],
-            args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING],
+                  self.keys.owner_recorders, self.keys.queue],
+            args=[self.dead_after_s, self._set_prefix, self._set_suffix, in_progress_key_prefix, Counter.RUNNING,
+                  _now_ms()],
         )
         if dead:
             log.warning("reaped %d silent worker(s); released %d job(s) for re-run", dead, released)
         return int(dead), int(released)
 
     async def release_orphans(self) -> int:
-        """Release in-progress jobs no worker owns, seen unowned in two sweeps half a heartbeat
-        apart or more; each sweep looks at the next ORPHAN_SCAN due queue entries."""
+        """Release in-progress jobs no live worker owns, seen unowned in two sweeps half a heartbeat
+        apart or more; each sweep looks at the next ORPHAN_SCAN queue entries (and owner entries)."""
         found = await self._orphans(
             keys=[self.keys.queue, self.keys.job_owners, self.keys.orphan_suspects, self.keys.orphan_cursor,
-                  self.keys.job_errors, self.keys.workers, self.keys.owner_recorders],
-            args=[int(time.time() * 1000), ORPHAN_SCAN, in_progress_key_prefix, self.heartbeat_s / 2,
-                  "its worker died before recording it", self._set_prefix, self._set_suffix],
+                  self.keys.job_errors, self.keys.workers, self.keys.owner_recorders, self.keys.sweep_cursors],
+            args=[ORPHAN_SCAN, in_progress_key_prefix, self.heartbeat_s / 2,
+                  "its worker died before recording it", self._set_prefix, self._set_suffix, _now_ms()],
         )
         if found:
             log.warning("released %d orphaned in-progress job(s) for re-run", len(found))
@@ -277,9 +314,9 @@ class Liveness:
         if not ghosts:
             return 0
         released = int(await self._reconcile(
-            keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners],
+            keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners, self.keys.queue],
             args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)",
-                  self.worker_id, *ghosts],
+                  self.worker_id, _now_ms(), *ghosts],
         ))
         if released:
             log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes?)",

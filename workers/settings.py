@@ -2,6 +2,9 @@
 
 - `max_jobs` = groups per process (`--concurrency`), `poll_delay` small (a freed slot
   must not wait half a second), explicit `job_timeout`;
+- the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
+  looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
+  that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
 - arq's `max_tries` is ours + 1, so a job that comes back after its last try (its
   worker crashed) reaches `run_group`, which dead-letters it with its last error
   instead of arq failing it silently;
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -125,56 +129,123 @@ def build_worker(
     return worker
 
 
-class RolloutWorker(Worker):
-    """arq's Worker with `start_jobs` safe against a lost connection (arq 0.28).
+# The poll (issue 33). arq 0.28 reads up to `queue_read_limit` (5 x max_jobs) due entries every
+# `poll_delay` while a slot is free, and takes each with WATCH/EXISTS/ZSCORE(/MULTI PSETEX EXEC):
+# jobs in progress keep their due score at the head of the queue, so every worker with a free slot
+# paid for every job in progress, 20 times a second (W x J). Here one script takes what the worker
+# can start and moves each entry it looks at out of the due range: a job it takes, or one found in
+# progress elsewhere, gets the score now + IN_PROGRESS_RECHECK_S. The due range then holds the jobs
+# nobody runs, and a poll costs O(free slots); a job in progress is looked at again once per
+# recheck interval by one poller of the cluster (J / recheck a second for all W workers), which is
+# how a job whose in-progress key went away without its score coming back (a reaped worker's, one
+# run by a worker of the version before this poll) becomes due again: within that interval.
+IN_PROGRESS_RECHECK_S = 5.0
+CLAIM_SCAN = 64  # queue entries one poll looks at, at most (a short script under any queue)
+IDLE_POLL_MAX_S = 1.0  # a poll that took nothing doubles the wait before the next, up to this
+ABORT_CHECK_S = 1.0  # Job.abort() is read this often, and only while jobs run here
 
-    arq takes a job with WATCH in-progress key, EXISTS, ZSCORE, MULTI PSETEX EXEC. A connection
-    lost while watching raises WatchError from EXISTS/ZSCORE too, which arq does not catch: the
-    worker's main loop died (and leaked a concurrency slot). Here any WatchError skips the job
-    for this round, and a lost EXEC reply is told from a lost race by the in-progress key's
-    value: ours (a per-attempt token) means we took the job.
+_CLAIM_LUA = """
+-- KEYS: queue zset
+-- ARGV: now (ms, the enqueuers' clock), slots, in-progress key prefix, in-progress ttl (ms),
+--       the score of an entry looked at (now + recheck, ms), this worker's token, entries to look at
+-- -> {1 if it stopped at the look budget (more may be due) else 0, job id, its score, ...} for
+--    the jobs taken (in-progress key set to the token)
+local now, slots, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
+local taken, looked = {0}, 0
+while #taken < 1 + 2 * slots and looked < budget do
+  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0,
+                         math.min(slots - (#taken - 1) / 2, budget - looked))
+  if #due == 0 then break end
+  for i = 1, #due, 2 do
+    local job = due[i]
+    looked = looked + 1
+    if redis.call('EXISTS', ARGV[3] .. job) == 0 then
+      redis.call('SET', ARGV[3] .. job, ARGV[6], 'PX', ARGV[4])
+      table.insert(taken, job)
+      table.insert(taken, due[i + 1])
+    end
+    redis.call('ZADD', KEYS[1], 'XX', ARGV[5], job)
+  end
+end
+if looked >= budget then taken[1] = 1 end
+return taken
+"""
+
+
+class RolloutWorker(Worker):
+    """arq's Worker whose poll costs what its free slots need (arq 0.28; see `_CLAIM_LUA`).
+
+    arq's semantics are kept: the in-progress key (with arq's TTL) marks a job taken, arq's
+    `run_job` runs it (tries, retry key, aborts, results), and a job handed back (cancelled by
+    a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it), so
+    it is due again at once or after its defer, as with arq. A poll that takes nothing backs off
+    (doubling up to IDLE_POLL_MAX_S); Job.abort() is read every ABORT_CHECK_S while jobs run.
+    A lost reply of the take leaves its jobs in progress with no owner: the liveness orphan
+    sweep releases them (as for a worker that died between taking a job and recording it).
     """
 
-    async def start_jobs(self, job_ids: list[bytes]) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._claim_script: Any = None
+        self._scores: dict[str, int] = {}  # the jobs running here -> the score each was taken at
+        self._idle_delay_s = self.poll_delay_s
+        self._next_claim_at = 0.0
+        self._next_abort_check_at = 0.0
+
+    async def _poll_iteration(self) -> None:
+        now = self.loop.time()
+        free = self.max_jobs - self.job_counter
+        if self.allow_pick_jobs and free > 0 and now >= self._next_claim_at:
+            started, more = await self.claim_jobs(free)
+            busy = started or more  # `more`: it looked at CLAIM_SCAN jobs in progress; more may be due
+            self._idle_delay_s = self.poll_delay_s if busy else min(2 * self._idle_delay_s, IDLE_POLL_MAX_S)
+            # arq's poll wakes every poll_delay: the next claim is on the first wake past the wait
+            self._next_claim_at = now + self._idle_delay_s - self.poll_delay_s / 2
+        if self.allow_abort_jobs and self.job_tasks and now >= self._next_abort_check_at:
+            self._next_abort_check_at = now + ABORT_CHECK_S
+            await self._cancel_aborted_jobs()
+        for job_id, t in list(self.tasks.items()):
+            if t.done():
+                del self.tasks[job_id]
+                t.result()  # as arq: errors in run_job propagate
+        await self.heart_beat()
+
+    async def claim_jobs(self, slots: int) -> tuple[int, bool]:
+        """Take up to `slots` due jobs in one script and start them: (how many were started,
+        whether the script stopped at its look budget with more entries perhaps due)."""
         from arq.constants import in_progress_key_prefix
         from arq.utils import timestamp_ms
-        from redis.exceptions import ResponseError, WatchError
 
-        for job_id_b in job_ids:
-            await self.sem.acquire()
-            if self.job_counter >= self.max_jobs:
-                self.sem.release()
-                return None
+        if self._claim_script is None:
+            self._claim_script = self.pool.register_script(_CLAIM_LUA)
+        now_ms = timestamp_ms()
+        taken = await self._claim_script(
+            keys=[self.queue_name],
+            args=[now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
+                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), uuid.uuid4().hex, CLAIM_SCAN])
+        more, pairs = bool(int(taken[0])), taken[1:]
+        for job_id_b, score_b in zip(pairs[::2], pairs[1::2]):
+            await self.sem.acquire()  # free: slots <= max_jobs - job_counter
             self.job_counter = self.job_counter + 1
-            job_id = job_id_b.decode()
-            in_progress_key = in_progress_key_prefix + job_id
-            token = uuid.uuid4().hex.encode()
-            score = None
-            taken = False
-            try:
-                async with self.pool.pipeline(transaction=True) as pipe:
-                    await pipe.watch(in_progress_key)
-                    ongoing_exists = await pipe.exists(in_progress_key)
-                    score = await pipe.zscore(self.queue_name, job_id)
-                    if not (ongoing_exists or not score or score > timestamp_ms()):
-                        pipe.multi()
-                        pipe.psetex(in_progress_key, int(self.in_progress_timeout_s * 1000), token)
-                        try:
-                            await pipe.execute()
-                            taken = True
-                        except WatchError:
-                            # a lost EXEC reply, or another worker took it: the key's value tells
-                            taken = score is not None and await self.pool.get(in_progress_key) == token
-            except (ResponseError, WatchError):
-                taken = False
-            if not taken:
-                self.job_counter = self.job_counter - 1
-                self.sem.release()
-                continue
-            assert score is not None  # taken: ZSCORE found the job
-            t = self.loop.create_task(self.run_job(job_id, int(score)))
-            t.add_done_callback(lambda _: self._release_sem_dec_counter_on_complete())
+            job_id, score = job_id_b.decode(), int(float(score_b))
+            self._scores[job_id] = score
+            t = self.loop.create_task(self.run_job(job_id, score))
+            t.add_done_callback(functools.partial(self._job_task_done, job_id))
             self.tasks[job_id] = t
+        return len(pairs) // 2, more
+
+    def _job_task_done(self, job_id: str, _task: asyncio.Task[None]) -> None:
+        self._scores.pop(job_id, None)
+        self._release_sem_dec_counter_on_complete()
+
+    async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
+                         keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
+        await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
+                                 keep_in_progress)
+        score = self._scores.pop(job_id, None)
+        if not finish and score is not None:
+            # handed back: its own place in the queue (+ arq's defer), not the take's recheck score
+            await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
 
 
 def _set_socket_timeout(pool: Any) -> None:

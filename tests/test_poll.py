@@ -1,0 +1,177 @@
+"""Issue 33 item 1: a worker's poll costs what its free slots need, on a real redis-server with
+the real `RolloutWorker` (arq's Worker with this project's poll), running a plain job function.
+
+arq 0.28 read up to max(5 x max_jobs, 100) due entries every poll while a slot was free and
+paid WATCH/EXISTS/ZSCORE/UNWATCH for each job in progress at the queue's head: the cost grew as
+workers x jobs in progress, and a job behind more jobs in progress than that read limit was
+never seen. arq's semantics stay: in-progress keys, tries, Retry(defer), aborts, hand-backs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from arq import Retry
+from arq.constants import in_progress_key_prefix
+from arq.worker import func
+
+from pipeline.jobqueue import redis_settings
+from pipeline.local_redis import LocalRedis
+from pipeline.redis_conn import connect
+from tests.test_worker_jobs import wait_for
+from workers.settings import IN_PROGRESS_RECHECK_S, RolloutWorker, stop_worker
+
+RAN: dict[str, list[float]] = {}
+
+
+async def note(ctx, tag: str, seconds: float = 0.0) -> str:
+    RAN.setdefault(tag, []).append(time.time())
+    await asyncio.sleep(seconds)
+    return tag
+
+
+async def retry_once(ctx, tag: str, defer_s: float) -> str:
+    RAN.setdefault(tag, []).append(time.time())
+    if ctx["job_try"] == 1:
+        raise Retry(defer=defer_s)
+    return tag
+
+
+def _worker(url: str, queue: str, slots: int) -> RolloutWorker:
+    return RolloutWorker(functions=[func(note, name="note"), func(retry_once, name="retry_once")], queue_name=queue,
+                         redis_settings=redis_settings(url), max_jobs=slots, poll_delay=0.02, job_timeout=60,
+                         handle_signals=False, allow_abort_jobs=True, keep_result=60)
+
+
+async def _held_elsewhere(redis, queue: str, count: int) -> list[str]:
+    """`count` jobs at the head of the queue, in progress on other workers (arq's own marks)."""
+    now_ms = int(time.time() * 1000)
+    jobs = [f"{queue}:held{i}" for i in range(count)]
+    pipe = redis.pipeline(transaction=False)
+    pipe.zadd(queue, {job: now_ms - 60_000 + i for i, job in enumerate(jobs)})
+    for job in jobs:
+        pipe.set(in_progress_key_prefix + job, b"1", px=600_000)
+    await pipe.execute()
+    return jobs
+
+
+async def _calls(redis) -> dict[str, int]:
+    stats = await redis.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(row["calls"]) for name, row in stats.items()}
+
+
+async def test_an_idle_worker_pays_for_its_free_slots_not_for_the_jobs_in_progress(namespace):
+    """200 jobs in progress elsewhere, one worker with 8 free slots and nothing to start, for 2 s:
+    arq's poll made ~4 commands per job in progress, 50 times a second (~40,000 here); now each
+    job in progress is looked at once per recheck interval and an empty poll backs off."""
+    jobs_in_progress = 200
+    with LocalRedis() as server:
+        redis = connect(server.url)
+        queue = f"{namespace}:queue"
+        worker = _worker(server.url, queue, slots=8)
+        try:
+            await _held_elsewhere(redis, queue, jobs_in_progress)
+            await redis.config_resetstat()
+            task = asyncio.create_task(worker.async_run())
+            await asyncio.sleep(2.0)
+            calls = await _calls(redis)
+            await stop_worker(worker, task)
+        finally:
+            await redis.aclose()
+    commands = sum(n for name, n in calls.items() if not name.startswith(("info", "config", "client", "hello")))
+    assert 2.0 < IN_PROGRESS_RECHECK_S  # so each job in progress is looked at once in the window
+    assert calls.get("exists", 0) <= jobs_in_progress, calls
+    assert commands < jobs_in_progress * 2 + 200, calls
+
+
+async def test_a_job_behind_more_jobs_in_progress_than_a_poll_reads_is_started(namespace):
+    """A worker with one slot read max(5, 100) = 100 entries: with 150 jobs in progress at the
+    head, a due job behind them was never seen while they ran."""
+    with LocalRedis() as server:
+        redis = connect(server.url)
+        queue = f"{namespace}:queue"
+        worker = _worker(server.url, queue, slots=1)
+        pool = None
+        try:
+            await _held_elsewhere(redis, queue, 150)
+            task = asyncio.create_task(worker.async_run())
+            await wait_for(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
+            pool = worker.pool
+            tag = f"{namespace}-behind"
+            await pool.enqueue_job("note", tag, _job_id=f"{queue}:behind", _queue_name=queue)
+            await wait_for(lambda: asyncio.sleep(0, tag in RAN), 10, "the job behind the jobs in progress")
+            await stop_worker(worker, task)
+        finally:
+            await redis.aclose()
+
+
+async def test_arqs_semantics_are_kept(namespace):
+    """Jobs start in queue order; a Retry(defer) comes back after its defer (not after the take's
+    recheck score); a job handed back by a cancel is due at once at its own place; Job.abort()
+    still cancels a running job; a finished job leaves the queue and its in-progress key."""
+    with LocalRedis() as server:
+        redis = connect(server.url)
+        queue = f"{namespace}:queue"
+        worker = _worker(server.url, queue, slots=1)
+        try:
+            task = asyncio.create_task(worker.async_run())
+            await wait_for(lambda: asyncio.sleep(0, worker._pool is not None), 10, "the worker's pool")
+            pool = worker.pool
+            first, second = f"{namespace}-first", f"{namespace}-second"
+            await pool.enqueue_job("note", second, _job_id=f"{queue}:2", _queue_name=queue, _defer_by=0.3)
+            await pool.enqueue_job("note", first, _job_id=f"{queue}:1", _queue_name=queue)
+            await wait_for(lambda: asyncio.sleep(0, second in RAN), 10, "both jobs")
+            assert RAN[first][0] < RAN[second][0]
+            assert await redis.zcard(queue) == 0 and not await redis.keys(f"{in_progress_key_prefix}{queue}*")
+
+            retried = f"{namespace}-retried"
+            await pool.enqueue_job("retry_once", retried, 1.5, _job_id=f"{queue}:r", _queue_name=queue)
+            await wait_for(lambda: asyncio.sleep(0, len(RAN.get(retried, [])) == 2), 10, "the retry")
+            assert 1.4 < RAN[retried][1] - RAN[retried][0] < IN_PROGRESS_RECHECK_S
+
+            slow = f"{namespace}-slow"
+            job = await pool.enqueue_job("note", slow, 30.0, _job_id=f"{queue}:slow", _queue_name=queue)
+            await wait_for(lambda: asyncio.sleep(0, slow in RAN), 10, "the slow job")
+            score_taken = await redis.zscore(queue, f"{queue}:slow")
+            assert score_taken > time.time() * 1000  # out of the due range while it runs
+            assert await job.abort(timeout=5)
+            assert await redis.zscore(queue, f"{queue}:slow") is None
+
+            handed = f"{namespace}-handed"
+            await pool.enqueue_job("note", handed, 30.0, _job_id=f"{queue}:h", _queue_name=queue)
+            enqueued_score = await redis.zscore(queue, f"{queue}:h")
+            await wait_for(lambda: asyncio.sleep(0, handed in RAN), 10, "the job to hand back")
+            worker.tasks[f"{queue}:h"].cancel()  # what a drain does to a job past its grace: arq re-runs it
+            await wait_for(lambda: asyncio.sleep(0, len(RAN[handed]) == 2), 10, "the re-run of the handed-back job")
+            assert RAN[handed][1] - RAN[handed][0] < IN_PROGRESS_RECHECK_S
+            assert enqueued_score is not None
+            await stop_worker(worker, task)
+        finally:
+            await redis.aclose()
+
+
+async def test_a_job_released_by_the_reaper_or_the_orphan_sweep_is_due_at_once(redis, keys):
+    """The poll scores a job it takes now + the recheck interval; a release (the reaper's, the
+    orphan sweep's) makes it due at once, as before the poll moved scores: recovery after a
+    SIGKILL does not wait for the next recheck."""
+    from workers.liveness import Liveness
+
+    sweeper = Liveness(redis, keys, "s", heartbeat_s=0.2, dead_after_s=1.0)
+    dead = Liveness(redis, keys, "dead", heartbeat_s=0.2, dead_after_s=1.0)
+    reaped, orphan = keys.arq_job_id("reaped:0"), keys.arq_job_id("orphan:0")
+    later = int(time.time() * 1000) + int(IN_PROGRESS_RECHECK_S * 1000)
+    await redis.zadd(keys.queue, {reaped: later, orphan: later})  # as the take left them
+    for job in (reaped, orphan):
+        await redis.set(in_progress_key_prefix + job, b"token")
+    await dead.beat()
+    await dead.job_started(reaped)
+    await redis.zadd(keys.workers, {"dead": 1.0})
+    await sweeper.beat()
+    assert await sweeper.reap() == (1, 1)
+    assert await redis.zscore(keys.queue, reaped) <= time.time() * 1000
+    released = 0
+    for _ in range(3):
+        released += await sweeper.release_orphans()
+        await asyncio.sleep(0.11)
+    assert released == 1
+    assert await redis.zscore(keys.queue, orphan) <= time.time() * 1000

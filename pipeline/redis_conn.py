@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
+import redis as redis_sync
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 from redis.asyncio.connection import SSLConnection
@@ -54,6 +55,7 @@ from redis.backoff import EqualJitterBackoff, NoBackoff
 from redis.exceptions import AuthenticationError, WatchError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import Sentinel as SyncSentinel
 
 log = logging.getLogger(__name__)
 
@@ -345,6 +347,19 @@ def connect(
         pool = RetryingConnectionPool.from_url(target.url, **options)
     set_replica_acks(pool, target.acks)
     return aioredis.Redis.from_pool(pool)
+
+
+def sync_client(url: str, *, timeout_s: float) -> redis_sync.Redis:
+    """A plain (blocking) client for a quick look, e.g. waiting for Redis before a worker starts;
+    a Sentinel URL asks the sentinels for the primary. No outage budget: the caller loops."""
+    target = parse_redis_url(url)
+    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    if not target.is_sentinel:
+        return redis_sync.Redis.from_url(target.url, **timeouts)
+    sentinel = SyncSentinel(list(target.sentinels), sentinel_kwargs=timeouts, **timeouts)
+    client: redis_sync.Redis = sentinel.master_for(target.service, db=target.db, username=target.username,
+                                                   password=target.password, ssl=target.ssl)
+    return client
 
 
 def sentinel_pool(target: RedisTarget, options: dict[str, Any]) -> aioredis.ConnectionPool:

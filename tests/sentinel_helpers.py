@@ -149,8 +149,9 @@ class SentinelCluster:
             primary = self.primary() if any(s.alive for s in self.sentinels) else self.nodes[0]
             replica = self.replica_of(primary)
             if replica.alive and primary.alive:
-                info = command(replica.port, "INFO", "replication")
+                # the primary's offset first: a replica in sync has reached it by the time it is asked
                 offset = _field(command(primary.port, "INFO", "replication"), "master_repl_offset")
+                info = command(replica.port, "INFO", "replication")
                 if "master_link_status:up" in info and _field(info, "slave_repl_offset") >= offset > 0:
                     return
             time.sleep(0.05)

@@ -103,6 +103,7 @@ async def test_a_write_no_replica_confirms_waits_out_the_budget_then_raises_and_
         assert time.monotonic() - started >= 1.5
         assert await redis.get("sentinel-test:k3") == b"3"  # on the primary, unconfirmed
 
+
         async def thaw() -> None:
             await asyncio.sleep(0.6)
             os.kill(replica.proc.pid, signal.SIGCONT)
@@ -123,3 +124,28 @@ async def test_a_write_the_answering_primary_lacks_is_reported_lost_so_the_write
         assert await confirm_replicated(redis, witness="sentinel-test:witness") is True
     finally:
         await redis.aclose()
+
+
+async def test_a_confirmation_on_another_connection_than_the_write_still_waits_for_it():
+    """WAIT counts the replicas that acknowledged the *connection's* last write, and the pool may
+    confirm on another connection than the write's: on one with no write of its own WAIT counts a
+    frozen replica at once. The PUBLISH barrier makes it wait for the stream up to the write."""
+    from pipeline.local_redis import LocalRedis
+
+    with LocalRedis() as primary, LocalRedis() as replica:
+        writer, other = connect(primary.url), connect(primary.url + "?min_replica_acks=1&replica_ack_timeout_ms=200",
+                                                       outage_s=0.5)
+        follower = connect(replica.url)
+        try:
+            await follower.execute_command("REPLICAOF", "127.0.0.1", primary.port)
+            while (await follower.info("replication")).get("master_link_status") != "up":
+                await asyncio.sleep(0.05)
+            await other.ping()
+            os.kill(replica.proc.pid, signal.SIGSTOP)
+            await writer.set("barrier-test:k", b"1")
+            with pytest.raises(ReplicaAckTimeout):
+                await confirm_replicated(other)
+        finally:
+            os.kill(replica.proc.pid, signal.SIGCONT)
+            for client in (writer, other, follower):
+                await client.aclose()

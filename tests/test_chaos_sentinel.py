@@ -92,9 +92,7 @@ async def _failover_run(namespace: str, tmp_path, *, acks: int) -> tuple[dict, l
                     run.faults[-1]["promoted_after_s"] = round(time.monotonic() - run.started - run.faults[-1]["t"], 1)
                     lost.append(_lost(before, await _snapshot(new.port, keys)))
                     await asyncio.to_thread(cluster.restart_as_replica, old)
-                status = await run.finish()
-                await run.stop()
-                result = await run.verdict()
+                status, result = await run.conclude()
             finally:
                 await run.stop()
                 await redis.aclose()

@@ -28,7 +28,7 @@ import pytest
 from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import connect
 from tests.chaos_helpers import counters
-from tests.sentinel_helpers import SentinelCluster, command
+from tests.sentinel_helpers import SentinelCluster
 from tests.test_chaos_run import Run, assert_exactly_once
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -125,10 +125,3 @@ async def test_primary_sigkilled_twice_without_replica_acks_measures_what_each_f
     verdict = result["verdict"]
     assert verdict.lost == [] and verdict.twice == {} and verdict.in_two_steps == [], result["report"]
 
-
-def test_sentinel_command_helper_reads_a_reply(tmp_path):
-    """The helper's RESP reader (used for INFO and SENTINEL): a PING answers PONG."""
-    from pipeline.local_redis import LocalRedis
-
-    with LocalRedis() as server:
-        assert command(server.port, "PING").startswith("+PONG")

@@ -33,7 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError, WatchError
 
 from pipeline.keys import TRAINER_GROUP, Counter, Keys
-from pipeline.redis_conn import ALREADY, OP_TTL_S, new_op_id, run_once
+from pipeline.redis_conn import ALREADY, OP_TTL_S, confirm_replicated, new_op_id, run_once
 from pipeline.schema import SampleGroup, SchemaError, decode_group, encode
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,8 @@ class GroupBuffer:
                     applied, *present = await pipe.mget(op_key, *markers)
                     if applied is not None:  # our EXEC went through; its reply was lost
                         await pipe.unwatch()
+                        if not await confirm_replicated(self.redis, witness=op_key):
+                            continue  # a failover lost it after all: store it again
                         return self._recovered(batch, present, op_id.encode())
                     pipe.multi()
                     xadd_at: list[int | None] = []  # position of each stored item's XADD reply
@@ -185,6 +187,8 @@ class GroupBuffer:
                     self._queue_totals(pipe, list(stored.values()), duplicates=len(batch) - len(stored))
                     pipe.set(op_key, b"1", ex=OP_TTL_S)
                     replies = await pipe.execute()
+                    if not await confirm_replicated(self.redis, witness=op_key):
+                        continue  # a failover lost the EXEC before a replica had it: store it again
                     return [None if at is None else replies[at].decode() for at in xadd_at]
                 except WatchError:
                     await pipe.reset()
@@ -355,6 +359,9 @@ class GroupBuffer:
         pipe = self.redis.pipeline(transaction=True)
         self.stage_ack(pipe, ids)
         await pipe.execute()
+        # replica acks on: XACK + XDEL again (idempotent) right before WAIT, so that it covers the
+        # ack on whichever primary answers (it has no key to witness it)
+        await confirm_replicated(self.redis, redo=lambda again: self.stage_ack(again, ids))
 
     def stage_ack(self, pipe: Pipeline, ids: list[str]) -> None:
         """Queue XACK + XDEL of `ids` on `pipe`, so an ack can share a caller's transaction."""

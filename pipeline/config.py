@@ -17,13 +17,20 @@ import msgspec
 import yaml
 
 from pipeline.keys import DEFAULT_NAMESPACE
-from pipeline.redis_conn import DEFAULT_REDIS_URL, ENV_REDIS_URL, redact
+from pipeline.redis_conn import (
+    DEFAULT_REDIS_URL,
+    ENV_MIN_REPLICA_ACKS,
+    ENV_REDIS_URL,
+    parse_redis_url,
+    redact,
+    with_replica_acks,
+)
 from pipeline.sampling import seed_errors
 from pipeline.schema import SamplingParams
 from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
 
 ENV_NAMESPACE = "ROLLOUT_NAMESPACE"
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
 
 # Bounds of numeric settings: a value outside is an error naming the key ("Expected `int` >= 1 -
 # at `$.rollout.rollout_batch_size`"), not a pipeline that stalls or spins.
@@ -38,11 +45,17 @@ class ConfigError(ValueError):
 
 
 def check_redis_url(url: str, where: str = "redis.url") -> None:
-    """ValueError naming `where` unless `url` is a redis://, rediss:// or unix:// URL."""
+    """ValueError naming `where` unless `url` is a redis://, rediss://, unix:// or
+    redis+sentinel://host:26379,host2:26379/<service>/<db> URL."""
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in REDIS_SCHEMES:
-        raise ValueError(f"{where} {redact(url)!r} is not a Redis URL (redis://host:6379/0, rediss://..., unix://...)")
-    if scheme != "unix":
+        raise ValueError(f"{where} {redact(url)!r} is not a Redis URL (redis://host:6379/0, rediss://..., unix://..., "
+                         "redis+sentinel://host:26379,host2:26379/mymaster/0)")
+    try:
+        parse_redis_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    if scheme in ("redis", "rediss"):
         try:
             urlsplit(url).port  # noqa: B018 - raises on a bad port
         except ValueError as exc:
@@ -59,8 +72,11 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 
 class RedisSection(_Section, frozen=True):
-    url: str = ""  # empty = $ROLLOUT_REDIS_URL or redis://127.0.0.1:6379/0
+    url: str = ""  # empty = $ROLLOUT_REDIS_URL or redis://127.0.0.1:6379/0; redis+sentinel://h:26379,.../mymaster/0
     namespace: str = DEFAULT_NAMESPACE
+    # WAIT for this many replicas after a write that must not vanish in a failover (push, step
+    # record, ack, admission); None = the URL's ?min_replica_acks=, else $ROLLOUT_REDIS_MIN_REPLICA_ACKS, else 0
+    min_replica_acks: Union[NonNegInt, None] = None
 
     def __post_init__(self) -> None:
         if self.url:
@@ -68,7 +84,9 @@ class RedisSection(_Section, frozen=True):
         check_namespace(self.namespace)
 
     def resolved_url(self) -> str:
-        return self.url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
+        """The URL every component connects with; it carries `min_replica_acks` when set here."""
+        url = self.url or os.environ.get(ENV_REDIS_URL, DEFAULT_REDIS_URL)
+        return url if self.min_replica_acks is None else with_replica_acks(url, self.min_replica_acks)
 
 
 class EngineSection(_Section, frozen=True):
@@ -204,7 +222,7 @@ def load_config(
             raise ConfigError(f"config {where}: top level must be a mapping, got {type(data).__name__}")
     for dotted, value in env_overrides(environ).items():
         _check_named(dotted, value, f"${ENV_KEYS[dotted]}")
-        _set_dotted(data, dotted, value)
+        _set_dotted(data, dotted, int(value) if dotted == "redis.min_replica_acks" else value)
     for dotted, value in (overrides or {}).items():
         _check_named(dotted, value, _FLAGS.get(dotted, dotted))
         _set_dotted(data, dotted, value)
@@ -221,12 +239,15 @@ def _check_named(dotted: str, value: Any, source: str) -> None:
             check_redis_url(str(value), f"{dotted} from {source}")
         elif dotted == "redis.namespace":
             check_namespace(str(value), f"{dotted} from {source}")
+        elif dotted == "redis.min_replica_acks" and (not str(value).isdigit()):
+            raise ValueError(f"{dotted} from {source}: {value!r} is not an integer >= 0")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
 
 # pipeline YAML key <- environment variable (flag > env var > file > default)
-ENV_KEYS: dict[str, str] = {"redis.url": ENV_REDIS_URL, "redis.namespace": ENV_NAMESPACE}
+ENV_KEYS: dict[str, str] = {"redis.url": ENV_REDIS_URL, "redis.namespace": ENV_NAMESPACE,
+                            "redis.min_replica_acks": ENV_MIN_REPLICA_ACKS}
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, str]:

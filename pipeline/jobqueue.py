@@ -14,6 +14,8 @@ others as `RemoteJobError`). This module imports nothing heavy: producers use it
 from __future__ import annotations
 
 import asyncio
+import copy
+import math
 from typing import Any
 
 import msgspec
@@ -76,16 +78,63 @@ def redis_settings(url: str, *, outage_s: float | None = None) -> RedisSettings:
     one script (`workers.settings._CLAIM_LUA`: a replay takes other jobs, and those whose reply
     was lost are in progress with no owner, which `workers.liveness` releases as orphans); a
     replayed INCR of the retry counter can skip one try number (the job's tries are bounded
-    either way)."""
-    from pipeline.redis_conn import CONNECT_TIMEOUT_S, RETRY_ERRORS, OutageRetry, outage_budget_s, redact
+    either way).
 
-    settings = RedisSettings.from_dsn(url)
+    A `redis+sentinel://` URL gives arq's Sentinel mode (`RedisSettings(host=[sentinels],
+    sentinel=True, sentinel_master=service)`). arq builds that pool with none of the settings
+    above (arq 0.28 passes only ssl, db, username and password to `Sentinel`), and retries its
+    first PING `conn_retries` times a second apart: that count is the outage budget here, and
+    `fit_arq_pool` gives the pool the rest once it exists."""
+    from pipeline.redis_conn import (
+        CONNECT_TIMEOUT_S,
+        RETRY_ERRORS,
+        OutageRetry,
+        outage_budget_s,
+        parse_redis_url,
+        redact,
+    )
+
+    budget_s = outage_budget_s() if outage_s is None else outage_s
+    target = parse_redis_url(url)
+    if target.is_sentinel:
+        settings = RedisSettings(
+            host=list(target.sentinels), sentinel=True, sentinel_master=target.service, database=target.db,
+            username=target.username, password=target.password, ssl=target.ssl,
+        )
+        settings.conn_retries = max(1, math.ceil(budget_s))
+    else:
+        settings = RedisSettings.from_dsn(target.url)
+        settings.conn_retries = 0  # the first ping already retries for the whole outage budget
     settings.conn_timeout = int(CONNECT_TIMEOUT_S)
-    settings.conn_retries = 0  # the first ping already retries for the whole outage budget
     settings.retry_on_timeout = True
     settings.retry_on_error = list(RETRY_ERRORS)
-    settings.retry = OutageRetry(outage_budget_s() if outage_s is None else outage_s, redact(url))
+    settings.retry = OutageRetry(budget_s, redact(url))
     return settings
+
+
+def fit_arq_pool(client: Any, url: str) -> None:
+    """Give the pool arq built the pipeline's policy (`redis_settings`): our read timeout (arq's
+    RedisSettings has none), so a half-open connection fails over instead of hanging the worker;
+    a `get_connection` that reconnects under the outage budget; and in Sentinel mode, where arq
+    passes no retry, the outage retry itself. Open connections get the timeout too."""
+    from pipeline.redis_conn import RETRY_ERRORS, SOCKET_TIMEOUT_S, OutageRetry, make_pool_retrying
+
+    if client is None:
+        return
+    make_pool_retrying(client)
+    pool = client.connection_pool
+    pool.connection_kwargs["socket_timeout"] = SOCKET_TIMEOUT_S
+    retry = pool.connection_kwargs.get("retry")
+    if not isinstance(retry, OutageRetry):
+        settings = redis_settings(url)
+        retry = settings.retry
+        pool.connection_kwargs.update(retry=retry, retry_on_error=list(RETRY_ERRORS),
+                                      socket_connect_timeout=settings.conn_timeout)
+    for conn in [*getattr(pool, "_available_connections", []), *getattr(pool, "_in_use_connections", [])]:
+        conn.socket_timeout = SOCKET_TIMEOUT_S
+        if not isinstance(conn.retry, OutageRetry):
+            conn.retry = copy.deepcopy(retry)
+            conn.retry.update_supported_errors(list(RETRY_ERRORS))
 
 
 async def create_arq_pool(url: str, keys: Keys) -> ArqRedis:

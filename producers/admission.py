@@ -33,7 +33,7 @@ from redis.typing import EncodableT
 from pipeline.config import ConfigError, RolloutSection
 from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
 from pipeline.keys import Counter, Keys
-from pipeline.redis_conn import OP_TTL_S, new_op_id
+from pipeline.redis_conn import OP_TTL_S, confirm_replicated, new_op_id
 from pipeline.schema import PromptJob
 from pipeline.state import TrainerInfo
 
@@ -215,15 +215,20 @@ class Admission:
         `version`: the admission_version the jobs carry, the clock they are admitted against (the
         bound at that clock); nothing is admitted if `{ns}:version` went below it since
         (`Admitted.version_moved`: build them again)."""
-        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, self.keys.op(new_op_id()), self.keys.open]
+        job_keys: list[str] = []
         args: list[str | int | bytes] = [
             limits.eta, limits.batch_size, self.expires_ms, score_ms, cursor_field, position,
             "" if version is None else version,
         ]
         for group_id, envelope in jobs:
-            keys += self._job_keys(group_id)
+            job_keys += self._job_keys(group_id)
             args += [self.keys.arq_job_id(group_id), envelope, group_id]
-        consumed, admitted = await self._fresh(keys=keys, args=args)
+        op_key = self.keys.op(new_op_id())
+        keys = [*self._base_keys(), self.keys.cursor, self.keys.requeue, op_key, self.keys.open]
+        while True:  # replica acks on: again if a failover lost the script's writes (same op key)
+            consumed, admitted = await self._fresh(keys=[*keys, *job_keys], args=args)
+            if consumed < 0 or await confirm_replicated(self.redis, witness=op_key):
+                break  # (< 0: nothing written, nothing recorded)
         if consumed == -2:
             return Admitted(0, 0, requeue_first=True)
         if consumed == -3:
@@ -239,15 +244,23 @@ class Admission:
         """Move the requeue list's head `head` into the queue as `job`, if the head, the
         (task, epoch)'s attempt count and the policy version (`job.admission_version`) are
         still what the caller saw (-1 otherwise)."""
+        op_key = self.keys.op(new_op_id())
         keys = [*self._base_keys(), self.keys.requeue, self.attempts_key, *self._job_keys(job.job_id),
-                self.keys.op(new_op_id()), self.keys.open]
+                op_key, self.keys.open]
         args: list[EncodableT] = [limits.eta, limits.batch_size, self.expires_ms, score_ms, head, attempts_field, attempts_seen,
                 job.attempt, self.keys.arq_job_id(job.job_id), job_envelope(job, enqueue_time_ms=score_ms),
                 job.job_id, job.admission_version]
-        return int(await self._requeue(keys=keys, args=args))
+        while True:  # replica acks on: again if a failover lost the script's writes (same op key)
+            result = int(await self._requeue(keys=keys, args=args))
+            if result <= 0 or await confirm_replicated(self.redis, witness=op_key):
+                return result  # (<= 0: nothing written, nothing recorded)
 
     async def drop_requeued(self, head: bytes, *, forget_attempts: str = "") -> bool:
         """Pop the requeue list's head if it is still `head` (False: it changed, look again).
         `forget_attempts`: the task is dead-lettered for good, its attempts field goes with it."""
-        return bool(await self._drop_head(keys=[self.keys.requeue, self.keys.op(new_op_id()), self.attempts_key],
-                                          args=[head, forget_attempts]))
+        op_key = self.keys.op(new_op_id())
+        while True:  # replica acks on: again if a failover lost the pop (same op key)
+            popped = bool(await self._drop_head(keys=[self.keys.requeue, op_key, self.attempts_key],
+                                                args=[head, forget_attempts]))
+            if not popped or await confirm_replicated(self.redis, witness=op_key):
+                return popped

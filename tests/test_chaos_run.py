@@ -112,6 +112,12 @@ class Run:
         self.duration_s = time.monotonic() - self.started
         return status
 
+    async def conclude(self) -> tuple[int, dict]:
+        """Wait for the trainer to end, stop the rest, and judge: (its exit status, `verdict()`)."""
+        status = await self.finish()
+        await self.stop()
+        return status, await self.verdict()
+
     async def stop(self) -> None:
         if self.pool.proc is None or self.pool.proc.returncode is not None:
             return  # stopped before
@@ -271,9 +277,7 @@ async def test_redis_sigkilled_three_times_acknowledged_steps_stay_acknowledged_
             server.start()  # same port, same AOF; nobody is told
             in_stream = {f[b"id"].decode() for _, f in await redis.xrange(keys.groups)}
             acked_back += sorted(saved & in_stream)
-        status = await run.finish()
-        await run.stop()
-        result = await run.verdict()
+        status, result = await run.conclude()
     finally:
         await run.stop()
         await redis.aclose()

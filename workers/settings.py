@@ -41,9 +41,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.config import PipelineConfig
 from pipeline.evaluation import EVAL_FUNCTION
-from pipeline.jobqueue import JOB_FUNCTION, job_deserializer, job_serializer, redis_settings
+from pipeline.jobqueue import JOB_FUNCTION, fit_arq_pool, job_deserializer, job_serializer, redis_settings
 from pipeline.keys import Keys
-from pipeline.redis_conn import SOCKET_TIMEOUT_S, RedisUnavailable, connect, make_pool_retrying, redact
+from pipeline.redis_conn import RedisUnavailable, connect, redact
 from pipeline.state import PipelineState, PolicyClock
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
@@ -89,7 +89,7 @@ def build_worker(
     worker_id = worker_id or new_worker_id()
 
     async def on_startup(ctx: dict[str, Any]) -> None:
-        _set_socket_timeout(ctx.get("redis"))
+        _set_socket_timeout(ctx.get("redis"), config.redis.resolved_url())
         ctx[CTX_KEY] = await _build_context(config, keys, worker_id)
         ctx[CTX_KEY].liveness.start()
         _quiet_garbage_collector()
@@ -248,17 +248,10 @@ class RolloutWorker(Worker):
             await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
 
 
-def _set_socket_timeout(pool: Any) -> None:
-    """arq's RedisSettings has no read timeout: set ours on its pool and its open connections,
-    so a half-open connection fails over (and is retried) instead of hanging the worker; and
-    its pool reconnects under the outage budget (`make_pool_retrying`)."""
-    if pool is None:
-        return
-    make_pool_retrying(pool)
-    cp = pool.connection_pool
-    cp.connection_kwargs["socket_timeout"] = SOCKET_TIMEOUT_S
-    for conn in [*getattr(cp, "_available_connections", []), *getattr(cp, "_in_use_connections", [])]:
-        conn.socket_timeout = SOCKET_TIMEOUT_S
+def _set_socket_timeout(pool: Any, url: str) -> None:
+    """arq's pool gets the pipeline's timeouts and reconnect policy (`pipeline.jobqueue.fit_arq_pool`;
+    in Sentinel mode arq passes none of it)."""
+    fit_arq_pool(pool, url)
 
 
 def _quiet_garbage_collector() -> None:

@@ -17,14 +17,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis as redis_sync
 from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.buffer import GroupBuffer
 from pipeline.keys import Counter
-from pipeline.redis_conn import ENV_OUTAGE_S, RedisUnavailable, outage_budget_s, redact
+from pipeline.redis_conn import ENV_OUTAGE_S, RedisUnavailable, outage_budget_s, redact, sync_client
 from pipeline.schema import SampleGroup, Status
 
 log = logging.getLogger("workers.groups")
@@ -47,7 +46,7 @@ def wait_for_redis(url: str, *, budget_s: float | None = None, every_s: float = 
     budget = outage_budget_s() if budget_s is None else budget_s
     started = time.monotonic()
     logged_at: float | None = None
-    client = redis_sync.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=2.0)
+    client = sync_client(url, timeout_s=2.0)
     try:
         while True:
             try:

@@ -153,6 +153,9 @@ class Generation:
     cached_tokens: int
     latency_s: float
     weight_versions: tuple[str, ...] = ()  # every engine label the tokens ran on, oldest first
+    # (label, start, end): output tokens [start, end) ran on that label; one span unless the request
+    # lived through a weight update under SGLang's in_place / retract pause (`meta_info.weight_versions`)
+    version_spans: tuple[tuple[str, int, int], ...] = ()
     policy: Union[PolicyStamp, None] = None  # read before the request: its tokens are at least this version
 
 
@@ -179,6 +182,8 @@ def parse_generation(body: bytes, latency_s: float) -> Generation:
         cached_tokens=meta.cached_tokens or 0,
         latency_s=latency_s,
         weight_versions=tuple(span.version for span in meta.weight_versions or ()) or (str(meta.weight_version),),
+        version_spans=tuple((span.version, span.start, span.end) for span in meta.weight_versions or ())
+        or ((str(meta.weight_version), 0, len(ids)),),
     )
 
 

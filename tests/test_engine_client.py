@@ -124,8 +124,10 @@ async def test_an_engine_without_priority_scheduling_gets_no_priority(tmp_path):
 
 async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_by_a_400(stack):
     """Issue 24, item 2: an engine at a 4096 context behind the router; a multi-turn episode ends
-    `truncated` with a length finish and its tokens. On fe89cd3 the client sized the second turn
-    for 32768 tokens, SGLang's front answered 400, and the turn was lost (finish context_overflow)."""
+    `truncated` with a length finish and its tokens. On fe89cd3 the client found no context (the
+    router answers /server_info and /model_info with 404) and took `max_context_tokens`, 32768: the
+    first turn already asked for 8192 new tokens (the response budget), SGLang's front refused it
+    with a 400 (input + max_new_tokens over 4096), and the episode ended with no token at all."""
     chat = ChatTokens(load_test_tokenizer())
     config = parse_config({"rollout": {"max_response_tokens": 8192}})
     env_config = EnvConfig(kind="calculator")

@@ -255,3 +255,58 @@ async def test_a_sibling_cancelled_with_its_group_is_aborted_through_the_router(
         assert sum(stack.stats(i)["aborted"] for i in range(len(stack.engine_urls))) == 1
     finally:
         await w.aclose()
+
+
+# ---------------------------------------------------------------- per-token policy versions
+
+
+async def test_a_call_that_lives_through_a_weight_update_keeps_each_tokens_version(stack, redis, keys):
+    """Item 7 (fails on 2a5bbd0: the sample kept one label per call, so every token of a call
+    paused in place across a weight push counted as the older version and the lag metrics could
+    not tell): SGLang's `/pause_generation {"mode": "in_place"}`, a push, `/continue_generation`;
+    the answer's `meta_info.weight_versions` spans become per-token versions in the sample, and
+    the trainer's batch metrics count each token at its own lag."""
+    from pipeline.schema import SampleGroup, decode_group, encode
+    from pipeline.slime import METRIC_PREFIX, BatchStats
+    from pipeline.state import PipelineState, PolicyClock
+    from workers.chat import ChatTokens
+    from workers.envs.registry import build_environment
+    from workers.episode import EpisodeRunner, EpisodeSettings
+
+    stack.configure(**{**LONG, "token_latency_s": 0.002})  # ~4 s of generation: time to push mid-call
+    state = PipelineState(redis, keys)
+    run = await state.begin_run()
+    # slime's labels: the engines hold "default" = version 0; the next push, labelled "1", is version 1
+    await state.publish_policy(run=run, start=0, engine_version=0, rollout_id=0, labels={"default": 0, "1": 1})
+    config = parse_config({"rollout": {"max_response_tokens": 3000}})
+    env_config = parse_config({"environments": {"calc": {"kind": "calculator"}}}).env("calc")
+    env = build_environment("calc", env_config)
+    task = Task(id="v1", env="calc", prompt="What is 6 * 7?", label="42")
+    async with EngineClient(stack.router_url, max_retries=0, clock=PolicyClock(state)) as client:
+        runner = EpisodeRunner(client, ChatTokens(load_test_tokenizer()), env,
+                               EpisodeSettings.from_config(config, env_config, SamplingParams()))
+        episode = asyncio.create_task(runner.run(task, "v1:0/0/1"))
+        await asyncio.sleep(1.5)
+        async with aiohttp.ClientSession() as http:
+            for path, body in (("/pause_generation", {"mode": "in_place"}),
+                               ("/update_weight_version", {"new_version": "1", "abort_all_requests": False}),
+                               ("/continue_generation", {})):
+                for url in stack.engine_urls:
+                    async with http.post(f"{url}{path}", json=body) as r:
+                        assert r.status == 200, await r.text()
+        sample = await episode
+    assert sample.metadata["turn_log"][0]["weight_versions"] == ["default", "1"]  # one call, two policies
+    versions = sample.token_versions()
+    model = versions[sample.loss_mask_array() == 1]
+    old, new = int((model == 0).sum()), int((model == 1).sum())
+    assert old > 100 and new > 100 and old + new == len(model), (old, new)
+    assert list(model) == sorted(model)  # version 0 first, then 1
+    # on the wire and back (an old payload without the field still decodes: test_schema)
+    group = decode_group(encode(SampleGroup(group_id="v1:0", task=task, admission_version=0, n_samples=1,
+                                            samples=[sample])))
+    assert group.token_version_counts() == {0: old, 1: new}
+    stats = BatchStats()
+    stats.add_token_lags(group, 1, {}, run)  # what the data source does for a group it trains at version 1
+    metrics = stats.metrics(0, 0, {})
+    assert metrics[f"{METRIC_PREFIX}/token_staleness_mean"] == pytest.approx(old / (old + new))
+    assert metrics[f"{METRIC_PREFIX}/token_staleness_max"] == 1

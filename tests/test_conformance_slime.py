@@ -23,6 +23,7 @@ import asyncio
 import importlib
 import inspect
 import sys
+import urllib.request
 from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conformance_support import require_slime
+from engine_stack import START_TIMEOUT_S
 
 from tests.source_helpers import push_groups, read_counters, source_args
 
@@ -227,31 +229,39 @@ def _runner(client, chat, kind="calculator"):
     return EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
 
 
+@pytest.mark.timeout(START_TIMEOUT_S + 120)  # + the session stack's start
 def test_a_group_with_an_episode_whose_env_failed_to_start_trains_in_slime(slime, redis_url, namespace):
     """An environment that raises in start(): the episode is FAILED; slime hands it over with
     remove_sample=True (loss mask zeroed) but still builds log-prob targets from its tokens,
     so a sample with no tokens crashes the training step ("The expanded size of the tensor (N)
     must match the existing size (0)") even though it is masked out."""
+    from engine_stack import shared_stack
+
     from pipeline.schema import SampleGroup, Status, Task
     from workers.chat import ChatTokens
     from workers.engine import EngineClient
-    from workers.sim.engine import SimConfig, serve_sim_engine
     from workers.sim.tokenizer import load_test_tokenizer
 
     task = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
     chat = ChatTokens(load_test_tokenizer())
+    stack = shared_stack()  # the episodes go through smg -> SGLang's front -> the simulator
+    stack.configure(accuracy=1.0, tool_use=1.0)
+    for url in stack.engine_urls:  # slime's first push labels the weights "1"
+        request = urllib.request.Request(f"{url}/update_weight_version", data=b'{"new_version": "1"}',
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            resp.read()
 
     async def episodes():
-        async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, weight_version="1")) as sim:
-            async with EngineClient(sim.url) as client:
-                ok = [await _runner(client, chat).run(task, f"calc-1:0/0/{j}", j) for j in range(N - 1)]
-                broken = _runner(client, chat)
+        async with EngineClient(stack.router_url) as client:
+            ok = [await _runner(client, chat).run(task, f"calc-1:0/0/{j}", j) for j in range(N - 1)]
+            broken = _runner(client, chat)
 
-                async def start(_task):
-                    raise _StartFails("environment server refused the session")
+            async def start(_task):
+                raise _StartFails("environment server refused the session")
 
-                broken.env.start = start
-                failed = await broken.run(task, f"calc-1:0/0/{N - 1}", N - 1)
+            broken.env.start = start
+            failed = await broken.run(task, f"calc-1:0/0/{N - 1}", N - 1)
         return ok, failed
 
     ok, failed = asyncio.run(episodes())

@@ -50,7 +50,7 @@ def stack() -> EngineStack:
 
 
 @contextlib.asynccontextmanager
-async def serve_sim_engine(stack: EngineStack) -> AsyncIterator[SimpleNamespace]:
+async def stack_engine(stack: EngineStack) -> AsyncIterator[SimpleNamespace]:
     """The session's stack with the simulator's defaults and a clean slate; `.url` is its router."""
     stack.configure()
     yield SimpleNamespace(url=stack.router_url, stack=stack)
@@ -114,7 +114,7 @@ async def stream_groups(redis, keys):
 
 
 async def test_group_of_n_lands_once(stack, redis, redis_url, keys, namespace):
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         arq = await create_arq_pool(redis_url, keys)
         jobs = [job(namespace, i) for i in range(3)]
@@ -155,7 +155,7 @@ async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(stack, red
              for i in range(4)]
     (tmp_path / "tasks.jsonl").write_bytes(b"".join(encode_task_json(t) + b"\n" for t in tasks))
     pipelines = [Keys(f"{namespace}a"), Keys(f"{namespace}b")]
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         configs = [parse_config(config_dict(redis_url, k.ns, sim.url)) for k in pipelines]
         for config, k in zip(configs, pipelines):
             await trainer_started(redis, k)
@@ -189,7 +189,7 @@ async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(stack, red
     """Poison and unknown environments are dead-lettered for good; a job out of tries for a
     transient reason is also handed back, re-admitted by the producer as the next attempt, and
     dead-lettered for good past --max-requeues."""
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         raw_config = config_dict(redis_url, namespace, sim.url)
         raw_config["rollout"]["max_requeues"] = 1
         config = parse_config(raw_config)
@@ -249,7 +249,7 @@ async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_fail
     """`on_failure: retry_all_failed`: a group whose every episode failed is a group failure
     (retried with backoff, then dead-lettered and handed back), not a signal-free group in a
     trainer batch; a group with one failed episode is pushed, that episode marked failed."""
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url)
         config["environments"]["outage"] = {"kind": f"{__name__}.OutageEnvironment", "on_failure": "retry_all_failed"}
         config["rollout"]["max_requeues"] = 0  # no hand-back: count the two tries of one attempt
@@ -371,7 +371,7 @@ async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_t
     job_timeout_s 4 -> 2 s) hands it back first; a zombie's late push of it is refused."""
     from workers.jobs import soft_deadline_s
 
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
         config["rollout"]["max_requeues"] = 1
@@ -395,7 +395,7 @@ async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_t
 async def test_an_aborted_job_is_dead_lettered_and_handed_back(stack, redis, redis_url, keys, namespace):
     from arq.jobs import Job
 
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)  # the next attempt ends at 2 s
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
         config["rollout"]["max_requeues"] = 1
@@ -454,7 +454,7 @@ async def test_a_bug_fails_once_with_its_traceback(stack, redis, redis_url, keys
         return None + 1  # TypeError
 
     monkeypatch.setattr(jobs_module, "run_episodes", buggy)
-    async with serve_sim_engine(stack) as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url, max_tries=3))
         arq = await create_arq_pool(redis_url, keys)
         await enqueue_prompt_job(arq, job(namespace, 1), keys)

@@ -559,6 +559,7 @@ def _check_every_stamp(cluster, eta):
     return checked
 
 
+@pytest.mark.timeout(START_TIMEOUT_S + 120)  # + the session stack's start
 @pytest.mark.parametrize("loop_name, interval, eta", [
     ("train", 1, 1), ("train", 2, 1), ("train_async", 1, 1), ("train_async", 2, 2),
 ])
@@ -572,49 +573,50 @@ async def test_slimes_own_loops_stamp_every_group_with_its_true_version(
     sample carries its true policy version."""
     import json
 
+    from engine_stack import shared_stack
     from slime_loop_helpers import Cluster, Crash, install, load_loop, slime_args
 
     from pipeline.config import parse_config
     from producers.enqueue import ProducerOptions, run_producer
     from workers.settings import build_worker, stop_worker
-    from workers.sim.engine import SimConfig, serve_sim_engine
 
     loop = load_loop(slime.path, loop_name)
     (tmp_path / "tasks.jsonl").write_text("".join(
         json.dumps({"id": f"t{i}", "env": "calc", "prompt": f"What is {i} * 3?", "label": str(3 * i)}) + "\n"
         for i in range(60)
     ))
-    async with serve_sim_engine(SimConfig(accuracy=0.6)) as sim:
-        config = parse_config(_loop_config(redis_url, namespace, eta=eta, engine=sim.url))
-        workers = [build_worker(config, handle_signals=False) for _ in range(2)]
-        runs = [asyncio.create_task(w.async_run()) for w in workers]
-        producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
-                                                    redis=redis, options=ProducerOptions(poll_s=0.02)))
-        cluster = Cluster(sim.url)
-        pipeline_args = dict(
-            pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=LOOP_B,
-            n_samples_per_prompt=LOOP_N, pipeline_eta=eta, pipeline_wait_timeout_s=60.0, pipeline_wait_log_s=5.0,
-            pipeline_trainer_loop="sync" if loop_name == "train" else "async",
-            sglang_router_ip="127.0.0.1", sglang_router_port=int(sim.url.rsplit(":", 1)[1]),
-        )
-        try:
-            install(monkeypatch, loop, slime, cluster, crash_at=5)
-            with pytest.raises(Crash):
-                await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
-                                                               save_interval=2))
-            await asyncio.to_thread(cluster.managers[-1].die)
-            assert cluster.checkpoint == 3 and sorted(cluster.trained[1]) == [0, 1, 2, 3, 4]
-            await _quiet(redis, keys)
-
-            install(monkeypatch, loop, slime, cluster)
+    stack = await asyncio.to_thread(shared_stack)  # smg -> SGLang's fronts -> the simulators
+    await asyncio.to_thread(stack.configure, accuracy=0.6)
+    config = parse_config(_loop_config(redis_url, namespace, eta=eta, engine=stack.router_url))
+    workers = [build_worker(config, handle_signals=False) for _ in range(2)]
+    runs = [asyncio.create_task(w.async_run()) for w in workers]
+    producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
+                                                redis=redis, options=ProducerOptions(poll_s=0.02)))
+    cluster = Cluster(stack.engine_urls)
+    pipeline_args = dict(
+        pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=LOOP_B,
+        n_samples_per_prompt=LOOP_N, pipeline_eta=eta, pipeline_wait_timeout_s=60.0, pipeline_wait_log_s=5.0,
+        pipeline_trainer_loop="sync" if loop_name == "train" else "async",
+        sglang_router_ip="127.0.0.1", sglang_router_port=int(stack.router_url.rsplit(":", 1)[1]),
+    )
+    try:
+        install(monkeypatch, loop, slime, cluster, crash_at=5)
+        with pytest.raises(Crash):
             await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
                                                            save_interval=2))
-            await asyncio.to_thread(cluster.managers[-1].close)
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-            for worker, task in zip(workers, runs):
-                await stop_worker(worker, task)
+        await asyncio.to_thread(cluster.managers[-1].die)
+        assert cluster.checkpoint == 3 and sorted(cluster.trained[1]) == [0, 1, 2, 3, 4]
+        await _quiet(redis, keys)
+
+        install(monkeypatch, loop, slime, cluster)
+        await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
+                                                       save_interval=2))
+        await asyncio.to_thread(cluster.managers[-1].close)
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        for worker, task in zip(workers, runs):
+            await stop_worker(worker, task)
     assert cluster.starts == {1: 0, 2: 4} and sorted(cluster.trained[2]) == [4, 5, 6, 7]
     pushes = {run: sorted(int(label) for r, label in cluster.truth if r == run) for run in (1, 2)}
     every_step = loop_name == "train" or interval == 1

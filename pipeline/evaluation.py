@@ -32,6 +32,7 @@ import yaml
 from pipeline.buffer import Entry
 from pipeline.config import ConfigError
 from pipeline.keys import Keys
+from pipeline.sampling import seed_errors
 from pipeline.schema import (
     PromptJob,
     SampleGroup,
@@ -77,8 +78,13 @@ class LocalEvalOutput:
     metrics: dict[str, Any] | None = None
 
 
-def load_eval_datasets(path: str | Path) -> list[tuple[EvalDataset, list[Task]]]:
-    """The datasets file (a YAML list, or JSONL: one object a line) and each dataset's tasks."""
+def load_eval_datasets(path: str | Path, *, deterministic: bool = False) -> list[tuple[EvalDataset, list[Task]]]:
+    """The datasets file (a YAML list, or JSONL: one object a line) and each dataset's tasks.
+
+    A dataset's `sampling.sampling_seed` follows the training seed's rules (pipeline/sampling.py):
+    `deterministic` says the engines run --enable-deterministic-inference (slime's
+    --sglang-enable-deterministic-inference), without which a seed does nothing, and seed +
+    sample index must stay within 2**63 - 1 for each of its `n_samples` episodes."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -94,6 +100,10 @@ def load_eval_datasets(path: str | Path) -> list[tuple[EvalDataset, list[Task]]]
         where = f"pipeline_eval_datasets {str(path)!r} entry {i} ({ds.key!r})"
         if any(ds.key == seen.key for seen, _ in out):
             raise ConfigError(f"{where}: the name is used twice (set `name`)")
+        if ds.sampling.sampling_seed is not None:  # None: the workers' rollout.sampling seed, checked there
+            for error in seed_errors(ds.sampling.sampling_seed, n_samples=ds.n_samples, deterministic=deterministic,
+                                     key="sampling.sampling_seed", switch="run slime with that flag"):
+                raise ConfigError(f"{where}: {error}")
         tasks_path = path.parent / ds.tasks
         tasks: list[Task] = []
         n = 0
@@ -140,7 +150,9 @@ def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     `data_source` is its `RedisDataSource` (checked there: this module does not import it)."""
     datasets = getattr(data_source, "_eval_datasets", None)
     if datasets is None:  # loaded once per trainer process
-        datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets)
+        deterministic = bool(getattr(args, "sglang_enable_deterministic_inference", False))
+        datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets,
+                                                                   deterministic=deterministic)
     if data_source.first_rollout_id is None:
         data_source.publish(rollout_id)  # eval before the first rollout (train.py): workers wait for a version
     data, metrics = data_source._run(run_round(data_source, rollout_id, datasets))

@@ -114,17 +114,28 @@ def wire_errors(params: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def seed_errors(seed: int | None, *, n_samples: int, deterministic: bool) -> list[str]:
+def seed_errors(seed: int | None, *, n_samples: int, deterministic: bool, key: str = "rollout.sampling.sampling_seed",
+                switch: str = "set engine.deterministic_inference: true") -> list[str]:
     """A configured `sampling_seed` against the engines: whether it can do anything, and room
-    for every sample's own seed (`seed + sample index`, slime's `rollout_seed + i`)."""
+    for every sample's own seed (`seed + sample index`, slime's `rollout_seed + i`). `key` names
+    the seed in the messages, `switch` what says the engines run deterministic inference."""
     if seed is None:
         if deterministic:
             return [
-                "engine.deterministic_inference is true but rollout.sampling.sampling_seed is not set: SGLang "
+                f"engine.deterministic_inference is true but {key} is not set: SGLang "
                 "then seeds every request with 42 and all samples of a group come out identical; set a seed "
                 "(each sample adds its index to it)"
             ]
         return []
+    if not deterministic:
+        return [
+            f"{key} {seed} does nothing: SGLang reads it only on engines started with "
+            "--enable-deterministic-inference (slime: --sglang-enable-deterministic-inference); if they are, "
+            f"{switch}, else remove the seed"
+        ]
+    if seed > SEED_MAX - (n_samples - 1):
+        return [f"{key} {seed} + sample index {n_samples - 1} exceeds 2**63 - 1"]
+    return []
     if not deterministic:
         return [
             f"rollout.sampling.sampling_seed {seed} does nothing: SGLang reads it only on engines started with "

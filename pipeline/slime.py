@@ -72,6 +72,7 @@ class BatchStats:
     wait_s: float = 0.0
     replayed: bool = False
     staleness: list[int] = field(default_factory=list)
+    token_lags: dict[int, int] = field(default_factory=dict)  # lag -> trained tokens generated at that lag
     rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     stale: int = 0
     requeued: int = 0
@@ -92,6 +93,12 @@ class BatchStats:
                 if "/" in name and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.env_metrics[group.env][name].append(float(value))
 
+    def add_token_lags(self, group: SampleGroup, version: int, run_starts: dict[int, int], current_run: int) -> None:
+        """Count the group's trained tokens by their lag at `version` (`SampleGroup.token_version_counts`)."""
+        for token_version, tokens in group.token_version_counts(run_starts, current_run).items():
+            lag = staleness(version, token_version)
+            self.token_lags[lag] = self.token_lags.get(lag, 0) + tokens
+
     def metrics(self, ready: int, pending: int, counters: dict[str, int]) -> dict[str, float]:
         m: dict[str, float] = {
             f"{METRIC_PREFIX}/buffer_ready": ready,
@@ -111,6 +118,10 @@ class BatchStats:
             m[f"{METRIC_PREFIX}/staleness_max"] = max(self.staleness)
             for k, count in sorted(Tally(self.staleness).items()):
                 m[f"{METRIC_PREFIX}/staleness_hist/{k}"] = count
+        if self.token_lags:  # per token: a call that lived through a weight update has tokens of two versions
+            tokens = sum(self.token_lags.values())
+            m[f"{METRIC_PREFIX}/token_staleness_mean"] = sum(lag * n for lag, n in self.token_lags.items()) / tokens
+            m[f"{METRIC_PREFIX}/token_staleness_max"] = max(self.token_lags)
         for env, rewards in self.rewards.items():
             m[f"{METRIC_PREFIX}/reward_mean/{env}"] = sum(rewards) / len(rewards)
         for env, named in self.env_metrics.items():
@@ -291,6 +302,7 @@ class RedisDataSource(_DataSourceBase):
                 raise TimeoutError(f"rollout {rid}: only {len(entries)}/{n} groups after {self.settings.wait_timeout_s:.0f}s")
         for entry in entries:
             stats.staleness.append(staleness(version, self._oldest(entry.group)))
+            stats.add_token_lags(entry.group, version, self._run_starts, self.run_id)
             stats.add_group(entry.group)
         stats.wait_s = time.monotonic() - started
         await record_step(self._redis, self.keys, rid, stats.staleness)  # the monitor's "trained" staleness

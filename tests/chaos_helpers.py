@@ -166,31 +166,34 @@ class SimRun:
 @asynccontextmanager
 async def sim_run(redis, keys: Keys, redis_url: str, tmp_path: Path, *, sim: dict, workers: int = 2,
                   **config: Any) -> AsyncIterator[SimRun]:
-    """The simulated SGLang engine over HTTP (`SimConfig(**sim)`, 64 slots, the test tokenizer),
-    `pipeline_config(redis_url, keys.ns, ..., **config)` written to `tmp_path/pipeline.yaml`, and
-    `workers` `rollout workers` processes on it, heart-beating (seen through `redis`) when the run
-    is handed over. On the way out: the producer task stopped, every worker process (started here
-    or by `SimRun.start_worker`; a frozen one resumed first) stopped, then the engine."""
+    """The engine path a cluster runs: the session's stack (smg -> SGLang's own front -> the
+    simulator, tests/engine_stack.py), its simulators set to `sim` (SimConfig fields, 64 slots an
+    engine) with a clean slate; `pipeline_config(redis_url, keys.ns, ..., **config)` written to
+    `tmp_path/pipeline.yaml`, and `workers` `rollout workers` processes on it, heart-beating (seen
+    through `redis`) when the run is handed over. On the way out: the producer task stopped, then
+    every worker process (started here or by `SimRun.start_worker`; a frozen one resumed first)."""
+    from engine_stack import shared_stack
+
     from scripts.processes import write_config
-    from workers.sim.engine import SimConfig, serve_sim_engine
     from workers.sim.tokenizer import default_tokenizer_path
 
     tokenizer = default_tokenizer_path()
-    async with serve_sim_engine(SimConfig(**{"slots": 64, **sim}, tokenizer_path=tokenizer)) as engine:
-        data = pipeline_config(redis_url, keys.ns, engine.url, tokenizer, **config)
-        run = SimRun(data, write_config(data, tmp_path / "pipeline.yaml"), [], tmp_path)
+    stack = await asyncio.to_thread(shared_stack)
+    await asyncio.to_thread(stack.configure, **{"slots": 64, **sim})
+    data = pipeline_config(redis_url, keys.ns, stack.router_url, tokenizer, **config)
+    run = SimRun(data, write_config(data, tmp_path / "pipeline.yaml"), [], tmp_path)
+    try:
+        for _ in range(workers):
+            run.start_worker()
+        await wait_workers(redis, keys, workers)
+        yield run
+    finally:
         try:
-            for _ in range(workers):
-                run.start_worker()
-            await wait_workers(redis, keys, workers)
-            yield run
+            await stop_producer(run.stop, run.producer)
         finally:
-            try:
-                await stop_producer(run.stop, run.producer)
-            finally:
-                for w in run.workers:
-                    w.signal(signal.SIGCONT)  # a SIGSTOPped worker acts on SIGTERM only once resumed
-                    w.stop(grace_s=5)
+            for w in run.workers:
+                w.signal(signal.SIGCONT)  # a SIGSTOPped worker acts on SIGTERM only once resumed
+                w.stop(grace_s=5)
 
 
 async def stop_producer(stop: asyncio.Event, producer: Optional[asyncio.Task]) -> None:

@@ -10,12 +10,16 @@ the project's simulator as the scheduler.
 - **Scheduler**: `SimScheduler` below, on the TokenizerManager's own ZMQ sockets (it connects
   where the real scheduler would: a PULL on `scheduler_input_ipc_name`, a PUSH to
   `tokenizer_ipc_name`) and answers as SGLang's scheduler + detokenizer do
-  (`BatchStrOutput`, `AbortReq` prefix matching, `max_req_input_len`, `max_new_tokens` clipped to
+  (`BatchStrOutput`, `AbortReq` prefix matching, the input-length check with SGLang's own
+  `validate_input_length` at the `max_req_input_len` its own `TpModelWorker.get_worker_info`
+  computes, `max_new_tokens` clipped to
   `max_req_len`, weight-version spans). Tokens, log-probs, latency and aborts come from
   `workers.sim.engine.SimEngine`, the project's simulator.
 - **Router**: smg 1.13.0 (`python -m smg launch`, the successor) or sglang-router 0.3.2
-  (`python -m sglang_router.launch_router`, the version slime's Dockerfile pins), both the
-  PyPI CPU wheels of the `conformance` extra, in front of one or more fronts.
+  (`python -m sglang_router.launch_router`; slime's docker/Dockerfile installs a fork build of
+  that release, zhuzilin/sgl-router v0.3.2-9daabcd, whose version says "slime"; the PyPI wheel is
+  the public build of it), both the PyPI CPU wheels of the `conformance` extra, in front of one or
+  more fronts.
 
 The fronts run in a subprocess (`python tests/engine_stack.py front --port P [P ...]`): importing
 SGLang's server sets uvloop as the event-loop policy and publishes process-wide config, so it
@@ -49,6 +53,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -372,19 +377,35 @@ def _model_dir(workdir: Path, model_context: int) -> Path:
     return model
 
 
+def _sglang_limits(context_len: int) -> tuple[int, int, int]:
+    """(max_total_num_tokens, max_req_len, max_req_input_len) as SGLang's scheduler learns them:
+    `TpModelWorker.get_worker_info` itself, run on a worker whose KV pool holds exactly one
+    full-context request (the simulator has no memory to run out of; `--context-length` or the
+    model's own context is the bound, as on an engine whose pool is larger than the context)."""
+    from conformance_support import _import_with_stubs
+
+    tp_worker = _import_with_stubs("sglang.srt.managers.tp_worker", ("torchvision",))
+    runner = SimpleNamespace(effective_logical_max_total_num_tokens=context_len, logical_max_total_num_tokens=context_len,
+                             token_to_kv_pool_allocator=None, max_running_requests=1, forward_stream=None,
+                             req_to_token_pool=SimpleNamespace(size=1, max_context_len=context_len),
+                             token_to_kv_pool=SimpleNamespace(size=context_len))
+    worker = SimpleNamespace(model_runner=runner, model_config=SimpleNamespace(context_len=context_len),
+                             dllm_algorithm=None, random_seed=0, device="cpu")
+    info = tp_worker.TpModelWorker.get_worker_info(worker)
+    return int(info[0]), int(info[4]), int(info[5])
+
+
 class SimScheduler:
     """SGLang's scheduler + detokenizer, played by the simulator, on the TokenizerManager's sockets."""
 
-    def __init__(self, engine: Any, port_args: Any, context_len: int, io: Any):
+    def __init__(self, engine: Any, port_args: Any, context_len: int, io: Any, allow_auto_truncate: bool = False):
         import zmq
         import zmq.asyncio
 
         self.engine = engine
         self.io = io
-        # tp_worker.py: max_req_len = context_len - 1 (the KV pool is never the bound here),
-        # max_req_input_len = max_req_len - 5
-        self.max_req_len = context_len - 1
-        self.max_req_input_len = self.max_req_len - 5
+        self.allow_auto_truncate = allow_auto_truncate
+        self.max_total_num_tokens, self.max_req_len, self.max_req_input_len = _sglang_limits(context_len)
         ctx = zmq.asyncio.Context(2)
         self.recv = ctx.socket(zmq.PULL)
         self.recv.connect(port_args.scheduler_input_ipc_name)
@@ -405,10 +426,10 @@ class SimScheduler:
         held, slots = len(self.engine._running), self.engine.config.slots
         running = min(held, slots) if slots > 0 else held
         self.loads.write(LoadSnapshot(timestamp=time.time(), num_running_reqs=running, num_waiting_reqs=held - running,
-                                      max_running_requests=slots, max_total_num_tokens=self.max_req_len + 1))
+                                      max_running_requests=slots, max_total_num_tokens=self.max_total_num_tokens))
 
     def scheduler_info(self) -> dict[str, Any]:
-        return {"status": "ready", "max_total_num_tokens": self.max_req_len + 1,
+        return {"status": "ready", "max_total_num_tokens": self.max_total_num_tokens,
                 "max_req_input_len": self.max_req_input_len, "startup_time": {}}
 
     async def serve(self) -> None:
@@ -473,12 +494,15 @@ class SimScheduler:
             await self._output(req, [], [], {"type": "abort", "message": message, "status_code": status,
                                              "err_type": "SimulatedFault"}, None)
             return
-        if len(input_ids) >= self.max_req_input_len:  # scheduler.py: validate_input_length
-            message = (f"Input length ({len(input_ids)} tokens) exceeds the maximum allowed length "
-                       f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
+        from sglang.srt.managers.utils import validate_input_length
+
+        checked = SimpleNamespace(origin_input_ids=input_ids)  # the one field of Req it reads (and truncates)
+        message = validate_input_length(checked, self.max_req_input_len, self.allow_auto_truncate)
+        if message is not None:  # as scheduler.py answers it: FINISH_ABORT with HTTP 400
             await self._output(req, [], [], {"type": "abort", "message": message, "status_code": 400,
                                              "err_type": "BadRequestError"}, None)
             return
+        input_ids = checked.origin_input_ids
         # scheduler.py init_req_max_new_tokens: clipped to what the KV budget of one request allows
         max_new = max(0, min(params.max_new_tokens if params.max_new_tokens is not None else 128,
                              self.max_req_len - len(input_ids) - 1))
@@ -618,7 +642,8 @@ async def _serve_front(args: argparse.Namespace) -> None:
         port_args = PortArgs.init_new(server_args)
         manager = TokenizerManager(server_args, port_args)
         config = SimConfig(**{"seed": args.first_seed + i, **sim_fields, "context_length": manager.context_len})
-        scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct)
+        scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct,
+                                 allow_auto_truncate=server_args.allow_auto_truncate)
         manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
         manager.set_startup_time({})
         manager.server_status = ServerStatus.Up

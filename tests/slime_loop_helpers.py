@@ -109,8 +109,8 @@ class RolloutManagerActor:
 class Cluster:
     """The engines, the checkpoints and the truth, across trainer processes (runs)."""
 
-    def __init__(self, engine_url: str):
-        self.engine_url = engine_url
+    def __init__(self, engine_urls: list[str]):
+        self.engine_urls = engine_urls  # slime's updater pushes to each engine, not to the router
         self.truth: dict[tuple[int, str], int] = {}  # (run, engine label) -> the policy version it was
         self.checkpoint: int | None = None  # the last rollout id saved
         self.trained: dict[int, dict[int, list[Any]]] = {}  # run -> rollout id -> samples trained
@@ -133,10 +133,10 @@ class MegatronActor:
         self.pushes += 1
         label = str(self.pushes)
         self.cluster.truth[(self.run, label)] = self.start + self.steps
-        url = self.cluster.engine_url
-        _post(url, "/pause_generation", {})
-        _post(url, "/update_weight_version", {"new_version": label})
-        _post(url, "/continue_generation", {})
+        for url in self.cluster.engine_urls:
+            _post(url, "/pause_generation", {})
+            _post(url, "/update_weight_version", {"new_version": label})
+            _post(url, "/continue_generation", {})
 
     def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
         if rollout_id == self.crash_at:

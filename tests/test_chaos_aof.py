@@ -32,6 +32,7 @@ from collections import Counter as Tally
 from pathlib import Path
 
 import pytest
+from engine_stack import START_TIMEOUT_S
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
@@ -40,7 +41,7 @@ from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
 from tests.chaos_helpers import Trainer, counters, sim_run, write_tasks
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(START_TIMEOUT_S + 180)]  # + the session stack's start
 
 TASKS = 80
 BATCH, N, ETA = 4, 2, 2

@@ -3,11 +3,13 @@
 Real parts end to end: redis-server, `rollout workers` processes (arq), the producer
 with admission control, the slime data source in a trainer thread that updates the
 engine's weights after every step (pause -> new weight version -> continue, which aborts
-running requests as SGLang does), the simulated SGLang engine, and a NeMo Gym-protocol
-resources server. Faults are injected on a schedule keyed by task index, so every
+running requests as SGLang does), an engine of the session's stack (SGLang's own HTTP front
+and TokenizerManager over the simulator as scheduler, tests/engine_stack.py), and a NeMo
+Gym-protocol resources server. Faults are injected on a schedule keyed by task index, so every
 failure has a known cause:
 
-- engine (a loopback proxy in front of the engine): 5xx bursts within and beyond the
+- engine (a loopback proxy in front of the engine, where a router stands in a cluster: the faults
+  are ones SGLang's front cannot be made to answer on cue): 5xx bursts within and beyond the
   retry budget, garbage 200 bodies once and always, a hang past the request timeout,
   `/abort_request` mid-generation;
 - environment: 5xx bursts on /seed_session and /verify within and beyond the budget,
@@ -39,6 +41,7 @@ import msgspec
 import pytest
 import redis as redis_sync
 from aiohttp import ClientSession, ClientTimeout, web
+from engine_stack import START_TIMEOUT_S
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
@@ -47,7 +50,7 @@ from pipeline.schema import decode_group
 from tests.chaos_helpers import Trainer, trained_key, wait_workers
 from tests.env_helpers import COOKIE, EVALUATE_TOOL, GymServer
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(START_TIMEOUT_S + 180)]  # + the session stack's start
 
 TASKS, BATCH, N, ETA = 100, 8, 2, 4
 MAX_RETRIES = 2  # engine.max_retries: at most 3 requests per rid
@@ -153,8 +156,8 @@ class FaultProxy:
 
     async def _forward(self, request: web.Request, body: bytes) -> web.Response:
         assert self._http is not None
-        # Host passes too: the simulator answers GET /workers with its own Host, so the workers'
-        # aborts come back through this proxy (as a router lists the engines it fronts).
+        # Host passes too (the simulator alone answers GET /workers with its own Host); SGLang's
+        # front answers it 404, so the workers take this proxy for the engine and abort through it.
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in ("content-type", "x-smg-routing-key", "host")}
         async with self._http.request(request.method, self.upstream + request.path, data=body, headers=headers) as up:
@@ -383,19 +386,20 @@ async def _run(redis, redis_url: str, keys: Keys, tmp_path: Path, proxy: FaultPr
 async def test_engine_and_env_faults_are_bounded_counted_and_the_run_completes(
     redis, redis_url, keys, namespace, tmp_path
 ):
-    from workers.sim.engine import SimConfig, serve_sim_engine
-    from workers.sim.tokenizer import default_tokenizer_path
+    from engine_stack import shared_stack
 
     task_ids = _write_tasks(tmp_path / "tasks.jsonl", namespace)
-    sim = SimConfig(tool_use=1.0, token_latency_s=0.01, latency_sigma=0.3, length_mu=3.0, length_sigma=0.5,
-                    max_filler_tokens=60, slots=64, weight_version="0", tokenizer_path=default_tokenizer_path())
+    stack = await asyncio.to_thread(shared_stack)
+    await asyncio.to_thread(stack.configure, 0, tool_use=1.0, token_latency_s=0.01, latency_sigma=0.3, length_mu=3.0,
+                            length_sigma=0.5, max_filler_tokens=60, slots=64)
+    engine_url = stack.engine_urls[0]  # one SGLang front: its aborts come back through the proxy
+    _weight_updater(engine_url)(-1)  # label "0", as slime's first push
     planned = PlannedGym()
     gym = Listener(planned.app)
     await gym.start()
     try:
-        async with serve_sim_engine(sim) as engine:
-            proxy = FaultProxy(engine.url)
-            trainer, wall_s = await _run(redis, redis_url, keys, tmp_path, proxy, gym, engine.url, task_ids)
+        proxy = FaultProxy(engine_url)
+        trainer, wall_s = await _run(redis, redis_url, keys, tmp_path, proxy, gym, engine_url, task_ids)
     finally:
         await gym.stop()
 

@@ -17,12 +17,13 @@ import signal
 import time
 
 import pytest
+from engine_stack import START_TIMEOUT_S
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from tests.chaos_helpers import Trainer, counters, live_workers, sim_run, write_tasks
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(START_TIMEOUT_S + 300)]  # + the session stack's start
 
 TASKS = 240
 BATCH, N, ETA = 8, 2, 4

@@ -21,12 +21,13 @@ import json
 import time
 
 import pytest
+from engine_stack import START_TIMEOUT_S
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter, Keys
 from tests.chaos_helpers import LossyProxy, Trainer, counters, sim_run, write_tasks
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(START_TIMEOUT_S + 240)]  # + the session stack's start
 
 TASKS = 80
 BATCH, N, ETA = 4, 2, 2

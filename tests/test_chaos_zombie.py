@@ -14,12 +14,13 @@ import json
 import signal
 
 import pytest
+from engine_stack import START_TIMEOUT_S
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter
 from tests.chaos_helpers import Trainer, counters, live_workers, sim_run, write_tasks
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(START_TIMEOUT_S + 120)]  # + the session stack's start
 
 BATCH, N, ETA = 2, 2, 2
 FROZEN_S = 6.0  # > dead_after_s (2) + a heartbeat

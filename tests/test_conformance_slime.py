@@ -23,6 +23,7 @@ import asyncio
 import importlib
 import inspect
 import sys
+import urllib.request
 from argparse import Namespace
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from conformance_support import require_slime
+from engine_stack import START_TIMEOUT_S
 
 from tests.source_helpers import push_groups, read_counters, source_args
 
@@ -227,31 +229,39 @@ def _runner(client, chat, kind="calculator"):
     return EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
 
 
+@pytest.mark.timeout(START_TIMEOUT_S + 120)  # + the session stack's start
 def test_a_group_with_an_episode_whose_env_failed_to_start_trains_in_slime(slime, redis_url, namespace):
     """An environment that raises in start(): the episode is FAILED; slime hands it over with
     remove_sample=True (loss mask zeroed) but still builds log-prob targets from its tokens,
     so a sample with no tokens crashes the training step ("The expanded size of the tensor (N)
     must match the existing size (0)") even though it is masked out."""
+    from engine_stack import shared_stack
+
     from pipeline.schema import SampleGroup, Status, Task
     from workers.chat import ChatTokens
     from workers.engine import EngineClient
-    from workers.sim.engine import SimConfig, serve_sim_engine
     from workers.sim.tokenizer import load_test_tokenizer
 
     task = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
     chat = ChatTokens(load_test_tokenizer())
+    stack = shared_stack()  # the episodes go through smg -> SGLang's front -> the simulator
+    stack.configure(accuracy=1.0, tool_use=1.0)
+    for url in stack.engine_urls:  # slime's first push labels the weights "1"
+        request = urllib.request.Request(f"{url}/update_weight_version", data=b'{"new_version": "1"}',
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            resp.read()
 
     async def episodes():
-        async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, weight_version="1")) as sim:
-            async with EngineClient(sim.url) as client:
-                ok = [await _runner(client, chat).run(task, f"calc-1:0/0/{j}", j) for j in range(N - 1)]
-                broken = _runner(client, chat)
+        async with EngineClient(stack.router_url) as client:
+            ok = [await _runner(client, chat).run(task, f"calc-1:0/0/{j}", j) for j in range(N - 1)]
+            broken = _runner(client, chat)
 
-                async def start(_task):
-                    raise _StartFails("environment server refused the session")
+            async def start(_task):
+                raise _StartFails("environment server refused the session")
 
-                broken.env.start = start
-                failed = await broken.run(task, f"calc-1:0/0/{N - 1}", N - 1)
+            broken.env.start = start
+            failed = await broken.run(task, f"calc-1:0/0/{N - 1}", N - 1)
         return ok, failed
 
     ok, failed = asyncio.run(episodes())
@@ -549,6 +559,7 @@ def _check_every_stamp(cluster, eta):
     return checked
 
 
+@pytest.mark.timeout(START_TIMEOUT_S + 120)  # + the session stack's start
 @pytest.mark.parametrize("loop_name, interval, eta", [
     ("train", 1, 1), ("train", 2, 1), ("train_async", 1, 1), ("train_async", 2, 2),
 ])
@@ -562,49 +573,50 @@ async def test_slimes_own_loops_stamp_every_group_with_its_true_version(
     sample carries its true policy version."""
     import json
 
+    from engine_stack import shared_stack
     from slime_loop_helpers import Cluster, Crash, install, load_loop, slime_args
 
     from pipeline.config import parse_config
     from producers.enqueue import ProducerOptions, run_producer
     from workers.settings import build_worker, stop_worker
-    from workers.sim.engine import SimConfig, serve_sim_engine
 
     loop = load_loop(slime.path, loop_name)
     (tmp_path / "tasks.jsonl").write_text("".join(
         json.dumps({"id": f"t{i}", "env": "calc", "prompt": f"What is {i} * 3?", "label": str(3 * i)}) + "\n"
         for i in range(60)
     ))
-    async with serve_sim_engine(SimConfig(accuracy=0.6)) as sim:
-        config = parse_config(_loop_config(redis_url, namespace, eta=eta, engine=sim.url))
-        workers = [build_worker(config, handle_signals=False) for _ in range(2)]
-        runs = [asyncio.create_task(w.async_run()) for w in workers]
-        producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
-                                                    redis=redis, options=ProducerOptions(poll_s=0.02)))
-        cluster = Cluster(sim.url)
-        pipeline_args = dict(
-            pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=LOOP_B,
-            n_samples_per_prompt=LOOP_N, pipeline_eta=eta, pipeline_wait_timeout_s=60.0, pipeline_wait_log_s=5.0,
-            pipeline_trainer_loop="sync" if loop_name == "train" else "async",
-            sglang_router_ip="127.0.0.1", sglang_router_port=int(sim.url.rsplit(":", 1)[1]),
-        )
-        try:
-            install(monkeypatch, loop, slime, cluster, crash_at=5)
-            with pytest.raises(Crash):
-                await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
-                                                               save_interval=2))
-            await asyncio.to_thread(cluster.managers[-1].die)
-            assert cluster.checkpoint == 3 and sorted(cluster.trained[1]) == [0, 1, 2, 3, 4]
-            await _quiet(redis, keys)
-
-            install(monkeypatch, loop, slime, cluster)
+    stack = await asyncio.to_thread(shared_stack)  # smg -> SGLang's fronts -> the simulators
+    await asyncio.to_thread(stack.configure, accuracy=0.6)
+    config = parse_config(_loop_config(redis_url, namespace, eta=eta, engine=stack.router_url))
+    workers = [build_worker(config, handle_signals=False) for _ in range(2)]
+    runs = [asyncio.create_task(w.async_run()) for w in workers]
+    producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
+                                                redis=redis, options=ProducerOptions(poll_s=0.02)))
+    cluster = Cluster(stack.engine_urls)
+    pipeline_args = dict(
+        pipeline_redis_url=redis_url, pipeline_namespace=namespace, rollout_batch_size=LOOP_B,
+        n_samples_per_prompt=LOOP_N, pipeline_eta=eta, pipeline_wait_timeout_s=60.0, pipeline_wait_log_s=5.0,
+        pipeline_trainer_loop="sync" if loop_name == "train" else "async",
+        sglang_router_ip="127.0.0.1", sglang_router_port=int(stack.router_url.rsplit(":", 1)[1]),
+    )
+    try:
+        install(monkeypatch, loop, slime, cluster, crash_at=5)
+        with pytest.raises(Crash):
             await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
                                                            save_interval=2))
-            await asyncio.to_thread(cluster.managers[-1].close)
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-            for worker, task in zip(workers, runs):
-                await stop_worker(worker, task)
+        await asyncio.to_thread(cluster.managers[-1].die)
+        assert cluster.checkpoint == 3 and sorted(cluster.trained[1]) == [0, 1, 2, 3, 4]
+        await _quiet(redis, keys)
+
+        install(monkeypatch, loop, slime, cluster)
+        await asyncio.to_thread(loop.train, slime_args(pipeline_args, num_rollout=8, interval=interval,
+                                                       save_interval=2))
+        await asyncio.to_thread(cluster.managers[-1].close)
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        for worker, task in zip(workers, runs):
+            await stop_worker(worker, task)
     assert cluster.starts == {1: 0, 2: 4} and sorted(cluster.trained[2]) == [4, 5, 6, 7]
     pushes = {run: sorted(int(label) for r, label in cluster.truth if r == run) for run in (1, 2)}
     every_step = loop_name == "train" or interval == 1

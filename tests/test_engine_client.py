@@ -87,7 +87,7 @@ async def test_context_limit_is_what_the_engines_behind_the_router_enforce(stack
         # SGLang: context_length null (no --context-length), max_req_input_len = 4096 - 1 - 5
         assert await client.context_length() == MODEL_CONTEXT - 6
         assert sorted(await client.directory.engines()) == sorted(stack.engine_urls)
-        limits = {url: facts.limit for url, facts in client.directory._facts.items()}
+        limits = {url: facts.limit for url, (facts, _read_at) in client.directory._facts.items()}
         assert limits == {url: MODEL_CONTEXT - 6 for url in stack.engine_urls}  # each engine asked once
 
 
@@ -124,8 +124,10 @@ async def test_an_engine_without_priority_scheduling_gets_no_priority(tmp_path):
 
 async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_by_a_400(stack):
     """Issue 24, item 2: an engine at a 4096 context behind the router; a multi-turn episode ends
-    `truncated` with a length finish and its tokens. On fe89cd3 the client sized the second turn
-    for 32768 tokens, SGLang's front answered 400, and the turn was lost (finish context_overflow)."""
+    `truncated` with a length finish and its tokens. On fe89cd3 the client found no context (the
+    router answers /server_info and /model_info with 404) and took `max_context_tokens`, 32768: the
+    first turn already asked for 8192 new tokens (the response budget), SGLang's front refused it
+    with a 400 (input + max_new_tokens over 4096), and the episode ended with no token at all."""
     chat = ChatTokens(load_test_tokenizer())
     config = parse_config({"rollout": {"max_response_tokens": 8192}})
     env_config = EnvConfig(kind="calculator")
@@ -254,9 +256,8 @@ def test_job_serializer_round_trips_results_and_exceptions():
 
 
 async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_others_are_not(stack):
-    """Known per engine once, re-read when the engine set changes: a smaller engine registered
-    with smg at run time (POST /workers, as slime registers its engines) lowers the limit at the
-    next read of the list; the engines already known are not asked again."""
+    """A smaller engine registered with smg at run time (POST /workers, as slime registers its
+    engines) lowers the limit at the next read of the list, and is asked once."""
     import aiohttp
 
     router = stack.router_url
@@ -294,4 +295,5 @@ async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_ot
                     async with session.get(f"{router}/workers") as resp:
                         workers = (await resp.json())["workers"]
     info_reads = [url for url in asked if url.endswith("server_info")]
-    assert sorted(info_reads) == sorted([f"{u}/server_info" for u in stack.engine_urls] + [f"{small.url}/server_info"])
+    # each engine asked once per read of the fleet (invalidate() drops every fact: issue 32)
+    assert sorted(info_reads) == sorted([f"{u}/server_info" for u in stack.engine_urls] * 2 + [f"{small.url}/server_info"])

@@ -1,9 +1,12 @@
-"""Episode runner, token in / token out, against the simulated engine over HTTP."""
+"""Episode runner, token in / token out, through the engine path a cluster runs (the session's
+stack: smg -> SGLang's own front -> the simulator, tests/engine_stack.py)."""
 
 import asyncio
 
+import aiohttp
 import numpy as np
 import pytest
+from engine_stack import SHARED_MODEL_CONTEXT, START_TIMEOUT_S, EngineStack, shared_stack
 
 from pipeline.config import EnvConfig, PipelineConfig, parse_config
 from pipeline.schema import SamplingParams, Status, Task
@@ -12,10 +15,30 @@ from workers.engine import EngineClient, Generation
 from workers.envs.local import CALCULATOR_TOOL
 from workers.envs.registry import build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
-from workers.sim.engine import SimConfig, serve_sim_engine
 from workers.sim.tokenizer import load_test_tokenizer
 
 TASK = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)?", label="84")
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 120)  # a test's timeout includes the session stack's start
+
+
+@pytest.fixture
+def stack() -> EngineStack:
+    return shared_stack()
+
+
+def engine(stack: EngineStack, **sim) -> str:
+    """The stack's router, its simulators set to `sim` (SimConfig fields) with a clean slate."""
+    stack.configure(**sim)
+    return stack.router_url
+
+
+async def on_every_engine(stack: EngineStack, *calls: tuple[str, dict]) -> None:
+    """SGLang's control endpoints, called on each engine as slime's updater calls them."""
+    async with aiohttp.ClientSession() as http:
+        for path, body in calls:
+            for url in stack.engine_urls:
+                async with http.post(f"{url}{path}", json=body) as r:
+                    assert r.status == 200, await r.text()
 
 
 class RecordingClient(EngineClient):
@@ -43,10 +66,11 @@ def runner_for(client, chat, kind="calculator", env_overrides=None, **rollout) -
     return EpisodeRunner(client, chat, env, EpisodeSettings.from_config(config, env_config, SamplingParams()))
 
 
-async def test_multi_turn_tool_episode_lines_up_with_the_engine(chat):
-    async with serve_sim_engine(SimConfig(accuracy=1.0, tool_use=1.0, weight_version="3")) as sim:
-        async with RecordingClient(sim.url) as client:
-            sample = await runner_for(client, chat).run(TASK, "calc-1:0/0/1")
+async def test_multi_turn_tool_episode_lines_up_with_the_engine(chat, stack):
+    url = engine(stack, accuracy=1.0, tool_use=1.0)
+    await on_every_engine(stack, ("/update_weight_version", {"new_version": "3"}))
+    async with RecordingClient(url) as client:
+        sample = await runner_for(client, chat).run(TASK, "calc-1:0/0/1")
     assert sample.status is Status.COMPLETED and sample.reward == 1.0
     assert len(client.calls) == 2 and sample.metadata["turns"] == 2 and sample.metadata["tool_calls"] == 1
 
@@ -81,20 +105,17 @@ async def test_multi_turn_tool_episode_lines_up_with_the_engine(chat):
     assert "Answer: 84" in sample.response
 
 
-async def test_abort_mid_episode_resumes_with_both_weight_versions(chat):
-    slow = SimConfig(accuracy=1.0, tool_use=0.0, token_latency_s=0.004, latency_sigma=0.01,
-                     length_mu=5.0, length_sigma=0.01, weight_version="0")  # ~150 tokens, ~0.6 s
-    async with serve_sim_engine(slow) as sim, RecordingClient(sim.url) as client:
+async def test_abort_mid_episode_resumes_with_both_weight_versions(chat, stack):
+    url = engine(stack, accuracy=1.0, tool_use=0.0, token_latency_s=0.004, latency_sigma=0.01,
+                 length_mu=5.0, length_sigma=0.01)  # ~150 tokens, ~0.6 s
+    await on_every_engine(stack, ("/update_weight_version", {"new_version": "0"}))
+    async with RecordingClient(url) as client:
         episode = asyncio.create_task(runner_for(client, chat, kind="arithmetic").run(TASK, "calc-1:0/0/1"))
-        while not sim.engine._running:  # wait until the turn is being generated
+        while not stack.total_stats()["running"]:  # wait until the turn is being generated
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        async with client.session.post(f"{sim.url}/pause_generation", json={}) as r:
-            assert r.status == 200
-        async with client.session.post(f"{sim.url}/update_weight_version", json={"new_version": "1"}) as r:
-            assert r.status == 200
-        async with client.session.post(f"{sim.url}/continue_generation", json={}) as r:
-            assert r.status == 200
+        await on_every_engine(stack, ("/pause_generation", {}), ("/update_weight_version", {"new_version": "1"}),
+                              ("/continue_generation", {}))  # slime's updater: pause (abort), push, continue
         sample = await asyncio.wait_for(episode, 20)
     assert sample.status is Status.COMPLETED and sample.reward == 1.0
     assert sample.weight_versions == ["0", "1"]
@@ -112,34 +133,34 @@ async def test_abort_mid_episode_resumes_with_both_weight_versions(chat):
     assert resumed.finish == "stop"
 
 
-async def test_context_overflow_truncates_and_bad_request_fails(chat):
-    async with serve_sim_engine(SimConfig(context_length=40)) as sim, EngineClient(sim.url, backoff_s=0.01) as client:
+async def test_context_overflow_truncates_and_bad_request_fails(chat, stack):
+    url = engine(stack)
+    long_task = Task(id="calc-1", env="calc", prompt="What is 12 * (3 + 4)? " * (SHARED_MODEL_CONTEXT // 10), label="84")
+    async with EngineClient(url, backoff_s=0.01) as client:
         runner = runner_for(client, chat)
-        sample = await runner.run(TASK, "e1")
+        sample = await runner.run(long_task, "e1")
         # the prompt alone fills the context (learned from /server_info): nothing is sent, and an
         # episode with no model token is failed, one masked EOS keeping it well-formed for slime
         assert sample.status is Status.FAILED and sample.response_length == 1
         assert sample.loss_mask_array().tolist() == [0] and "does not fit" in sample.metadata["error"]
         assert sample.metadata["turn_log"] == []
-    async with serve_sim_engine() as sim, EngineClient(sim.url, backoff_s=0.01) as client:
-        async with client.session.post(f"{sim.url}/sim/fail_next", json={"status": 400, "message": "bad top_k"}):
-            pass
+    async with EngineClient(url, backoff_s=0.01) as client:
+        stack.sim("fail_next", {"status": 400, "message": "bad top_k"})
         sample = await runner_for(client, chat).run(TASK, "e2")
         assert sample.status is Status.FAILED and "bad top_k" in sample.metadata["error"]
         assert sample.reward == 0.0
 
 
-async def test_malformed_tool_call_is_fed_back_and_counted(chat):
-    config = SimConfig(accuracy=1.0, tool_use=1.0, malformed_rate=1.0)
-    async with serve_sim_engine(config) as sim, RecordingClient(sim.url) as client:
+async def test_malformed_tool_call_is_fed_back_and_counted(chat, stack):
+    async with RecordingClient(engine(stack, accuracy=1.0, tool_use=1.0, malformed_rate=1.0)) as client:
         sample = await runner_for(client, chat).run(TASK, "e3")
     assert sample.status is Status.COMPLETED and sample.metadata["malformed_tool_calls"] == 1
     second_input = client.calls[1][0]
     assert "error: tool call 0: invalid JSON" in chat.tokenizer.decode(second_input)
 
 
-async def test_budgets_truncate(chat):
-    async with serve_sim_engine(SimConfig(tool_use=1.0, length_mu=4.0)) as sim, EngineClient(sim.url) as client:
+async def test_budgets_truncate(chat, stack):
+    async with EngineClient(engine(stack, tool_use=1.0, length_mu=4.0)) as client:
         sample = await runner_for(client, chat, max_response_tokens=10).run(TASK, "e4")
         assert sample.status is Status.TRUNCATED and sample.response_length == 10
         assert sample.metadata["turn_log"][0]["finish"] == "length"

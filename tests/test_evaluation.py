@@ -176,6 +176,14 @@ def test_datasets_file_errors_name_the_entry(tmp_path):
         load_eval_datasets(_write_datasets(tmp_path, [DATASETS[0], DATASETS[0]]))
     with pytest.raises(ConfigError, match="n_samples"):
         load_eval_datasets(_write_datasets(tmp_path, [{**DATASETS[0], "n_samples": 0}]))
+    seeded = [{**DATASETS[0], "n_samples": 4, "sampling": {"sampling_seed": 7}}]
+    with pytest.raises(ConfigError, match="entry 0 .*sampling_seed 7 does nothing.*deterministic-inference"):
+        load_eval_datasets(_write_datasets(tmp_path, seeded))  # issue 32: silently useless on 2a5bbd0
+    [(dataset, _)] = load_eval_datasets(_write_datasets(tmp_path, seeded), deterministic=True)
+    assert dataset.sampling.sampling_seed == 7
+    near_max = [{**seeded[0], "sampling": {"sampling_seed": 2**63 - 3}}]  # seed + 3 overflows at the 4th sample
+    with pytest.raises(ConfigError, match=r"entry 0 .*sample index 3 exceeds 2\*\*63 - 1"):
+        load_eval_datasets(_write_datasets(tmp_path, near_max), deterministic=True)
     jsonl = tmp_path / "eval.jsonl"
     _write_datasets(tmp_path, [])
     jsonl.write_text('{"env": "strict", "tasks": "eval_tasks.jsonl"}\n')

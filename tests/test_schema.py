@@ -164,3 +164,26 @@ def test_wire_format_is_unchanged_payloads_of_the_map_layout_decode():
     assert set(raw["samples"][0]) == set(Sample.__struct_fields__)
     legacy = msgspec.msgpack.encode({**raw, "samples": [dict(s) for s in raw["samples"]]})
     assert decode_group(legacy) == group
+
+
+def test_per_token_versions_and_a_payload_from_before_them():
+    """Issue 32 item 7: `token_version_runs` (per response token, run-length) is optional on the
+    wire: a payload written before it decodes, and its tokens take their call's oldest stamp."""
+    from pipeline.schema import decode_group, encode
+
+    group = make_group("g:v", n=1, prompt_len=3, response_len=6)
+    sample = group.samples[0]
+    mask = np.array([1, 1, 1, 0, 1, 1], dtype=np.uint8)
+    sample = msgspec.structs.replace(sample, loss_mask=memoryview(mask.tobytes()), policy_versions=[4, 5],
+                                     token_version_runs=[(4, 2), (5, 1), (-1, 1), (5, 2)])
+    group = msgspec.structs.replace(group, samples=[sample])
+    again = decode_group(encode(group))
+    assert list(again.samples[0].token_versions()) == [4, 4, 5, -1, 5, 5]
+    assert again.token_version_counts() == {4: 2, 5: 3}
+    old = msgspec.msgpack.decode(encode(group))
+    del old["samples"][0]["token_version_runs"]  # what a worker before issue 32 wrote
+    before = decode_group(msgspec.msgpack.encode(old))
+    assert list(before.samples[0].token_versions()) == [4, 4, 4, -1, 4, 4]
+    broken = msgspec.structs.replace(sample, token_version_runs=[(4, 2)])
+    with pytest.raises(SchemaError, match="token_version_runs' covers 2 tokens, response_length is 6"):
+        broken.token_versions()

@@ -1,13 +1,18 @@
-"""arq workers on a real redis-server with the simulated engine: delivery, dead letters,
-crash recovery (SIGKILL) and drain (SIGTERM)."""
+"""arq workers on a real redis-server with the engine path a cluster runs (the session's stack:
+smg -> SGLang's own front -> the simulator, tests/engine_stack.py): delivery, dead letters, crash
+recovery (SIGKILL) and drain (SIGTERM)."""
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 from arq.constants import in_progress_key_prefix
+from engine_stack import START_TIMEOUT_S, EngineStack, shared_stack
 
 from pipeline.buffer import GroupBuffer
 from pipeline.config import parse_config
@@ -23,7 +28,7 @@ from pipeline.schema import (
 )
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
-from scripts.processes import SimEngineProcess, WorkerProcess, write_config
+from scripts.processes import WorkerProcess, write_config
 from tests.env_helpers import OneTurnSession
 from tests.policy_helpers import trainer_started
 from workers.envs.base import (
@@ -33,10 +38,29 @@ from workers.envs.base import (
 )
 from workers.jobs import CTX_KEY, run_group
 from workers.settings import _build_context, build_worker, stop_worker
-from workers.sim.engine import serve_sim_engine
 
 # ~100 tokens at ~20 ms: a group takes about two seconds, long enough to kill a worker mid-group.
-SLOW_ENGINE = ["--token-latency-s", "0.02", "--latency-sigma", "0.01", "--length-mu", "4.6", "--length-sigma", "0.01"]
+SLOW_ENGINE = dict(token_latency_s=0.02, latency_sigma=0.01, length_mu=4.6, length_sigma=0.01)
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 180)  # a test's timeout includes the session stack's start
+
+
+@pytest.fixture
+def stack() -> EngineStack:
+    return shared_stack()
+
+
+@contextlib.asynccontextmanager
+async def stack_engine(stack: EngineStack) -> AsyncIterator[SimpleNamespace]:
+    """The session's stack with the simulator's defaults and a clean slate; `.url` is its router."""
+    stack.configure()
+    yield SimpleNamespace(url=stack.router_url, stack=stack)
+
+
+@contextlib.contextmanager
+def slow_engine(stack: EngineStack) -> Iterator[SimpleNamespace]:
+    """The session's stack, ~2 s a group (SLOW_ENGINE); `.url` is its router."""
+    stack.configure(**SLOW_ENGINE)
+    yield SimpleNamespace(url=stack.router_url)
 
 NO_TRAINER = ProducerOptions(wait_for_trainer=False)  # no trainer in these tests: admit on the config
 
@@ -89,8 +113,8 @@ async def stream_groups(redis, keys):
     return [entry.group for entry in await GroupBuffer(redis, keys).fetch(ids)]
 
 
-async def test_group_of_n_lands_once(redis, redis_url, keys, namespace):
-    async with serve_sim_engine() as sim:
+async def test_group_of_n_lands_once(stack, redis, redis_url, keys, namespace):
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         arq = await create_arq_pool(redis_url, keys)
         jobs = [job(namespace, i) for i in range(3)]
@@ -124,14 +148,14 @@ async def test_group_of_n_lands_once(redis, redis_url, keys, namespace):
         await arq.aclose()
 
 
-async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(redis, redis_url, namespace, tmp_path):
+async def test_two_namespaces_with_the_same_task_ids_run_side_by_side(stack, redis, redis_url, namespace, tmp_path):
     """arq's job keys are global (`arq:job:<id>`, `arq:in-progress:<id>`, ...): the arq id carries
     the namespace, so two pipelines on one Redis admit, run and deliver the same task ids."""
     tasks = [Task(id=f"shared-{namespace}-{i}", env="calc", prompt=f"What is {i} * 7?", label=str(7 * i))
              for i in range(4)]
     (tmp_path / "tasks.jsonl").write_bytes(b"".join(encode_task_json(t) + b"\n" for t in tasks))
     pipelines = [Keys(f"{namespace}a"), Keys(f"{namespace}b")]
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         configs = [parse_config(config_dict(redis_url, k.ns, sim.url)) for k in pipelines]
         for config, k in zip(configs, pipelines):
             await trainer_started(redis, k)
@@ -161,11 +185,11 @@ async def _xlen_is(redis, keys, n):
     return await redis.xlen(keys.groups) >= n
 
 
-async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(redis, redis_url, keys, namespace, tmp_path):
+async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(stack, redis, redis_url, keys, namespace, tmp_path):
     """Poison and unknown environments are dead-lettered for good; a job out of tries for a
     transient reason is also handed back, re-admitted by the producer as the next attempt, and
     dead-lettered for good past --max-requeues."""
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         raw_config = config_dict(redis_url, namespace, sim.url)
         raw_config["rollout"]["max_requeues"] = 1
         config = parse_config(raw_config)
@@ -174,7 +198,9 @@ async def test_poison_unknown_env_and_out_of_tries_go_to_dead_letters(redis, red
         await enqueue_prompt_job(arq, job(namespace, 1, env="nowhere"), keys)
         strict_job = job(namespace, 2, env="strict")
         await enqueue_prompt_job(arq, strict_job, keys)
-        await _fail_engine(sim.url, count=1000)  # every episode of `strict` fails -> the group is dropped
+        # every episode of `strict` fails -> the group is dropped. A 400, not a 503: through smg a burst
+        # of 5xx opens the router's circuit breaker ("All workers are unavailable") for the tests after
+        sim.stack.sim("fail_next", {"status": 400, "count": 1000, "message": "refused (injected)"})
         # the strict task: attempt 0 out of tries, handed back in place as attempt 1 (no producer
         # runs here), which fails too and is dead-lettered for good (rollout.max_requeues 1)
         await run_worker_until(config, lambda: _dead_and_finished(redis, keys, 4), "4 dead letters", 40)
@@ -219,11 +245,11 @@ class OutageEnvironment(Environment):
         return OneTurnSession(task)
 
 
-async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_failed_one(redis, redis_url, keys, namespace):
+async def test_retry_all_failed_retries_an_outage_group_but_pushes_a_partly_failed_one(stack, redis, redis_url, keys, namespace):
     """`on_failure: retry_all_failed`: a group whose every episode failed is a group failure
     (retried with backoff, then dead-lettered and handed back), not a signal-free group in a
     trainer batch; a group with one failed episode is pushed, that episode marked failed."""
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url)
         config["environments"]["outage"] = {"kind": f"{__name__}.OutageEnvironment", "on_failure": "retry_all_failed"}
         config["rollout"]["max_requeues"] = 0  # no hand-back: count the two tries of one attempt
@@ -255,14 +281,6 @@ async def _all(*checks) -> bool:
     return all([await check for check in checks])
 
 
-async def _fail_engine(url, count):
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
-        async with session.post(f"{url}/sim/fail_next", json={"status": 503, "count": count}) as resp:
-            assert resp.status == 200
-
-
 async def enqueue_pairs(redis_url, keys, namespace, count):
     """`count` jobs of two episodes each, enqueued; returns the arq client and the jobs."""
     arq = await create_arq_pool(redis_url, keys)
@@ -272,8 +290,8 @@ async def enqueue_pairs(redis_url, keys, namespace, count):
     return arq, jobs
 
 
-async def test_sigkilled_worker_jobs_rerun_by_another_worker_once(redis, redis_url, keys, namespace, tmp_path):
-    with SimEngineProcess(SLOW_ENGINE, log_path=str(tmp_path / "engine.log")) as engine:
+async def test_sigkilled_worker_jobs_rerun_by_another_worker_once(stack, redis, redis_url, keys, namespace, tmp_path):
+    with slow_engine(stack) as engine:
         path = write_config(config_dict(redis_url, namespace, engine.url, concurrency=4), tmp_path / "cfg.yaml")
         arq, jobs = await enqueue_pairs(redis_url, keys, namespace, 6)
         victim = WorkerProcess(path, log_path=str(tmp_path / "victim.log")).start()
@@ -307,8 +325,8 @@ async def _has_running_jobs(redis, keys):
 
 
 @pytest.mark.parametrize("grace_s, finished", [(20.0, True), (0.2, False)], ids=["finish", "hand-back"])
-async def test_sigterm_drains(redis, redis_url, keys, namespace, tmp_path, grace_s, finished):
-    with SimEngineProcess(SLOW_ENGINE, log_path=str(tmp_path / "engine.log")) as engine:
+async def test_sigterm_drains(stack, redis, redis_url, keys, namespace, tmp_path, grace_s, finished):
+    with slow_engine(stack) as engine:
         cfg = config_dict(redis_url, namespace, engine.url, concurrency=2, drain_grace_s=grace_s)
         path = write_config(cfg, tmp_path / "cfg.yaml")
         arq, jobs = await enqueue_pairs(redis_url, keys, namespace, 4)
@@ -347,13 +365,13 @@ async def _running_jobs(redis, keys) -> int:
     return int((await PipelineState(redis, keys).counters()).get(Counter.RUNNING, 0))
 
 
-async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_tombstoned(redis, redis_url, keys, namespace):
+async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_tombstoned(stack, redis, redis_url, keys, namespace):
     """Past arq's job_timeout a group vanished (CancelledError passes `except Exception`): no
     group, no dead letter, no hand-back, its admission slot leaked. The soft deadline (here
     job_timeout_s 4 -> 2 s) hands it back first; a zombie's late push of it is refused."""
     from workers.jobs import soft_deadline_s
 
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
         config["rollout"]["max_requeues"] = 1
@@ -374,10 +392,10 @@ async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_t
     assert await redis.xlen(keys.groups) == 0
 
 
-async def test_an_aborted_job_is_dead_lettered_and_handed_back(redis, redis_url, keys, namespace):
+async def test_an_aborted_job_is_dead_lettered_and_handed_back(stack, redis, redis_url, keys, namespace):
     from arq.jobs import Job
 
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)  # the next attempt ends at 2 s
         config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
         config["rollout"]["max_requeues"] = 1
@@ -424,7 +442,7 @@ async def _handed_back_in_place(redis, keys, failed: PromptJob) -> dict:
     return first
 
 
-async def test_a_bug_fails_once_with_its_traceback(redis, redis_url, keys, namespace, monkeypatch):
+async def test_a_bug_fails_once_with_its_traceback(stack, redis, redis_url, keys, namespace, monkeypatch):
     """A TypeError is a bug, not a transient fault: one try, dead-lettered with its traceback,
     not retried and not handed back (it would fail the same way)."""
     import workers.jobs as jobs_module
@@ -436,7 +454,7 @@ async def test_a_bug_fails_once_with_its_traceback(redis, redis_url, keys, names
         return None + 1  # TypeError
 
     monkeypatch.setattr(jobs_module, "run_episodes", buggy)
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url, max_tries=3))
         arq = await create_arq_pool(redis_url, keys)
         await enqueue_prompt_job(arq, job(namespace, 1), keys)

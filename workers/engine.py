@@ -13,19 +13,23 @@ Failure policy:
 - 400: never retried. Context overflow (SGLang's two messages, matched exactly) ->
   `ContextOverflow` (the episode ends as truncated), anything else -> `BadRequest`
   (failed), both carrying the server's message;
-- a request running past its timeout -> `EngineError` (failed) and a best-effort
-  `/abort_request` for that attempt's rid on every engine (`EngineDirectory`), so the one that
-  runs it stops spending a slot on it; the abort task is held until it has finished.
+- a request running past its timeout -> `EngineError` (failed); a request cancelled while it
+  runs (a soft deadline, `Job.abort`, a sibling episode's failure cancelling its group) ->
+  the cancellation goes on. Both send a best-effort `/abort_request` for that attempt's rid to
+  every engine (`EngineDirectory`), so the one that runs it frees its slot now instead of at
+  SGLang's disconnect poll or the generation's end; the abort task is held until it has finished.
 
-Engines behind a router: slime's router (smg, sglang-router) answers `/generate` and
-`/get_server_info` (one engine's) itself but neither `/server_info` nor `/abort_request`
-(404 `unknown_url`). `EngineDirectory` reads the router's `GET /workers` (what slime's own abort
-reads) for the engine URLs; a URL that has no such list is the engine itself. The context limit
-is what each engine enforces, from its `/server_info` (`/get_server_info` where that is absent):
-SGLang's scheduler refuses an input of `max_req_input_len` tokens or more, its HTTP front an
-input + max_new_tokens over `context_length` (null in /server_info unless `--context-length` was
-passed, as slime passes none); the client's limit is the smallest of these over the engines, read
-once per engine and again for an engine that joins the list.
+Engines behind a router: slime's router answers `/generate` itself but neither `/server_info`
+nor `/abort_request` (404 `unknown_url`); its `/get_server_info` is one engine's answer on smg and
+the router's own `{"router_manager": true, ...}` on sglang-router 0.3.2, so neither is read here.
+`EngineDirectory` reads the router's `GET /workers` (what slime's own abort reads) for the engine
+URLs; a URL that answers without such a list (SGLang's front: 404) is the engine itself. The
+context limit is what each engine enforces, from its `/server_info` (`/get_server_info` where
+that is absent): SGLang's scheduler refuses an input of `max_req_input_len` tokens or more, its
+HTTP front an input + max_new_tokens over `context_length` (null in /server_info unless
+`--context-length` was passed, as slime passes none); the client's limit is the smallest of
+these over the engines. What is kept, for how long, and what makes it read again:
+`EngineDirectory`'s doc (docs/architecture.md "The engine").
 
 Due first in the engine's queue: a request may carry its group's place in the order groups come
 due (`due_order`: its admission clock; smaller = due sooner; not its admission time, which smg
@@ -54,7 +58,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -78,7 +82,9 @@ _CONTEXT_OVERFLOW = re.compile(
 _WAIT_LOG_S = 10.0
 _MAX_BACKOFF_S = 10.0
 _ENGINES_REFRESH_S = 30.0  # re-read the router's engine list this often (and after a connection error)
+_LIST_RETRY_S = 2.0  # after a failed read of the list, the last one stands this long
 _CONTROL_TIMEOUT_S = 10.0
+_ABORT_LIST_TRIES = 3  # an abort with no engine known reads the list again this often, 0.25 s apart
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1  # smg parses a body's `priority` as an i32
 
 
@@ -147,6 +153,9 @@ class Generation:
     cached_tokens: int
     latency_s: float
     weight_versions: tuple[str, ...] = ()  # every engine label the tokens ran on, oldest first
+    # (label, start, end): output tokens [start, end) ran on that label; one span unless the request
+    # lived through a weight update under SGLang's in_place / retract pause (`meta_info.weight_versions`)
+    version_spans: tuple[tuple[str, int, int], ...] = ()
     policy: Union[PolicyStamp, None] = None  # read before the request: its tokens are at least this version
 
 
@@ -173,6 +182,8 @@ def parse_generation(body: bytes, latency_s: float) -> Generation:
         cached_tokens=meta.cached_tokens or 0,
         latency_s=latency_s,
         weight_versions=tuple(span.version for span in meta.weight_versions or ()) or (str(meta.weight_version),),
+        version_spans=tuple((span.version, span.start, span.end) for span in meta.weight_versions or ())
+        or ((str(meta.weight_version), 0, len(ids)),),
     )
 
 
@@ -281,13 +292,26 @@ class EngineFacts:
     priority_order: int | None = None  # priority_order
 
 
-class EngineDirectory:
-    """The engines behind the URL, and each one's context limit (module doc).
+# `GET /workers` answers that say "no such list here, I am an engine" (SGLang's front: 404); any
+# other failure (no answer, a timeout, 5xx, 429) says nothing about what the URL is
+_NOT_A_ROUTER = frozenset({200, 400, 404, 405, 422})
 
-    `engines()` is the router's `GET /workers` list, re-read every `refresh_s` and after
-    `invalidate()`; a URL without that list is one engine. `limit_of(url)` is asked once per
-    engine URL (the answer, None included, is kept): an engine that replaces another comes with
-    its own URL and is asked when it first appears in the list.
+
+class EngineDirectory:
+    """The engines behind the URL and what each one's /server_info says (module doc).
+
+    What it keeps, and when it reads again:
+    - the engine list: the router's `GET /workers`, kept `refresh_s`, read again after that, after
+      `invalidate()`, when the URL changes and while the list is empty; a URL that answers without
+      such a list (SGLang's front: 404) is one engine. A read that fails (no answer, a timeout, a
+      5xx) changes nothing: the last list stands and the next call reads again; with no list yet
+      there is no engine to name ([]), never the router itself;
+    - each engine's facts (`EngineFacts`): only from a /server_info that answered, kept `refresh_s`
+      (an engine restarted at the same URL may be another model, another --context-length), dropped
+      when the engine leaves the list and by `invalidate()`; a failed read is no fact: the next
+      call reads again (meanwhile the last good facts, if any, stand).
+    Concurrent callers share one read per URL (single flight): a worker starting `concurrency x n`
+    episodes asks each engine once, not once per episode.
     """
 
     def __init__(self, client: EngineClient, *, refresh_s: float = _ENGINES_REFRESH_S):
@@ -296,50 +320,89 @@ class EngineDirectory:
         self._engines: list[str] = []
         self._for_url = ""
         self._read_at = 0.0
-        self._facts: dict[str, EngineFacts] = {}
+        self._facts: dict[str, tuple[EngineFacts, float]] = {}  # engine -> (facts, monotonic time read)
+        self._reads: dict[str, asyncio.Future[Any]] = {}  # reads under way, by URL (single flight)
 
     def invalidate(self) -> None:
+        """Read the list and every engine's facts again at the next use (a connection error, an
+        overflow: the fleet may have changed)."""
         self._read_at = 0.0
+        self._facts.clear()
+
+    def _fresh(self, read_at: float) -> bool:
+        return time.monotonic() - read_at <= self._refresh_s
+
+    async def _once(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
+        """`read()`, or the same read already under way for `key` (a cancelled caller leaves it
+        running for the others)."""
+        pending = self._reads.get(key)
+        if pending is None:
+            pending = self._reads[key] = asyncio.ensure_future(read())
+            pending.add_done_callback(lambda done: self._reads.pop(key) if self._reads.get(key) is done else None)
+        return await asyncio.shield(pending)
 
     async def engines(self) -> list[str]:
-        """The engine URLs behind the URL: [] for a router with no engine yet."""
+        """The engine URLs behind the URL: [] for a router with no engine yet, or while nothing is known."""
         url = await self._client.locator.get()
-        if url != self._for_url or not self._engines or time.monotonic() - self._read_at > self._refresh_s:
-            status, listing = await self._client.get_json(f"{url}/workers")
-            urls = _engine_urls(listing) if status == 200 else None
-            engines = [url] if urls is None else urls  # no list: the URL is an engine
-            if engines != self._engines:
-                log.info("engines behind %s: %s", url, ", ".join(engines))
-            self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
-        return self._engines
+        if url == self._for_url and self._engines and self._fresh(self._read_at):
+            return self._engines
+        return list(await self._once(f"{url}/workers", lambda: self._read_engines(url)))
+
+    async def _read_engines(self, url: str) -> list[str]:
+        status, listing = await self._client.get_json(f"{url}/workers")
+        urls = _engine_urls(listing) if status == 200 else None
+        if urls is None and status not in _NOT_A_ROUTER:
+            log.warning("GET %s/workers failed (%s): keeping the engines known so far", url, status or "no answer")
+            if url != self._for_url:
+                return []
+            self._read_at = time.monotonic() - self._refresh_s + _LIST_RETRY_S  # the old list, read again soon
+            return self._engines
+        engines = [url] if urls is None else urls  # answered without a list: the URL is an engine
+        if engines != self._engines or url != self._for_url:
+            log.info("engines behind %s: %s", url, ", ".join(engines) or "none")
+        for gone in set(self._facts) - set(engines):
+            del self._facts[gone]
+        self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
+        return engines
 
     async def facts_of(self, engine: str) -> EngineFacts:
-        if engine not in self._facts:
-            facts = EngineFacts()
-            for path in ("/server_info", "/get_server_info"):  # the deprecated alias where the first is absent
-                status, info = await self._client.get_json(f"{engine}{path}")
-                if status == 200:
-                    facts = EngineFacts(context_limit(info), priority_order(info))
-                    break
-            if facts.limit is None:
-                log.warning("%s does not say its context (no context_length or max_req_input_len in /server_info)",
-                            engine)
-            self._facts[engine] = facts
-        return self._facts[engine]
+        known = self._facts.get(engine)
+        if known is not None and self._fresh(known[1]):
+            return known[0]
+        facts = await self._once(f"{engine}/server_info", lambda: self._read_facts(engine))
+        if facts is None:  # no answer: the last good facts stand, none is made up
+            return known[0] if known is not None else EngineFacts()
+        return facts
+
+    async def _read_facts(self, engine: str) -> EngineFacts | None:
+        for path in ("/server_info", "/get_server_info"):  # the deprecated alias where the first is absent
+            status, info = await self._client.get_json(f"{engine}{path}")
+            if status == 200:
+                facts = EngineFacts(context_limit(info), priority_order(info))
+                if facts.limit is None:
+                    log.warning("%s does not say its context (no context_length or max_req_input_len in %s)",
+                                engine, path)
+                self._facts[engine] = (facts, time.monotonic())
+                return facts
+            if status != 404:
+                break
+        log.warning("%s/server_info did not answer (%s): asking again at the next use", engine, status or "no answer")
+        return None
 
     async def limit_of(self, engine: str) -> int | None:
         return (await self.facts_of(engine)).limit
 
     async def context_limit(self) -> int | None:
         """The smallest limit over the engines (a request may be routed to any of them)."""
-        limits = [await self.limit_of(engine) for engine in await self.engines()]
+        limits = await asyncio.gather(*(self.limit_of(engine) for engine in await self.engines()))
         known = [limit for limit in limits if limit is not None]
         return min(known) if known else None
 
     async def priority_order(self) -> int | None:
         """The engines' common `priority` order (`priority_order`); None unless every engine
         schedules by priority the same way (a request may be routed to any of them)."""
-        orders = {(await self.facts_of(engine)).priority_order for engine in await self.engines()}
+        facts = await asyncio.gather(*(self.facts_of(engine) for engine in await self.engines()))
+        orders = {f.priority_order for f in facts}
         return orders.pop() if len(orders) == 1 else None
 
 
@@ -356,11 +419,13 @@ class EngineClient:
         backoff_s: float = 0.5,
         max_connections: int = 0,
         clock: PolicyClock | None = None,
+        control_timeout_s: float = _CONTROL_TIMEOUT_S,
     ):
         self.locator = EngineLocator(locator) if isinstance(locator, str) else locator
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.control_timeout_s = control_timeout_s  # GET /workers, /server_info, /model_info
         self.clock = clock  # None: answers carry no policy stamp (tests, standalone use)
         self._max_connections = max_connections  # 0 = unbounded; the engine's slots are the limit
         self._session: aiohttp.ClientSession | None = None
@@ -376,7 +441,7 @@ class EngineClient:
 
     async def close(self) -> None:
         if self._control_tasks:  # aborts under way still reach their engines before the session goes
-            await asyncio.wait(set(self._control_tasks), timeout=_CONTROL_TIMEOUT_S)
+            await asyncio.wait(set(self._control_tasks), timeout=self.control_timeout_s)
         if self._session is not None:
             await self._session.close()
 
@@ -407,7 +472,7 @@ class EngineClient:
     async def get_json(self, url: str) -> tuple[int, Any]:
         """(status, decoded JSON or None) of a GET; (0, None) when the server cannot be reached."""
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=_CONTROL_TIMEOUT_S)) as resp:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.control_timeout_s)) as resp:
                 body = await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -472,6 +537,9 @@ class EngineClient:
         except asyncio.TimeoutError:
             self._hold(asyncio.create_task(self.abort(rid)))
             raise EngineError(f"rid {rid}: no answer from {url} within {self.timeout_s}s") from None
+        except asyncio.CancelledError:  # a soft deadline, Job.abort, a sibling's failure: nobody waits for it now
+            self._hold(asyncio.create_task(self.abort(rid)))
+            raise
         except aiohttp.ClientError as exc:
             self.locator.invalidate()
             self.directory.invalidate()
@@ -501,11 +569,17 @@ class EngineClient:
         Through a router the engine that runs the rid is not known here (the router picked it), and
         the router itself answers `/abort_request` with 404: each engine of its `GET /workers` list
         is asked, as slime's own abort does; an engine that does not hold the rid ignores it."""
-        try:
-            engines = await self.directory.engines()
-        except Exception as exc:  # noqa: BLE001 - best effort by design
-            log.debug("abort of %s: no engine list: %s", rid, exc)
-            return
+        engines: list[str] = []
+        for attempt in range(_ABORT_LIST_TRIES):  # no engine known yet (a router slow to list them): ask again
+            if attempt:
+                await asyncio.sleep(0.25)
+            try:
+                engines = await self.directory.engines()
+            except Exception as exc:  # noqa: BLE001 - best effort by design
+                log.debug("abort of %s: no engine list: %s", rid, exc)
+                return
+            if engines:
+                break
         await asyncio.gather(*(self._abort_on(engine, rid) for engine in engines))
 
     async def _abort_on(self, engine: str, rid: str) -> None:

@@ -30,7 +30,7 @@ import msgspec
 from pipeline.config import EnvConfig, PipelineConfig
 from pipeline.schema import Sample, SamplingParams, Status, Task
 from workers.chat import ChatTokens
-from workers.engine import ContextOverflow, EngineClient, EngineError
+from workers.engine import ContextOverflow, EngineClient, EngineError, Generation
 from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
 from workers.envs.rewards import final_reward
 from workers.errors import is_bug
@@ -79,6 +79,7 @@ class _Trace:
     malformed_calls: int = 0
     policy_versions: list[int] = field(default_factory=list)
     policy_run: int = 0
+    token_versions: list[int] = field(default_factory=list)  # per response token (-1: no policy made it)
 
     def stamp(self, stamps: list[tuple[int, int]]) -> None:
         """Record each call's (run, version); the run is the first call's (a trainer restart
@@ -87,15 +88,29 @@ class _Trace:
             self.policy_run = self.policy_run or run
             self.policy_versions.append(version)
 
-    def add_model(self, ids: list[int], log_probs: list[float]) -> None:
+    def add_model(self, ids: list[int], log_probs: list[float], versions: list[int]) -> None:
         self.tokens += ids
         self.mask += [1] * len(ids)
         self.log_probs += log_probs
+        self.token_versions += versions
 
     def add_template(self, ids: list[int]) -> None:
         self.tokens += ids
         self.mask += [0] * len(ids)
         self.log_probs += [0.0] * len(ids)
+        self.token_versions += [-1] * len(ids)
+
+    def version_runs(self) -> list[tuple[int, int]]:
+        """`Sample.token_version_runs`: [] when no token has a version (no policy clock)."""
+        if all(v < 0 for v in self.token_versions):
+            return []
+        runs: list[tuple[int, int]] = []
+        for v in self.token_versions:
+            if runs and runs[-1][0] == v:
+                runs[-1] = (v, runs[-1][1] + 1)
+            else:
+                runs.append((v, 1))
+        return runs
 
     @property
     def response_length(self) -> int:
@@ -110,6 +125,7 @@ class _Turn:
     aborts: int = 0
     versions: list[str] = field(default_factory=list)
     policy: list[tuple[int, int]] = field(default_factory=list)  # (run, version) per generate call that answered
+    token_versions: list[int] = field(default_factory=list)  # policy version per token of `ids` (-1: unknown)
 
 
 class EpisodeRunner:
@@ -207,7 +223,7 @@ class EpisodeRunner:
             except ContextOverflow as exc:
                 trace.turns.append({"text": "", "finish": "context_overflow", "error": str(exc)})
                 return Status.TRUNCATED
-            trace.add_model(turn.ids, turn.log_probs)
+            trace.add_model(turn.ids, turn.log_probs, turn.token_versions)
             trace.weight_versions += turn.versions
             trace.stamp(turn.policy)
             text = self.chat.decode(turn.ids)
@@ -263,6 +279,7 @@ class EpisodeRunner:
             turn.ids += gen.output_ids
             turn.log_probs += gen.log_probs
             turn.versions += gen.weight_versions
+            turn.token_versions += _token_versions(gen)
             if gen.policy is not None:
                 turn.policy.append((gen.policy.run, gen.policy.version_of(gen.weight_versions)))
             turn.finish = gen.finish
@@ -349,11 +366,25 @@ class EpisodeRunner:
             weight_versions=trace.weight_versions,
             policy_versions=trace.policy_versions,
             policy_run=trace.policy_run,
+            token_version_runs=trace.version_runs(),
             prompt=task.prompt,
             response=response,
             label=task.label,
             metadata=metadata,
         )
+
+
+def _token_versions(gen: Generation) -> list[int]:
+    """The policy version of each output token of one call: its span's label read through the
+    call's stamp (`PolicyStamp.version_of`), the call's own version where no span covers a token,
+    -1 throughout without a stamp."""
+    if gen.policy is None:
+        return [-1] * len(gen.output_ids)
+    versions = [gen.policy.version_of(gen.weight_versions)] * len(gen.output_ids)
+    for label, start, end in gen.version_spans:
+        end = min(end, len(versions))
+        versions[start:end] = [gen.policy.version_of([label])] * max(0, end - start)
+    return versions
 
 
 def _turn_meta(turn: _Turn, text: str, parsed: ParsedTurn, gen_s: float) -> dict[str, Any]:

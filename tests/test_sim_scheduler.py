@@ -11,7 +11,7 @@ import pytest
 
 from workers.sim.physics import FlatSteps
 from workers.sim.radix import RadixCache
-from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
+from workers.sim.scheduler import MIN_NEW_TOKEN_RATIO, BatchScheduler, SchedulerConfig, SimReq
 
 
 def scheduler(pool: int = 100_000, max_running: int = 64, **limits) -> BatchScheduler:
@@ -143,24 +143,32 @@ def test_max_running_requests_caps_the_batch():
 # ------------------------------------------------------------------ retraction
 
 
-def test_a_full_pool_retracts_the_request_with_the_fewest_output_tokens_then_the_longest_input():
+def test_a_full_pool_retracts_the_request_with_the_fewest_output_tokens():
     """ScheduleBatch.retract_decode / _get_decode_retraction_order (schedule_batch.py, --retraction-policy
-    length): when the next decode step's tokens do not fit (check_decode_mem), requests are
-    retracted in order (fewest output tokens, then longest input), at least one, never the last;
-    the retracted one keeps its output and re-prefills later; everything still finishes."""
-    sch = scheduler(pool=200)
-    a = request("a", n_in=40, n_out=100, max_new=20)
-    b = request("b", n_in=50, n_out=100, max_new=20, first=1000)
-    for r in (a, b):
-        sch.add(r)
+    length): admission counts running requests' growth at new_token_ratio, which decays to 0.098
+    (NewTokenRatioTracker); a request admitted on that estimate can fill the pool, and when the
+    next decode step's tokens do not fit (check_decode_mem) the one with the fewest output tokens
+    (then the longest input) is retracted, at least one, never the last; it keeps its output,
+    re-prefills later, and everything finishes inside the pool. (The order itself is checked
+    against SGLang's function in tests/test_sim_sglang_rules.py.)"""
+    sch = scheduler(pool=300)
+    a = request("a", n_in=40, n_out=200)
+    sch.add(a)
     sch.step()
-    assert {r.rid for r in sch.running} == {"a", "b"}
+    sch.new_token_ratio = MIN_NEW_TOKEN_RATIO  # as after 600 decode steps
+    for _ in range(9):
+        sch.step()
+    b = request("b", n_in=20, n_out=200, first=1000)
+    sch.add(b)
+    sch.step()
+    assert {r.rid for r in sch.running} == {"a", "b"}  # 221 tokens promised < 300 - 40 - 10 - 190 x 0.098
     while not sch.stats["retractions"]:
         sch.step()
-    assert [r.rid for r in sch.waiting] == ["b"] and b.retractions == 1 and b.produced > 1
+    assert [r.rid for r in sch.waiting] == ["b"] and b.retractions == 1 and 1 < b.produced < a.produced
+    kept = b.produced
     run(sch, [a, b])
-    assert a.produced == b.produced == 100
-    assert sch.stats["max_kv_used"] <= 200
+    assert a.produced == b.produced == 200 and b.produced > kept
+    assert sch.stats["max_kv_used"] <= 300
 
 
 # ------------------------------------------------------------------ prefix cache

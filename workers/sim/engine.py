@@ -27,10 +27,13 @@ it decodes the input ids, finds the last user question and:
   ("What is 12 * 7?") itself or by looking the question up in tasks given with
   `--tasks FILE` (tasks.jsonl with labels): it is told the answers, it does not
   reason.
-Response length: a lognormal number of filler tokens (long tail). Latency: per token,
-lognormal around `token_latency_s` (0 = answer at once, for benchmarks). At most
-`slots` generations run at once; the rest queue, as in SGLang's scheduler: first come first
-served, or by each request's `priority` with `--enable-priority-scheduling` (workers/sim/scheduler.py).
+Response length: a lognormal number of filler tokens (long tail). Time: the scheduler's step
+loop (workers/sim/scheduler.py, SGLang's event_loop_normal in simulated time: admission by KV
+pool and chunked-prefill budget, max running requests, FCFS or priority with preemption, decode
+retraction, a radix prefix cache) with a named model's measured step times on a named GPU
+(`model`/`gpu`/`tp`, workers/sim/physics.py), or without a model a flat `token_latency_s` per
+decode step, or none at all (instant answers, unit tests). Every running request gains one token
+per step; there is no per-request speed.
 A turn's plan is seeded by (seed, routing key, context length), so a request resumed
 after an abort continues the same plan, and the n episodes of a group differ.
 

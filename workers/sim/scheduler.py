@@ -386,7 +386,7 @@ class BatchScheduler:
         threshold, worst (then latest) first, until its input + output fit."""
         sign = self._sign()
         candidates = sorted(self.running, key=lambda r: (self._priority(r) * -sign, -r.entry))
-        need = len(req.fill) - req.filled + self._max_new(req) - budget.remaining_total
+        need = len(req.fill) - req.filled + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) - budget.remaining_total
         chosen: list[SimReq] = []
         for running in candidates:
             if (self._priority(req) - self._priority(running)) * -sign <= self.config.preemption_threshold:
@@ -414,7 +414,7 @@ class BatchScheduler:
 
     def _growth(self, req: SimReq) -> float:
         """_get_running_request_total_token_offset: what a running request may still add."""
-        return self._max_new(req) * self.new_token_ratio
+        return min(req.max_new_tokens - req.produced, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
     def _holders(self) -> list[SimReq]:
         return [*self.running, *([self.chunked] if self.chunked else [])]

@@ -143,3 +143,23 @@ async def _fixed_batch(url: str, batch: int) -> float:
     assert all(a["meta_info"]["completion_tokens"] == 64 for a in answers)
     assert after["decode_steps"] - before["decode_steps"] == 63
     return float(after["decode_busy_s"] - before["decode_busy_s"])
+
+
+@pytest.mark.parametrize("stem", ["Qwen--Qwen3-8B--h100_sxm--tp1", "Qwen--Qwen3-8B--h200_sxm--tp1"])
+def test_the_kv_pool_is_aiconfigurators_estimate_at_sglangs_default_memory_fraction(stem: str):
+    """The pool (SGLang's max_total_num_tokens) at SGLang's default --mem-fraction-static for the
+    GPU (memory_hook.py: 0.836 on an 80 GiB H100 with --chunked-prefill-size 8192) is what
+    aiconfigurator's `estimate_kv_cache` gives for that fraction, within one token of rounding."""
+    from aiconfigurator_core.sdk.memory import estimate_kv_cache
+
+    from workers.sim.physics import AIC_DATABASE
+
+    model, gpu, tp = _split(stem)
+    aic(model, gpu, tp)
+    table = load_table(model, gpu, tp)
+    fraction = table.default_mem_fraction(8192)
+    estimate = estimate_kv_cache(model, gpu, "sglang", AIC_DATABASE, max_num_tokens=8192, max_batch_size=256,
+                                 memory_fraction_kind="of_total", memory_fraction_value=fraction, tp_size=tp)
+    assert abs(table.kv_pool_tokens(fraction) - estimate["total_kv_size_tokens"]) <= 1
+    if gpu == "h100_sxm":
+        assert fraction == 0.836

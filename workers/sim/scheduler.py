@@ -194,7 +194,7 @@ class BatchScheduler:
                 self._sync_clock()
                 continue
             if self._hold_until > self.sim_now:
-                await self._advance(self._hold_until - self.sim_now, busy=False)
+                await self._advance(self._hold_until - self.sim_now)
                 continue
             duration = self.step()
             if duration is None:  # nothing fits and nothing runs: wait for a change
@@ -202,7 +202,7 @@ class BatchScheduler:
                 await self._wake.wait()
                 self._sync_clock()
                 continue
-            await self._advance(duration, busy=True)
+            await self._advance(duration)
 
     def _sync_clock(self) -> None:
         now = time.monotonic()
@@ -212,13 +212,11 @@ class BatchScheduler:
         real0, sim0 = self._anchor
         self.sim_now = max(self.sim_now, sim0 + (now - real0) * self.config.time_scale)
 
-    async def _advance(self, duration: float, *, busy: bool) -> None:
+    async def _advance(self, duration: float) -> None:
         """Simulated time moves on by `duration`; sleep when real time is behind by more than the slack."""
         used = self.kv_used
         self.stats["kv_used_token_s"] += used * duration
         self.stats["max_kv_used"] = max(self.stats["max_kv_used"], used)
-        if busy:
-            self.stats["busy_s"] += duration
         self.sim_now += duration
         if self._anchor is None:
             self._anchor = (time.monotonic(), self.sim_now - duration)
@@ -233,11 +231,10 @@ class BatchScheduler:
         """One iteration of event_loop_normal: a prefill batch if one can be formed, else a decode."""
         self.stats["steps"] += 1
         batch = self._admit()
-        if batch:
-            return self._run_prefill(batch)
-        if self.running:
-            return self._run_decode()
-        return None
+        duration = self._run_prefill(batch) if batch else self._run_decode() if self.running else None
+        if duration is not None:
+            self.stats["busy_s"] += duration
+        return duration
 
     # ------------------------------------------------------------ prefill
 

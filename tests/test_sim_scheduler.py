@@ -292,3 +292,29 @@ async def test_the_engine_preempts_over_http_and_the_preempted_request_still_fin
     assert finished[-1] == "holder" and tokens[0] == 100 and stats["preemptions"] >= 1
     finished, tokens, stats = await _holder_and_three(10**6)
     assert finished[0] == "holder" and tokens[0] == 100 and stats["preemptions"] == 0
+
+
+async def test_a_weight_update_holds_the_gpu_for_the_push_and_flushes_the_prefix_cache():
+    """WeightUpdater.flush_cache_after_weight_update (managers/scheduler_components/weight_updater.py):
+    after a weight update the scheduler flushes its cache, so the same prompt is prefilled whole
+    again (meta_info.cached_tokens 0); the push itself keeps the GPU busy model bytes /
+    --weight-push-gbps of simulated time (Qwen3-8B's 16.4 GB at 25 GB/s: 0.655 s)."""
+    import aiohttp
+
+    from workers.sim.engine import SimConfig, serve_sim_engine
+
+    config = SimConfig(model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=50.0, length_mu=3.0, length_sigma=0.01)
+    async with serve_sim_engine(config) as sim, aiohttp.ClientSession() as http:
+        body = {"input_ids": list(range(1000, 1600)), "sampling_params": {"max_new_tokens": 8}}
+
+        async def cached() -> int:
+            async with http.post(f"{sim.url}/generate", json=body) as resp:
+                return int((await resp.json())["meta_info"]["cached_tokens"])
+
+        assert [await cached(), await cached()] == [0, 599]  # at least one token is always computed
+        async with http.post(f"{sim.url}/update_weight_version", json={"new_version": "1"}) as resp:
+            assert resp.status == 200
+        assert await cached() == 0
+        stats = sim.engine.physics_stats()
+        assert sim.engine.stats["weight_push_s"] == pytest.approx(16_380_854_272 / 25e9)
+        assert sim.engine.stats["cache_flushes"] == 1 and stats["sim_time_s"] >= sim.engine.stats["weight_push_s"]

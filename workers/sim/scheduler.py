@@ -21,7 +21,7 @@ Rules, each from the SGLang function named (tests/test_sim_batch_scheduler.py pi
   waiting one fits; they go back to the queue and re-prefill later.
 - Prefix cache, `RadixCache` (workers/sim/radix.py): a request prefills only its uncached part
   (`meta_info.cached_tokens`); its input is cached when its prefill ends (`cache_unfinished_req`),
-  input + output when it ends (`cache_finished_req`); flushed on a weight update (`flush_cache`,
+  input + output when it ends (`cache_finished_req`); flushed on a weight update (`WeightUpdater.flush_cache_after_weight_update` -> `Scheduler.flush_cache`,
   refused while requests hold cached nodes, as SGLang refuses it when not idle).
 - Decode retraction, `ScheduleBatch.retract_decode` / `check_decode_mem` (managers/schedule_batch.py):
   when the next decode step's tokens do not fit, requests are retracted, fewest output tokens

@@ -318,3 +318,13 @@ async def test_a_weight_update_holds_the_gpu_for_the_push_and_flushes_the_prefix
         stats = sim.engine.physics_stats()
         assert sim.engine.stats["weight_push_s"] == pytest.approx(16_380_854_272 / 25e9)
         assert sim.engine.stats["cache_flushes"] == 1 and stats["sim_time_s"] >= sim.engine.stats["weight_push_s"]
+
+
+def test_a_model_without_a_table_is_a_usage_error_that_lists_the_tables(capsys):
+    """`rollout engine --model M --gpu G --tp N` plays only what a committed table measured."""
+    from workers.sim.engine import main
+
+    assert main(["--model", "Qwen/Qwen3-8B", "--gpu", "h100_sxm", "--tp", "2", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "no step-time table for model 'Qwen/Qwen3-8B' on 'h100_sxm' with tp 2" in err
+    assert "Qwen--Qwen3-8B--h100_sxm--tp1" in err and "scripts/gen_step_tables.py" in err

@@ -51,6 +51,7 @@ import hashlib
 import json
 import logging
 import re
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -936,8 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         engine = SimEngine(config_from_args(args))
-    except ValueError as exc:  # an unknown model/GPU, a model that does not fit
-        raise SystemExit(f"rollout engine: {exc}") from exc
+    except ValueError as exc:  # an unknown model/GPU, a model that does not fit: a usage error
+        print(f"rollout engine: {exc}", file=sys.stderr)
+        return 2
     plays = (f"{args.model} on {args.gpu} x tp {args.tp}, KV pool {engine.scheduler.config.kv_pool_tokens} tokens"
              if engine.table and engine.scheduler else "no model")
     print(f"simulated SGLang engine on http://{args.host}:{args.port} ({plays}, time scale {args.time_scale}; "

@@ -6,7 +6,10 @@ decisions must be the same.
 - decode retraction order: `ScheduleBatch._get_decode_retraction_order` (managers/schedule_batch.py,
   --retraction-policy length);
 - priority preemption: `PrefillAdder.preempt_to_schedule` (managers/schedule_policy.py): which
-  running requests it releases, and whether the waiting one may then be scheduled.
+  running requests it releases, and whether the waiting one may then be scheduled;
+- admission and chunking: `PrefillAdder.add_one_req` with SGLang's `PrefillBudget`
+  (mem_cache/prefill_budget.py) in `Scheduler._get_new_batch_prefill_raw`'s loop: which waiting
+  requests one prefill pass admits, and how many tokens each prefills.
 
 SGLang's side runs in a subprocess (`python tests/test_sim_sglang_rules.py probe`): it publishes
 process-wide server args, which must stay out of the test process (tests/engine_stack.py says why).
@@ -49,7 +52,21 @@ def _cases(seed: int = 31) -> dict[str, list[Any]]:
                             "new": {"priority": rng.choice(choices[1:]), "input": rng.randint(1, 40),
                                     "max_new": rng.randint(1, 60)},
                             "rem_total": rng.randint(-50, 80), "ratio": rng.choice([0.7, 0.3, 1.0])})
-    return {"sort": sort, "retract": retract, "preempt": preempt}
+    admit = []
+    for _ in range(150):
+        running = []
+        for _ in range(rng.randint(0, 4)):
+            max_new = rng.randint(1, 500)
+            running.append({"max_new": max_new, "out": rng.randint(0, max_new)})
+        admit.append({"free": rng.randint(50, 3000), "running": running, "chunk": rng.choice([-1, 64, 256, 1024]),
+                      "max_prefill": rng.choice([128, 1024, 16384]), "max_running": rng.randint(2, 8),
+                      "ratio": rng.choice([0.7, 0.3, 0.098]),
+                      "waiting": [{"input": rng.randint(1, 700), "max_new": rng.randint(1, 600)}
+                                  for _ in range(rng.randint(1, 6))]})
+    for free in (100, 101, 102):  # the budget's edge: 50 input + 50 output + 1 page against `free`
+        admit.append({"free": free, "running": [], "chunk": -1, "max_prefill": 16384, "max_running": 4, "ratio": 0.7,
+                      "waiting": [{"input": 50, "max_new": 50}]})
+    return {"sort": sort, "retract": retract, "preempt": preempt, "admit": admit}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +133,31 @@ def test_priority_preemption_releases_what_sglang_releases(sglang_answers):
         assert [ok, released] == theirs, case
 
 
+def test_admission_and_chunking_are_sglangs(sglang_answers):
+    """One prefill pass over a waiting queue (Scheduler._get_new_batch_prefill_raw's loop around
+    PrefillAdder.add_one_req, with SGLang's real PrefillBudget): which requests are admitted, and
+    how many tokens each prefills (a chunk where --chunked-prefill-size cuts it), from the pool's
+    free tokens, the running requests' growth at new_token_ratio, --max-prefill-tokens and
+    --max-running-requests."""
+    outcomes = sglang_answers["admit"]
+    assert any(len(a) > 1 for a in outcomes) and any(not a for a in outcomes)
+    assert any(take < case["waiting"][int(rid[1:])]["input"]  # some are chunked
+               for case, a in zip(_cases()["admit"], outcomes) for rid, take in a)
+    for case, theirs in zip(_cases()["admit"], outcomes):
+        sch = BatchScheduler(SchedulerConfig(kv_pool_tokens=case["free"], max_running_requests=case["max_running"],
+                                             chunked_prefill_size=case["chunk"], max_prefill_tokens=case["max_prefill"]),
+                             FlatSteps(0.01), asyncio.Event())
+        sch.new_token_ratio = case["ratio"]
+        for i, r in enumerate(case["running"]):
+            req = SimReq(f"r{i}", [1], [1] * r["max_new"], r["max_new"])
+            req.produced = r["out"]
+            sch.running.append(req)
+        for i, w in enumerate(case["waiting"]):
+            sch.add(SimReq(f"w{i}", [10_000 * (i + 1) + t for t in range(w["input"])], [1], w["max_new"]))
+        ours = [[r.rid, take] for r, take in sch._admit()]
+        assert ours == theirs, case
+
+
 # ------------------------------------------------------------------ SGLang's side (subprocess)
 
 
@@ -156,7 +198,83 @@ def _probe(workdir: Path) -> None:
     for case in cases["preempt"]:
         configure(case["low_first"], case["threshold"])
         preempt.append(_sglang_preempt(policy.PrefillAdder, case))
-    print(json.dumps({"sort": sort, "retract": retract, "preempt": preempt}))
+    configure(False)
+    admit = [_sglang_admit(policy, case) for case in cases["admit"]]
+    print(json.dumps({"sort": sort, "retract": retract, "preempt": preempt, "admit": admit}))
+
+
+class _Tree:
+    """A radix cache with nothing cached, as PrefillAdder calls it."""
+
+    buffer_pipeline = None
+    disable = False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def supports_prefix_sharing(self) -> bool:
+        return True
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def lock(self, node: Any) -> None:
+        return None
+
+    def unlock(self, lock: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def finish_storage_prefetch_admission(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def load_back_is_cache_owned(self) -> bool:
+        return False
+
+
+class _Allocator:
+    """A token pool with `free` tokens and SGLang's own PrefillBudget."""
+
+    page_size = 1
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def available_size(self) -> int:
+        return self.free
+
+    def create_prefill_budget(self, tree_cache: Any, *, num_mixed_decode_tokens: int = 0) -> Any:
+        from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+        return PrefillBudget(self, tree_cache, num_mixed_decode_tokens=num_mixed_decode_tokens)
+
+    def request_slot_reserve(self, **_kw: Any) -> int:
+        return 0
+
+
+def _sglang_req(rid: str, n_in: int, max_new: int, out: int = 0) -> _Req:
+    return _Req(rid=rid, sampling_params=SimpleNamespace(max_new_tokens=max_new, ignore_eos=False),
+                output_ids=[0] * out, full_untruncated_fill_ids=[0] * n_in, prefix_len=0, host_hit_length=0,
+                swa_host_hit_length=0, last_node=None, needs_host_load_back=lambda: False, retracted_stain=False,
+                kv=SimpleNamespace(holds_mamba=False, req_pool_idx=None), mamba_host_hit_length=0,
+                auxiliary_swa_host_hit_length=0, extend_end=0, storage_hit_length=0, cache_request_handle=None,
+                fulfilled_storage_hit_len=lambda _p: 0, finished=lambda: False)
+
+
+def _sglang_admit(policy: Any, case: dict[str, Any]) -> list[list[Any]]:
+    """Scheduler._get_new_batch_prefill_raw's admission loop, one pass, no cached prefixes."""
+    running = [_sglang_req(f"r{i}", 1, r["max_new"], r["out"]) for i, r in enumerate(case["running"])]
+    chunk = case["chunk"] if case["chunk"] > 0 else None
+    adder = policy.PrefillAdder(1, _Tree(), _Allocator(case["free"]),
+                                SimpleNamespace(reqs=running, batch_size=lambda: len(running)),
+                                case["ratio"], case["max_prefill"], chunk)
+    allocatable = case["max_running"] - len(running)  # get_num_allocatable_reqs
+    for i, w in enumerate(case["waiting"]):
+        if adder.budget_state() == policy.AddReqResult.OTHER or len(adder.can_run_list) >= allocatable:
+            break
+        if adder.add_one_req(_sglang_req(f"w{i}", w["input"], w["max_new"]), has_chunked_req=False,
+                             truncation_align_size=None) != policy.AddReqResult.CONTINUE:
+            break
+    return [[r.rid, r.extend_end - r.prefix_len] for r in adder.can_run_list]
 
 
 def _sglang_preempt(adder_class: Any, case: dict[str, Any]) -> list[Any]:

@@ -2,10 +2,11 @@
 time, one step loop per engine. Each step is a prefill batch or a decode batch (SGLang's default,
 no mixed chunks), and lasts what the step model says (workers/sim/physics.py).
 
-Rules, each from the SGLang function named (tests/test_sim_batch_scheduler.py pins them):
+Rules, each from the SGLang function named (tests/test_sim_scheduler.py pins them; tests/test_sim_sglang_rules.py
+runs the same sequences through SGLang's own code):
 - Admission, `PrefillAdder.add_one_req` / `_select_prefill_admission` (managers/schedule_policy.py),
   called from `Scheduler._get_new_batch_prefill_raw` (managers/scheduler.py) in the queue's order:
-  a request needs its uncached input + min(max_new_tokens, CLIP_MAX_NEW_TOKENS) + one page within
+  a request needs its uncached input + min(max_new_tokens, CLIP_MAX_NEW_TOKENS) + one page below
   the pool's free + evictable tokens less the running requests' expected growth (their remaining
   max_new_tokens x new_token_ratio, `_get_running_request_total_token_offset`); the pass stops at
   the first that does not fit (NO_TOKEN), when `--chunked-prefill-size` or `max_prefill_tokens`

@@ -228,6 +228,24 @@ def test_a_shared_prefix_is_split_and_matched_token_exactly():
     assert cache.total_size == 7
 
 
+def test_an_abort_takes_a_request_out_between_steps_with_what_it_produced():
+    """Scheduler.abort_request (managers/scheduler.py): handled between steps; a waiting request
+    leaves the queue, a running one the batch with its output so far (finish abort), and its KV
+    goes to the cache as a finished request's does. slime's abort reads /v1/loads right after
+    its /abort_request, so the engine must already be idle then (tests/test_inprocess.py)."""
+    sch = scheduler(max_running=1)
+    running, waiting = request("running", n_in=30, n_out=50), request("waiting", n_in=10, n_out=5, first=500)
+    sch.add(running)
+    sch.add(waiting)
+    for _ in range(4):
+        sch.step()
+    sch.abort(running)
+    sch.abort(waiting)
+    assert running.done.is_set() and waiting.done.is_set() and not (sch.running or sch.waiting)
+    assert running.produced == 4 and waiting.produced == 0
+    assert sch.cache.protected_size == 0 and sch.cache.evictable_size == 30 + 3
+
+
 # ------------------------------------------------------------------ pause
 
 

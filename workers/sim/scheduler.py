@@ -140,8 +140,19 @@ class BatchScheduler:
         self._wake.set()
 
     def abort(self, req: SimReq) -> None:
-        """Leaves at the next step boundary (SGLang checks aborts between steps)."""
+        """Leaves now: this runs between two steps (the loop is awaiting), where SGLang's scheduler
+        handles an AbortReq (a waiting request leaves the queue, a running one the batch, with
+        what it produced; its KV is cached as at a finish)."""
         req.aborted = True
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.done.set()
+        elif req is self.chunked:
+            self.chunked = None
+            self._finish(req)
+        elif req in self.running:
+            self.running.remove(req)
+            self._finish(req)
         self._wake.set()
 
     @property

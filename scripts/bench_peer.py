@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter as Tally
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -209,35 +210,66 @@ def _fmt(values: list[float], spec: str = ".2f") -> str:
     return f"{mid:{spec}} ({lo:{spec}}-{hi:{spec}})" if len(values) > 1 else f"{mid:{spec}}"
 
 
-ENGINE_COUNTERS = (("kv_pool_use_max", "KV pool use, max", ".2f"), ("preemptions", "preemptions", ".0f"),
-                   ("retractions", "retractions", ".0f"), ("reprefill_s", "re-prefill s charged", ".1f"))
+def _stat(r: Result, key: str) -> float | None:
+    return r.engine_stats.get(key)
 
 
-def engine_counter(r: Result, key: str) -> float | None:
-    """One of the engine's own counters (GET /sim/stats at the end of the run); None where the
-    engine that ran does not keep it (the per-request-speed simulator keeps none of these)."""
-    value = r.engine_stats.get(key)
-    return float(value) if value is not None else None
+def _kv_max(r: Result) -> float | None:
+    used, pool = _stat(r, "max_kv_used"), _stat(r, "kv_pool_tokens")
+    return used / pool if used is not None and pool else None
 
 
-def _counter_cell(ran: list[Result], key: str, spec: str) -> str:
-    values = [engine_counter(r, key) for r in ran]
-    return _fmt([v for v in values if v is not None], spec) if all(v is not None for v in values) else "not kept"
+def _kv_mean(r: Result) -> float | None:
+    """KV tokens in use averaged over the engine's busy simulated time, over the pool."""
+    token_s, busy, pool = _stat(r, "kv_used_token_s"), _stat(r, "busy_s"), _stat(r, "kv_pool_tokens")
+    return token_s / busy / pool if token_s is not None and busy and pool else None
+
+
+# the engine's own counters (GET /sim/stats and /server_info at the end of each run); an engine
+# that does not keep one (the per-request-speed simulator keeps none) prints "not kept"
+ENGINE_COUNTERS: tuple[tuple[str, Callable[[Result], float | None], str], ...] = (
+    ("KV pool use max / mean busy", _kv_max, ".2f"),
+    ("", _kv_mean, ".2f"),
+    ("preemptions", lambda r: _stat(r, "preemptions"), ".0f"),
+    ("retractions", lambda r: _stat(r, "retractions"), ".0f"),
+    ("prefill tok computed / cached", lambda r: _stat(r, "prefill_tokens"), ".0f"),
+    ("", lambda r: _stat(r, "cached_tokens"), ".0f"),
+)
+
+
+def _counter_cell(ran: list[Result], counter: Callable[[Result], float | None], spec: str) -> str:
+    values = [counter(r) for r in ran]
+    return "not kept" if any(v is None for v in values) else _fmt([float(v) for v in values if v is not None], spec)
+
+
+def _counter_cells(ran: list[Result]) -> str:
+    """The engine counters, a column each; a title "" joins its value to the column before."""
+    cells: list[str] = []
+    for title, counter, spec in ENGINE_COUNTERS:
+        cell = _counter_cell(ran, counter, spec)
+        if title or not cells:
+            cells.append(cell)
+        elif cells[-1] != cell or cell != "not kept":
+            cells[-1] += f" / {cell}"
+    return " | ".join(cells)
+
+
+ENGINE_TITLES = [title for title, _c, _s in ENGINE_COUNTERS if title]
 
 
 def frontier_table(results: list[Result], wl: Workload) -> str:
     head = ("| contender | groups/s | trained response tok/s | vs best fully async, same repeat | trained len mean / p90 "
             "| plan len mean / p90 | length bias mean / p90 | engine slot use (after pushes) | lag mean / max | "
             "lag distribution (calls) | tokens never trained | re-prefilled tok per push | "
-            + " | ".join(title for _k, title, _s in ENGINE_COUNTERS) +
+            + " | ".join(ENGINE_TITLES) +
             " | earliest schedule tok/s at lag <= eta, on this run's measured durations |")
-    lines = [head, "|" + "---|" * (13 + len(ENGINE_COUNTERS))]
+    lines = [head, "|" + "---|" * (13 + len(ENGINE_TITLES))]
     rows = _rows(results)
     fa_runs = rows.get(FA_BEST, [])
     for label, runs in rows.items():
         ran = [r for r in runs if r.ran]
         if not ran:
-            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * (11 + len(ENGINE_COUNTERS)))
+            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * (11 + len(ENGINE_TITLES)))
             continue
         tl = [float(np.mean(r.trained_lengths)) for r in ran]
         tp = [_pct(r.trained_lengths, 90) for r in ran]
@@ -258,7 +290,7 @@ def frontier_table(results: list[Result], wl: Workload) -> str:
             f"{_fmt([float(np.mean(r.lags)) if r.lags else 0.0 for r in ran])} / {max(max_lag(r) for r in ran)} | {dist} | "
             f"{_fmt([waste_pct(r) for r in ran], '.1f')} % | "
             f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} | "
-            + " | ".join(_counter_cell(ran, key, spec) for key, _t, spec in ENGINE_COUNTERS) + " | "
+            + _counter_cells(ran) + " | "
             f"{_fmt([ceiling_tokens_per_s(r) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
     return "\n".join(lines)
 

@@ -92,6 +92,14 @@ class Workload:
     seed: int = 0
     time_scale: float = 1.0
     name: str = "issue25"
+    # the model and GPU the engine plays, where the engine has measured physics (SimConfig.model:
+    # SGLang's step loop with aiconfigurator's step times and KV pool; issue 31); there the
+    # engine's --max-running-requests is `engine_max_running` (0: SGLang's default from the KV
+    # pool) and `slots` stays the unit of fully async's concurrency; an engine without it runs
+    # `token_latency_s` per token of each request and caps running requests at `slots`
+    model: str = ""
+    gpu: str = "h100_sxm"
+    engine_max_running: int = 0
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -107,21 +115,36 @@ class Workload:
         """Client timeout: 60 s, or ten times the longest answer's decode on the scaled clock."""
         return max(60.0, 10 * self.max_response_len * self.token_latency_s / self.time_scale)
 
+    @property
+    def measured_physics(self) -> bool:
+        """True where the engine plays `model` on its measured step times (it has SimConfig.model)."""
+        from dataclasses import fields
+
+        from workers.sim.engine import SimConfig
+
+        return bool(self.model) and "model" in {f.name for f in fields(SimConfig)}
+
     def engine_args(self, tasks: str) -> list[str]:
-        return ["--length-mu", str(self.length_mu), "--length-sigma", str(self.length_sigma),
-                "--token-latency-s", str(self.token_latency_s / self.time_scale),
-                "--latency-sigma", str(self.latency_sigma), "--slots", str(self.slots),
-                "--max-filler-tokens", str(self.max_filler_tokens), "--weight-version", "0",
-                "--seed", str(self.seed), "--tasks", tasks,
-                *(["--enable-priority-scheduling"] if self.priority_scheduling else [])]
+        common = ["--length-mu", str(self.length_mu), "--length-sigma", str(self.length_sigma),
+                  "--max-filler-tokens", str(self.max_filler_tokens), "--weight-version", "0",
+                  "--seed", str(self.seed), "--tasks", tasks,
+                  *(["--enable-priority-scheduling"] if self.priority_scheduling else [])]
+        if self.measured_physics:
+            return [*common, "--model", self.model, "--gpu", self.gpu, "--time-scale", str(self.time_scale),
+                    "--slots", str(self.engine_max_running)]
+        return [*common, "--token-latency-s", str(self.token_latency_s / self.time_scale),
+                "--latency-sigma", str(self.latency_sigma), "--slots", str(self.slots)]
 
     def describe(self) -> str:
         scale = f"time scale {self.time_scale:g}x (engine and trainer alike)" if self.time_scale != 1 else "time scale 1x"
+        engine = (f"engine: SGLang's step loop playing {self.model} on {self.gpu} (aiconfigurator step times, KV pool; "
+                  f"--max-running-requests {self.engine_max_running or 'default'}), {self.slots} requests the unit of "
+                  "fully async's concurrency" if self.measured_physics else
+                  f"engine: per-request speed, {self.slots} slots, {self.token_latency_s * 1e3:.1f} ms a token "
+                  f"(speed draw sigma {self.latency_sigma:g}), prefill free")
         return (f"workload {self.name}: B={self.batch} groups x n={self.n} per step, {self.steps} steps, trainer step "
-                f"{self.train_step_s:g} s then a weight push (abort mode); engine {self.slots} slots, "
-                f"{self.token_latency_s * 1e3:.1f} ms a token (per-request speed draw sigma {self.latency_sigma:g}), "
-                f"lognormal lengths median {math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at "
-                f"{self.max_response_len}; {scale}")
+                f"{self.train_step_s:g} s then a weight push (abort mode); {engine}; lognormal lengths median "
+                f"{math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at {self.max_response_len}; {scale}")
 
     def pipeline_groups(self) -> int:
         return self.groups_in_flight or max(1, 4 * self.slots // self.n)
@@ -144,7 +167,7 @@ WORKLOADS: dict[str, Workload] = {
         length_mu=math.log(AREAL_7B_MAX_RESPONSE / math.exp(1.645)),  # median 5,336: 5 % above 27K at sigma 1
         length_sigma=1.0, max_filler_tokens=AREAL_7B_MAX_RESPONSE, max_response_len=AREAL_7B_MAX_RESPONSE,
         slots=36, concurrency=36,  # ~330k KV tokens (H100, Qwen3-8B bf16) / ~9k tokens a request
-        time_scale=100.0),
+        model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=100.0),
 }
 
 
@@ -223,7 +246,8 @@ def read_engine_counts(result: Result, engine_url: str) -> None:
     result.resumed_input_tokens = int(stats.get("resumed_input_tokens", 0))
     planned = [min(int(v), 10**9) for v in (stats.get("planned") or {}).values()]
     result.planned_lengths = planned
-    result.engine_stats = {k: float(v) for k, v in stats.items()
+    info = _get_json(engine_url + "/server_info")
+    result.engine_stats = {k: float(v) for k, v in {**info, **stats}.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 

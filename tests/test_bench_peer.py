@@ -248,10 +248,31 @@ def test_the_time_scale_speeds_the_engine_and_the_trainer_alike():
 
     wl = WORKLOADS["areal-7b"]
     args = wl.engine_args("tasks.jsonl")
-    token_s = float(args[args.index("--token-latency-s") + 1])
-    assert token_s == pytest.approx(wl.token_latency_s / wl.time_scale)
+    if wl.measured_physics:  # the engine runs its own clock that much faster
+        assert float(args[args.index("--time-scale") + 1]) == wl.time_scale and "--model" in args
+    else:
+        token_s = float(args[args.index("--token-latency-s") + 1])
+        assert token_s == pytest.approx(wl.token_latency_s / wl.time_scale)
     assert wl.train_sleep_s == pytest.approx(wl.train_step_s / wl.time_scale)
     assert f"time scale {wl.time_scale:g}x" in wl.describe()
     assert wl.max_response_len == wl.max_filler_tokens == 27 * 1024 and wl.n == 16  # AReaL's, never scaled
     with pytest.raises(ValueError, match="time_scale"):
         Workload(time_scale=0)
+
+
+def test_engine_counters_are_shown_where_the_engine_keeps_them():
+    from scripts.bench_peer import Workload, frontier_table
+
+    rs = _frontier()
+    stats = {"max_kv_used": 300.0, "kv_pool_tokens": 400.0, "kv_used_token_s": 100.0, "busy_s": 1.0,
+             "preemptions": 3.0, "retractions": 2.0, "prefill_tokens": 5000.0, "cached_tokens": 1200.0}
+    for r in rs:
+        if r.label == "pipeline eta 2":
+            r.engine_stats = dict(stats)
+    lines = frontier_table(rs, Workload()).splitlines()
+    assert "| KV pool use max / mean busy | preemptions | retractions | prefill tok computed / cached |" in lines[0]
+    row = next(line for line in lines if line.startswith("| pipeline eta 2 "))
+    assert "| 0.75 (0.75-0.75) / 0.25 (0.25-0.25) | 3 (3-3) | 2 (2-2) | 5000 (5000-5000) / 1200 (1200-1200) |" in row
+    sync = next(line for line in lines if line.startswith("| slime sync"))
+    assert sync.count("not kept") == 4  # an engine without the counters: said so, never 0
+    assert all(line.count("|") == lines[0].count("|") for line in lines)

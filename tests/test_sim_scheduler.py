@@ -1,6 +1,7 @@
-"""The simulated engine's waiting queue models SGLang's (workers/sim/scheduler.py): FCFS by default,
-(priority, arrival) with priority scheduling, larger values first unless low values go first, a
-request without priority last. Counts the order requests get a slot, never times."""
+"""The simulated engine's scheduler (workers/sim/scheduler.py) against the SGLang 0.5.23 rules it
+models, each test naming the function its rule comes from. The scheduler is driven step by step
+(`BatchScheduler.step`), so these count tokens, steps and orders, never times.
+tests/test_sim_sglang_rules.py drives the same sequences through SGLang's own code."""
 
 from __future__ import annotations
 
@@ -8,109 +9,278 @@ import asyncio
 
 import pytest
 
-from workers.sim.scheduler import SlotQueue
+from workers.sim.physics import FlatSteps
+from workers.sim.radix import RadixCache
+from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
 
 
-async def _order(queue: SlotQueue, priorities: list[int | None]) -> list[int]:
-    """One request holds the only slot; the others queue in list order; the order they start."""
-    started: list[int] = []
-    gate = asyncio.Event()
-
-    async def holder() -> None:
-        async with queue.slot():
-            await gate.wait()
-
-    async def one(i: int, priority: int | None) -> None:
-        async with queue.slot(priority):
-            started.append(i)
-
-    first = asyncio.create_task(holder())
-    await asyncio.sleep(0)
-    tasks = []
-    for i, priority in enumerate(priorities):
-        tasks.append(asyncio.create_task(one(i, priority)))
-        await asyncio.sleep(0)  # arrival order = list order
-    gate.set()
-    await asyncio.gather(first, *tasks)
-    return started
+def scheduler(pool: int = 100_000, max_running: int = 64, **limits) -> BatchScheduler:
+    config = SchedulerConfig(kv_pool_tokens=pool, max_running_requests=max_running, **limits)
+    return BatchScheduler(config, FlatSteps(0.01), asyncio.Event())
 
 
-@pytest.mark.asyncio
-async def test_fcfs_ignores_priority():
-    assert await _order(SlotQueue(1), [1, 50, None, 7]) == [0, 1, 2, 3]
+def request(rid: str, n_in: int = 10, n_out: int = 5, *, priority: int | None = None, max_new: int | None = None,
+            first: int = 0) -> SimReq:
+    return SimReq(rid, list(range(first, first + n_in)), [100_000 + i for i in range(n_out)],
+                  n_out if max_new is None else max_new, priority)
 
 
-@pytest.mark.asyncio
-async def test_priority_scheduling_serves_larger_values_first_then_arrival_and_none_last():
-    assert await _order(SlotQueue(1, by_priority=True), [1, 50, None, 7, 50]) == [1, 4, 3, 0, 2]
+def run(sch: BatchScheduler, reqs: list[SimReq], max_steps: int = 100_000) -> list[str]:
+    """Step until everything finished; the order requests finished in."""
+    finished: list[str] = []
+    for _ in range(max_steps):
+        if not (sch.waiting or sch.running or sch.chunked):
+            break
+        sch.step()
+        assert sch.kv_used <= sch.config.kv_pool_tokens
+        finished += [r.rid for r in reqs if r.done.is_set() and r.rid not in finished]
+    assert len(finished) == len(reqs), finished
+    return finished
 
 
-@pytest.mark.asyncio
-async def test_low_values_first_flips_the_order_and_none_is_still_last():
-    assert await _order(SlotQueue(1, by_priority=True, low_values_first=True), [1, 50, None, 7, 1]) == [0, 4, 3, 1, 2]
+# ------------------------------------------------------------------ queue order
 
 
-@pytest.mark.asyncio
-async def test_a_cancelled_waiter_gives_up_its_place_and_slots_are_not_lost():
-    queue = SlotQueue(1, by_priority=True)
-    gate = asyncio.Event()
-    started: list[str] = []
-
-    async def run(name: str, priority: int, hold: bool = False) -> None:
-        async with queue.slot(priority):
-            started.append(name)
-            if hold:
-                await gate.wait()
-
-    holder = asyncio.create_task(run("holder", 0, hold=True))
-    await asyncio.sleep(0)
-    doomed = asyncio.create_task(run("doomed", 100))
-    later = asyncio.create_task(run("later", 1))
-    await asyncio.sleep(0)
-    doomed.cancel()
-    gate.set()
-    await asyncio.gather(holder, later)
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
-    assert started == ["holder", "later"]
-    assert queue.free == 1 and not queue._waiting
+def _admission_order(priorities: list[int | None], **limits) -> list[int]:
+    sch = scheduler(max_running=1, preemption_threshold=10**9, **limits)
+    reqs = [request(str(i), n_out=2, priority=p) for i, p in enumerate(priorities)]
+    for r in reqs:
+        sch.add(r)
+    return [int(rid) for rid in run(sch, reqs)]
 
 
-async def test_the_engine_gives_a_free_slot_to_the_largest_priority_over_http():
-    """`rollout engine --enable-priority-scheduling` over HTTP: one slot, held by a long request;
-    three short ones queue with priorities 1, 5, 3 (no priority: last) and end in priority order,
-    and /server_info says how the engine orders them (what the workers read, workers/engine.py)."""
+def test_fcfs_ignores_priority():
+    """SchedulePolicy.calc_priority with --schedule-policy fcfs (schedule_policy.py): arrival order."""
+    assert _admission_order([1, 50, None, 7]) == [0, 1, 2, 3]
+
+
+def test_priority_scheduling_serves_larger_values_first_then_arrival_and_none_last():
+    """SchedulePolicy._sort_by_priority_and_fcfs (schedule_policy.py): (priority x -1, entry time);
+    no priority = -sys.maxsize - 1 (tokenizer_manager.py _set_default_priority)."""
+    assert _admission_order([1, 50, None, 7, 50], priority_scheduling=True) == [1, 4, 3, 0, 2]
+
+
+def test_low_values_first_flips_the_order_and_none_is_still_last():
+    """--schedule-low-priority-values-first: sign +1, no priority = sys.maxsize (still last)."""
+    assert _admission_order([1, 50, None, 7, 1], priority_scheduling=True, low_priority_values_first=True) == [0, 4, 3, 1, 2]
+
+
+# ------------------------------------------------------------------ priority preemption
+
+
+@pytest.mark.parametrize(("better_by", "preempts"), [(10, False), (11, True)])
+def test_a_waiting_request_preempts_only_past_the_threshold(better_by: int, preempts: bool):
+    """PrefillAdder.preempt_to_schedule (schedule_policy.py), reached from
+    Scheduler._get_new_batch_prefill_raw when the batch is at max-running-requests: a running
+    request is released only when the waiting one is better by MORE than
+    --priority-scheduling-preemption-threshold (10); it keeps its output, queues again and
+    re-prefills input + output."""
+    sch = scheduler(max_running=1, priority_scheduling=True, preemption_threshold=10)
+    low = request("low", n_in=30, n_out=40, priority=0)
+    sch.add(low)
+    for _ in range(5):
+        sch.step()
+    assert low.produced == 5
+    high = request("high", n_in=8, n_out=3, priority=better_by, first=500)
+    sch.add(high)
+    order = run(sch, [low, high])
+    assert order == (["high", "low"] if preempts else ["low", "high"])
+    assert sch.stats["preemptions"] == (1 if preempts else 0)
+    assert low.produced == 40 and low.retractions == (1 if preempts else 0)
+
+
+# ------------------------------------------------------------------ admission budget and chunking
+
+
+def test_admission_stops_at_the_first_request_whose_input_and_output_do_not_fit():
+    """PrefillAdder.add_one_req / _select_prefill_admission: a request needs its uncached input +
+    min(max_new_tokens, CLIP_MAX_NEW_TOKENS) + one page out of the pool's free + evictable tokens
+    less the running requests' expected growth; the pass stops at the first that does not fit
+    (NO_TOKEN), even if a later, smaller one would."""
+    sch = scheduler(pool=1000)
+    reqs = [request(f"r{i}", n_in=100, n_out=300, first=1000 * i) for i in range(3)] + [request("small", n_in=5, n_out=5, first=9000)]
+    for r in reqs:
+        sch.add(r)
+    sch.step()  # 401 + 401 fit in 1000; the third's 401 does not fit in 198, and the pass stops
+    assert [r.rid for r in sch.running] == ["r0", "r1"]
+    assert [r.rid for r in sch.waiting] == ["r2", "small"]
+    run(sch, reqs)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_before_anything_decodes():
+    """--chunked-prefill-size: _select_prefill_admission cuts the request at the chunk budget
+    (is_chunked, no output reserved), add_chunked_req continues it first in the next passes;
+    event_loop_normal runs a prefill batch whenever one forms, so the running request waits."""
+    sch = scheduler(chunked_prefill_size=100)
+    running = request("running", n_in=10, n_out=50)
+    sch.add(running)
+    sch.step()
+    assert running.produced == 1  # the prefill samples the first token
+    long = request("long", n_in=250, n_out=5, first=1000)
+    sch.add(long)
+    chunks = []
+    for _ in range(3):
+        before = sch.stats["prefill_tokens"]
+        sch.step()
+        chunks.append(sch.stats["prefill_tokens"] - before)
+    assert chunks == [100, 100, 50]
+    assert running.produced == 1 and long.produced == 1
+    sch.step()  # now one decode step for both
+    assert running.produced == 2 and long.produced == 2
+
+
+def test_max_running_requests_caps_the_batch():
+    """Scheduler.get_num_allocatable_reqs: no admission past --max-running-requests."""
+    sch = scheduler(max_running=3)
+    reqs = [request(str(i), n_out=20, first=100 * i) for i in range(5)]
+    for r in reqs:
+        sch.add(r)
+    sch.step()
+    assert len(sch.running) == 3 and len(sch.waiting) == 2
+    run(sch, reqs)
+
+
+# ------------------------------------------------------------------ retraction
+
+
+def test_a_full_pool_retracts_the_request_with_the_fewest_output_tokens_then_the_longest_input():
+    """ScheduleBatch.retract_decode / _get_decode_retraction_order (schedule_batch.py, --retraction-policy
+    length): when the next decode step's tokens do not fit (check_decode_mem), requests are
+    retracted in order (fewest output tokens, then longest input), at least one, never the last;
+    the retracted one keeps its output and re-prefills later; everything still finishes."""
+    sch = scheduler(pool=200)
+    a = request("a", n_in=40, n_out=100, max_new=20)
+    b = request("b", n_in=50, n_out=100, max_new=20, first=1000)
+    for r in (a, b):
+        sch.add(r)
+    sch.step()
+    assert {r.rid for r in sch.running} == {"a", "b"}
+    while not sch.stats["retractions"]:
+        sch.step()
+    assert [r.rid for r in sch.waiting] == ["b"] and b.retractions == 1 and b.produced > 1
+    run(sch, [a, b])
+    assert a.produced == b.produced == 100
+    assert sch.stats["max_kv_used"] <= 200
+
+
+# ------------------------------------------------------------------ prefix cache
+
+
+def test_a_second_turn_prefills_only_what_the_cache_lacks_and_a_flush_forgets_it():
+    """RadixCache (mem_cache/radix_cache.py): cache_finished_req caches input + output (the last
+    token has no KV yet); the next turn's match_prefix finds it (meta_info.cached_tokens);
+    flush_cache empties it, and is refused while a request holds cached nodes."""
+    sch = scheduler()
+    first = request("t1", n_in=100, n_out=21)
+    sch.add(first)
+    run(sch, [first])
+    assert first.cached_tokens == 0
+    second_input = first.input_ids + first.output_ids + list(range(7000, 7010))
+    second = SimReq("t2", second_input, [1, 2, 3], 3)
+    sch.add(second)
+    before = sch.stats["prefill_tokens"]
+    run(sch, [second])
+    assert second.cached_tokens == 120
+    assert sch.stats["prefill_tokens"] - before == len(second_input) - 120
+    holder = request("holder", n_in=20, n_out=50, first=50_000)
+    sch.add(holder)
+    sch.step()
+    assert sch.flush_cache() is False  # not idle
+    run(sch, [holder])
+    assert sch.flush_cache() is True and sch.cache.total_size == 0
+    third = SimReq("t3", second_input, [1], 1)
+    sch.add(third)
+    run(sch, [third])
+    assert third.cached_tokens == 0
+
+
+def test_eviction_frees_the_least_recently_used_unlocked_leaves_first():
+    """RadixCache.evict: a heap of leaves by last access; locked nodes (inc_lock_ref) stay."""
+    cache = RadixCache()
+    cache.insert(list(range(10)))
+    cache.insert(list(range(100, 110)))
+    cache.insert(list(range(200, 210)))
+    cache.match_prefix(list(range(10)))  # touched: now the most recent
+    _n, locked = cache.match_prefix(list(range(100, 110)))
+    cache.lock(locked)
+    assert cache.evict(5) == 10  # a whole leaf: 200.. (least recent, unlocked)
+    assert cache.match_prefix(list(range(200, 210)))[0] == 0
+    assert cache.match_prefix(list(range(10)))[0] == 10
+    assert cache.evict(100) == 10 and cache.total_size == 10 == cache.protected_size
+    cache.unlock(locked)
+    assert cache.evictable_size == 10
+
+
+def test_a_shared_prefix_is_split_and_matched_token_exactly():
+    """_split_node: page size 1, a match may end inside an edge."""
+    cache = RadixCache()
+    cache.insert([1, 2, 3, 4, 5])
+    assert cache.insert([1, 2, 3, 9, 9]) == 3
+    assert cache.match_prefix([1, 2, 3, 4, 7])[0] == 4
+    assert cache.total_size == 7
+
+
+# ------------------------------------------------------------------ pause
+
+
+def test_retract_pause_frees_every_running_request_and_they_re_prefill_after_continue():
+    """Scheduler.pause_generation(mode="retract"): retract_all releases the running requests' KV and
+    queues them; after continue they prefill input + output again (cached prompt parts excepted)."""
+    sch = scheduler()
+    reqs = [request(str(i), n_in=30, n_out=20, first=100 * i) for i in range(3)]
+    for r in reqs:
+        sch.add(r)
+    for _ in range(5):
+        sch.step()
+    sch.retract_all()
+    assert not sch.running and len(sch.waiting) == 3
+    before = sch.stats["prefill_tokens"]
+    sch.step()
+    assert sch.stats["prefill_tokens"] - before == 3 * 5  # the prompts were cached; the 5 outputs each were not
+    run(sch, reqs)
+    assert all(r.produced == 20 for r in reqs)
+
+
+async def _holder_and_three(threshold: int) -> tuple[list[str], list[int], dict]:
+    """One slot; a 100-token request of priority 0, then three 2-token ones of priorities 100, 500,
+    300 while it runs: (the order they finished, their token counts, the engine's counters)."""
     import aiohttp
 
     from workers.sim.engine import SimConfig, serve_sim_engine
-    from workers.sim.tokenizer import load_test_tokenizer
 
-    tok = load_test_tokenizer()
-    ids = tok.encode("What is 6 * 7?", add_special_tokens=False)
-    config = SimConfig(slots=1, token_latency_s=0.01, latency_sigma=0.0, length_mu=6.0, length_sigma=0.01,
-                       priority_scheduling=True)
+    config = SimConfig(slots=1, token_latency_s=0.02, length_mu=6.0, length_sigma=0.01,
+                       priority_scheduling=True, priority_preemption_threshold=threshold)
     finished: list[str] = []
     async with serve_sim_engine(config) as sim, aiohttp.ClientSession() as http:
+        ids = sim.engine.tokenizer.encode("What is 6 * 7?", add_special_tokens=False)
         async with http.get(f"{sim.url}/server_info") as resp:
             info = await resp.json()
-        assert info["enable_priority_scheduling"] is True and info["schedule_low_priority_values_first"] is False
+        assert info["enable_priority_scheduling"] is True
+        assert info["priority_scheduling_preemption_threshold"] == threshold
 
-        async def ask(rid: str, max_new: int, priority: int | None) -> None:
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}, "rid": rid}
-            if priority is not None:
-                body["priority"] = priority
+        async def ask(rid: str, max_new: int, priority: int) -> int:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new}, "rid": rid, "priority": priority}
             async with http.post(f"{sim.url}/generate", json=body) as resp:
                 assert resp.status == 200, await resp.text()
+                tokens = (await resp.json())["meta_info"]["completion_tokens"]
             finished.append(rid)
+            return int(tokens)
 
-        holder = asyncio.create_task(ask("holder", 60, None))  # 0.6 s on the only slot
-        await asyncio.sleep(0.1)
-        waiting = []
-        for rid, priority in (("none", None), ("p1", 1), ("p5", 5), ("p3", 3)):
-            waiting.append(asyncio.create_task(ask(rid, 2, priority)))
-            await asyncio.sleep(0.05)
-        await asyncio.gather(holder, *waiting)
-        async with http.post(f"{sim.url}/generate", json={"input_ids": ids, "priority": 2**63}) as resp:
-            assert resp.status == 400  # SGLang's signed 64-bit check
-        assert sim.engine.stats["priorities"] == {"p1": 1, "p5": 5, "p3": 3}
-    assert finished == ["holder", "p5", "p3", "p1", "none"]
+        holder = asyncio.create_task(ask("holder", 100, 0))  # 2 s on the only slot
+        while not sim.engine.scheduler or not sim.engine.scheduler.running:
+            await asyncio.sleep(0.01)
+        short = [asyncio.create_task(ask(rid, 2, p)) for rid, p in (("p100", 100), ("p500", 500), ("p300", 300))]
+        tokens = await asyncio.gather(holder, *short)
+        return finished, tokens, sim.engine.physics_stats()
+
+
+async def test_the_engine_preempts_over_http_and_the_preempted_request_still_finishes_whole():
+    """`rollout engine --enable-priority-scheduling` over HTTP, one running request at a time: a
+    long request of priority 0 runs; three short ones with priorities 100, 500, 300 preempt it
+    (better by more than SGLang's default threshold, 10) and finish first; it then finishes with
+    every token; with a threshold of 10**6 nothing preempts. (A request without priority would be
+    preempted whatever the threshold: its default is -sys.maxsize - 1.)"""
+    finished, tokens, stats = await _holder_and_three(10)
+    assert finished[-1] == "holder" and tokens[0] == 100 and stats["preemptions"] >= 1
+    finished, tokens, stats = await _holder_and_three(10**6)
+    assert finished[0] == "holder" and tokens[0] == 100 and stats["preemptions"] == 0

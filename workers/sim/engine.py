@@ -57,10 +57,10 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from pipeline.aio import wait_for
 from pipeline.sampling import sampling_errors
 from pipeline.schema import Task
-from workers.sim.scheduler import SlotQueue
+from workers.sim.physics import FlatSteps, StepModel, StepTable, load_table, sglang_max_running_requests
+from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +89,27 @@ class SimConfig:
     length_mu: float = 3.5  # lognormal filler length: exp(mu) ~ 33 tokens median
     length_sigma: float = 0.8
     max_filler_tokens: int = 2048
-    token_latency_s: float = 0.0  # mean per output token; 0 = no sleeping at all
-    latency_sigma: float = 0.5
-    slots: int = 256  # concurrent generations; the rest wait (0 = unlimited)
-    # SGLang's --enable-priority-scheduling / --schedule-low-priority-values-first: the waiting
-    # queue ordered by each request's `priority` (workers/sim/scheduler.py)
+    # Physics (workers/sim/physics.py, workers/sim/scheduler.py). `model` set: SGLang's step loop
+    # with that model's measured step times on `gpu` x `tp` (a committed aiconfigurator table);
+    # else `token_latency_s` > 0: the same step loop, every decode step that long, prefill free;
+    # else instant: every answer at once, no capacity (unit tests).
+    model: str = ""  # e.g. Qwen/Qwen3-8B (workers/sim/step_tables/)
+    gpu: str = "h100_sxm"  # h100_sxm | h200_sxm
+    tp: int = 1
+    time_scale: float = 1.0  # simulated seconds per real second (benchmarks on 2 cores run faster clocks)
+    token_latency_s: float = 0.0  # without a model: seconds per decode step; 0 = instant
+    latency_sigma: float = 0.0  # ignored: the per-request speed draw is gone (kept so old configs load)
+    slots: int = 256  # --max-running-requests (0: SGLang's default from the KV pool)
+    mem_fraction_static: float = 0.0  # 0: SGLang's default for the GPU (physics.sglang_mem_fraction_static)
+    kv_pool_tokens: int = 0  # --max-total-tokens; 0: from model, GPU and mem fraction (no model: unlimited)
+    chunked_prefill_size: int = 8192  # SGLang's default on 80-160 GB GPUs; -1 = no chunking
+    max_prefill_tokens: int = 16384  # SGLang's --max-prefill-tokens default
+    # SGLang's --enable-priority-scheduling / --schedule-low-priority-values-first /
+    # --priority-scheduling-preemption-threshold
     priority_scheduling: bool = False
     low_priority_values_first: bool = False
+    priority_preemption_threshold: int = 10
+    weight_push_gbps: float = 25.0  # with a model: a weight update holds the GPU model bytes / this (GB/s); 0 = free
     context_length: int = 32768
     weight_version: str = "default"
     startup_s: float = 0.0  # /health answers 503 (and /generate is refused) this long after start
@@ -111,6 +125,8 @@ class _Running:
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     message: str = ""
     produced: int = 0
+    priority: int | None = None  # the `priority` it is scheduled by
+    cached_tokens: int = 0  # prefix-cache hit (meta_info.cached_tokens)
     version_events: list[tuple[str, int]] = field(default_factory=list)  # (old label, tokens so far) per update
 
 
@@ -125,9 +141,10 @@ class SimEngine:
         self.weight_version = config.weight_version
         self._filler_ids = self._single_token_words()
         self._assistant_header = self.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-        self._slots = self._new_slots()
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self.scheduler: BatchScheduler | None = None
+        self._apply_config()
         self._paused_in_place = False  # in_place/retract: running requests wait instead of aborting
         self._started_at = time.monotonic()
         self._running: dict[str, _Running] = {}
@@ -141,16 +158,37 @@ class SimEngine:
                                       "resumed_requests": 0, "resumed_input_tokens": 0,
                                       "priorities": {}}  # rid -> the `priority` it was scheduled by
 
-    def _new_slots(self) -> SlotQueue | None:
+    def _apply_config(self) -> None:
+        """(Re)build the physics from `self.config`: the step model, the KV pool, the scheduler's
+        limits. A scheduler already running keeps its queue, batch and cache."""
         c = self.config
-        if c.slots <= 0:
-            return None
-        return SlotQueue(c.slots, by_priority=c.priority_scheduling, low_values_first=c.low_priority_values_first)
+        self.table: StepTable | None = load_table(c.model, c.gpu, c.tp) if c.model else None
+        steps: StepModel | None = self.table if self.table is not None else (
+            FlatSteps(c.token_latency_s) if c.token_latency_s > 0 else None)
+        if steps is None:
+            self.scheduler = None  # instant mode: every answer at once
+            return
+        if c.time_scale <= 0:
+            raise ValueError(f"time_scale must be > 0, not {c.time_scale}")
+        self.mem_fraction = c.mem_fraction_static or (
+            self.table.default_mem_fraction(c.chunked_prefill_size) if self.table is not None else 0.0)
+        pool = c.kv_pool_tokens or (self.table.kv_pool_tokens(self.mem_fraction) if self.table is not None else 1 << 62)
+        max_running = c.slots or sglang_max_running_requests(pool, c.context_length)
+        limits = SchedulerConfig(kv_pool_tokens=pool, max_running_requests=max_running,
+                                 chunked_prefill_size=c.chunked_prefill_size, max_prefill_tokens=c.max_prefill_tokens,
+                                 priority_scheduling=c.priority_scheduling,
+                                 low_priority_values_first=c.low_priority_values_first,
+                                 preemption_threshold=c.priority_preemption_threshold, time_scale=c.time_scale)
+        current = getattr(self, "scheduler", None)
+        if current is not None:
+            current.config, current.steps = limits, steps
+        else:
+            self.scheduler = BatchScheduler(limits, steps, self._resumed, on_token=_count_token)
 
     def set_slots(self, slots: int) -> None:
-        """Generations at once (SGLang's max_running_requests), for the requests that come next."""
+        """Generations at once (SGLang's max_running_requests), and any other SimConfig change, for what comes next."""
         self.config = dataclasses.replace(self.config, slots=slots)
-        self._slots = self._new_slots()
+        self._apply_config()
 
     def _single_token_words(self) -> list[int]:
         ids = [self.tokenizer.encode(" " + w, add_special_tokens=False) for w in _FILLER_WORDS]
@@ -186,17 +224,30 @@ class SimEngine:
         return web.Response(status=503 if self._starting() else 200)
 
     async def server_info(self, _request: web.Request) -> web.Response:
-        return web.json_response(
-            {
-                "model_path": "simulated-engine",
-                "tokenizer_path": self.tokenizer_path,
-                "context_length": self.config.context_length,
-                "max_running_requests": self.config.slots,
-                "enable_priority_scheduling": self.config.priority_scheduling,
-                "schedule_low_priority_values_first": self.config.low_priority_values_first,
-                "version": "0.5.23-sim",
-            }
-        )
+        c = self.config
+        info: dict[str, Any] = {
+            "model_path": c.model or "simulated-engine",
+            "tokenizer_path": self.tokenizer_path,
+            "context_length": c.context_length,
+            "max_running_requests": self.scheduler.config.max_running_requests if self.scheduler else c.slots,
+            "enable_priority_scheduling": c.priority_scheduling,
+            "schedule_low_priority_values_first": c.low_priority_values_first,
+            "priority_scheduling_preemption_threshold": c.priority_preemption_threshold,
+            "chunked_prefill_size": c.chunked_prefill_size,
+            "max_prefill_tokens": c.max_prefill_tokens,
+            "tp_size": c.tp,
+            "version": "0.5.23-sim",
+            # what it plays: the step times' source, the GPU, the clock
+            "sim_physics": "instant" if self.scheduler is None else ("table" if self.table else "flat"),
+            "sim_gpu": c.gpu if self.table else None,
+            "sim_step_source": self.table.source if self.table else None,
+            "sim_time_scale": c.time_scale,
+        }
+        if self.scheduler is not None:
+            info["max_total_num_tokens"] = self.scheduler.config.kv_pool_tokens
+        if self.table is not None:
+            info["mem_fraction_static"] = self.mem_fraction
+        return web.json_response(info)
 
     async def model_info(self, _request: web.Request) -> web.Response:
         return web.json_response(
@@ -221,9 +272,12 @@ class SimEngine:
         """SGLang's GET /v1/loads (entrypoints/v1_loads.py), one DP rank, core keys only:
         slime's abort polls it (server_control.py) until nothing is running or waiting."""
         held = len(self._running)
-        running = min(held, self.config.slots) if self.config.slots > 0 else held
+        if self.scheduler is not None:
+            running, limit = len(self.scheduler.running), self.scheduler.config.max_running_requests
+        else:
+            running, limit = held, self.config.slots
         load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running,
-                "num_waiting_reqs": held - running, "max_running_requests": self.config.slots}
+                "num_waiting_reqs": held - running, "max_running_requests": limit}
         return web.json_response({"timestamp": load["timestamp"], "version": "0.5.23-sim", "accelerator": None,
                                   "num_accelerators": 0, "loads": [load]})
 
@@ -245,6 +299,8 @@ class SimEngine:
         self._paused_in_place = mode != "abort"
         if mode == "abort":
             self._abort_all("Abort for pause generation")
+        elif mode == "retract" and self.scheduler is not None:
+            self.scheduler.retract_all()  # their KV is freed: they re-prefill after continue
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, _request: web.Request) -> web.Response:
@@ -258,13 +314,29 @@ class SimEngine:
             return web.json_response({"detail": [{"loc": ["body", "new_version"], "msg": "Field required"}]}, status=422)
         if body.get("abort_all_requests", True):
             self._abort_all("Abort for weight version update")
-        old, self.weight_version = self.weight_version, str(body["new_version"])
-        for running in self._running.values():  # survivors (paused in place) record the switch
-            running.version_events.append((old, running.produced))
+        await self.push_weights(str(body["new_version"]))
         return web.json_response(
             {"success": True, "message": f"Weight version updated to {self.weight_version}",
              "new_version": self.weight_version}
         )
+
+    async def push_weights(self, new_version: str) -> None:
+        """A weight update as the engine feels it: with a model, the GPU is busy model bytes /
+        `weight_push_gbps` (no step runs; the call returns when it is done) and the prefix
+        cache is flushed (SGLang's update_weights_* flush it; refused while requests hold it,
+        as after an in_place pause); then the label changes, and requests that survived the
+        pause record the switch (weight-version spans)."""
+        scheduler, c = self.scheduler, self.config
+        if scheduler is not None and self.table is not None and c.weight_push_gbps > 0:
+            seconds = self.table.model_bytes / (c.weight_push_gbps * 1e9)
+            scheduler.hold(seconds)
+            self.stats["weight_push_s"] = self.stats.get("weight_push_s", 0.0) + seconds
+            await asyncio.sleep(seconds / c.time_scale)
+        if scheduler is not None and scheduler.flush_cache():
+            self.stats["cache_flushes"] = self.stats.get("cache_flushes", 0) + 1
+        old, self.weight_version = self.weight_version, new_version
+        for running in self._running.values():  # survivors (paused in place) record the switch
+            running.version_events.append((old, running.produced))
 
     def _abort_all(self, message: str) -> None:
         for running in self._running.values():
@@ -278,7 +350,17 @@ class SimEngine:
         return web.json_response({"queued": len(self._faults)})
 
     async def get_stats(self, _request: web.Request) -> web.Response:
-        return web.json_response({**self.stats, "weight_version": self.weight_version, "running": len(self._running)})
+        return web.json_response({**self.stats, **self.physics_stats(), "weight_version": self.weight_version,
+                                  "running": len(self._running)})
+
+    def physics_stats(self) -> dict[str, Any]:
+        """The step loop's counters (steps, prefill tokens, cached tokens, retractions, preemptions,
+        simulated busy time, KV use) and the KV pool's size; empty in instant mode."""
+        if self.scheduler is None:
+            return {}
+        sch = self.scheduler
+        return {**sch.stats, "kv_pool_tokens": sch.config.kv_pool_tokens, "kv_used": sch.kv_used,
+                "sim_time_s": sch.sim_now, "num_waiting_reqs": len(sch.waiting)}
 
     # ------------------------------------------------------------ generate
 
@@ -377,7 +459,7 @@ class SimEngine:
             "finish_reason": finish,
             "prompt_tokens": len(input_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": self._running[rid].cached_tokens if rid in self._running else 0,
             "weight_version": spans[-1]["version"],
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(log_probs, ids)],
             "e2e_latency": time.monotonic() - started,
@@ -390,15 +472,15 @@ class SimEngine:
     def _note_priority(self, rid: str, priority: int | None) -> int | None:
         if priority is not None:
             self.stats["priorities"][rid] = priority
+        running = self._running.get(rid)
+        if running is not None:
+            running.priority = priority
         return priority
 
     @contextlib.asynccontextmanager
     async def _slot(self, priority: int | None = None) -> AsyncIterator[None]:
-        if self._slots is None:
-            yield
-            return
-        async with self._slots.slot(priority):
-            yield
+        """Kept for callers of the old slot queue: admission now happens in the scheduler's step loop."""
+        yield
 
     async def _run(
         self, running: _Running, input_ids: list[int], routing_key: str, params: dict[str, Any]
@@ -414,7 +496,7 @@ class SimEngine:
         budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
         budget = len(plan_ids) if budget is None else budget
         ids, lps = plan_ids[done : done + budget], plan_lps[done : done + budget]
-        produced = await self._emit(running, len(ids))
+        produced = await self._emit(running, input_ids, ids, params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS))
         if produced < len(ids):
             self.stats["aborted"] += 1
             finish: dict[str, Any] = {"type": "abort", "message": running.message}
@@ -437,27 +519,32 @@ class SimEngine:
             spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
         return spans or [{"version": self.weight_version, "start": 0, "end": produced}]
 
-    async def _emit(self, running: _Running, n_tokens: int) -> int:
-        """Spend the simulated decode time; returns how many tokens were produced before an abort.
-        While paused in place, a running request holds its tokens and waits for continue."""
-        if self.config.token_latency_s <= 0 or n_tokens == 0:
+    async def _emit(self, running: _Running, input_ids: list[int], ids: list[int], max_new: int | None) -> int:
+        """Run the request through the scheduler's step loop (instant mode: at once); returns
+        how many of `ids` were produced before an abort. While paused in place nothing steps."""
+        if self.scheduler is None or not ids:
             if not self._resumed.is_set() and self._paused_in_place:
                 await self._resumed.wait()
-            running.produced = 0 if running.aborted.is_set() else n_tokens
+            running.produced = 0 if running.aborted.is_set() else len(ids)
             return running.produced
-        rng = np.random.default_rng()
-        per_token = self.config.token_latency_s * rng.lognormal(0.0, self.config.latency_sigma)
-        step = max(1, int(0.02 / per_token))  # wake up ~every 20 ms
-        while running.produced < n_tokens:
-            if self._paused_in_place and not self._resumed.is_set():
-                await self._resumed.wait()
-            chunk = min(step, n_tokens - running.produced)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await wait_for(running.aborted.wait(), chunk * per_token)
-            if running.aborted.is_set():
-                return running.produced
-            running.produced += chunk
-        return running.produced
+        req = SimReq(running.rid, input_ids, ids, max(len(ids), max_new or 0), priority=running.priority)
+        req.owner = running
+        self.scheduler.submit(req)
+        aborted = asyncio.ensure_future(running.aborted.wait())
+        finished = asyncio.ensure_future(req.done.wait())
+        try:
+            await asyncio.wait({aborted, finished}, return_when=asyncio.FIRST_COMPLETED)
+            if not req.done.is_set():
+                self.scheduler.abort(req)
+                await req.done.wait()
+        finally:
+            aborted.cancel()
+            finished.cancel()
+            if not req.done.is_set():  # the caller went away: the request leaves the engine too
+                self.scheduler.abort(req)
+        running.produced = req.produced
+        running.cached_tokens = req.cached_tokens
+        return req.produced
 
     async def _run_puzzle(
         self, running: _Running, input_ids: list[int], params: dict[str, Any]
@@ -478,7 +565,7 @@ class SimEngine:
         budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
         if budget is not None and len(ids) > budget:
             ids, finish = ids[:budget], {"type": "length", "length": budget}
-        produced = await self._emit(running, len(ids))
+        produced = await self._emit(running, input_ids, ids, len(ids))
         if produced < len(ids):
             self.stats["aborted"] += 1
             finish = {"type": "abort", "message": running.message}
@@ -550,6 +637,11 @@ class SimEngine:
         except (ValueError, SyntaxError, ZeroDivisionError, OverflowError):
             return None
         return str(int(value)) if float(value).is_integer() else f"{value:.6g}"
+
+
+def _count_token(req: SimReq) -> None:
+    """The scheduler produced a token of `req`: its engine handle counts it (weight-version spans)."""
+    req.owner.produced = req.produced
 
 
 def _rfind(haystack: list[int], needle: list[int]) -> int:
@@ -754,18 +846,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="sigma of the lognormal: larger = longer tail (default %(default)s)")
     length.add_argument("--max-filler-tokens", type=int, default=d.max_filler_tokens,
                         help="cap on the filler (default %(default)s)")
-    speed = p.add_argument_group("speed and capacity")
-    speed.add_argument("--token-latency-s", type=float, default=d.token_latency_s,
-                       help="mean seconds per output token (0: answer at once) (default %(default)s)")
-    speed.add_argument("--latency-sigma", type=float, default=d.latency_sigma,
-                       help="sigma of the lognormal per-token latency around --token-latency-s (default %(default)s)")
-    speed.add_argument("--slots", type=int, default=d.slots,
-                       help="generations running at once, the rest queue as in SGLang's scheduler; 0 = unlimited "
-                            "(default %(default)s)")
+    physics = p.add_argument_group(
+        "physics: SGLang's scheduler loop in simulated time (workers/sim/scheduler.py), step times of a real model")
+    physics.add_argument("--model", default=d.model,
+                         help="the model it plays, with aiconfigurator's measured step times and KV size for it "
+                              f"(tables: {', '.join(_table_models())}); default: none (see --token-latency-s)")
+    physics.add_argument("--gpu", default=d.gpu, help="GPU of the step times: h100_sxm or h200_sxm (default %(default)s)")
+    physics.add_argument("--tp", type=int, default=d.tp, help="tensor-parallel size (default %(default)s)")
+    physics.add_argument("--time-scale", type=float, default=d.time_scale,
+                         help="simulated seconds per real second: 10 runs the engine 10x faster than the GPU it plays "
+                              "(state it beside every figure measured with it) (default %(default)s)")
+    physics.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                         help="SGLang's flag: fraction of GPU memory for weights + KV pool (0: SGLang's default for "
+                              "the GPU) (default %(default)s)")
+    physics.add_argument("--max-total-tokens", type=int, default=d.kv_pool_tokens,
+                         help="KV pool size in tokens (0: from model, GPU and memory fraction; no model: unlimited) "
+                              "(default %(default)s)")
+    physics.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                         help="SGLang's flag: most prompt tokens prefilled in one step, -1 = no chunking "
+                              "(default %(default)s)")
+    physics.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                         help="SGLang's flag: prefill token budget of one step (default %(default)s)")
+    physics.add_argument("--slots", "--max-running-requests", dest="slots", type=int, default=d.slots,
+                         help="SGLang's flag: requests decoding at once, the rest queue; 0 = SGLang's default "
+                              "from the KV pool (default %(default)s)")
+    physics.add_argument("--weight-push-gbps", type=float, default=d.weight_push_gbps,
+                         help="with --model: a weight update keeps the GPU busy model bytes / this many GB/s "
+                              "(an assumed link speed, not measured); 0 = free (default %(default)s)")
+    physics.add_argument("--token-latency-s", type=float, default=d.token_latency_s,
+                         help="without --model: every decode step lasts this long, prefill is free (tests); "
+                              "0 with no --model = instant answers, no capacity (default %(default)s)")
+    physics.add_argument("--latency-sigma", type=float, default=0.0,
+                         help="ignored: the old per-request lognormal speed is gone (every running request gains a "
+                              "token per step); accepted so old command lines still start")
+    speed = p.add_argument_group("queue and limits")
     speed.add_argument("--enable-priority-scheduling", action="store_true",
-                       help="order the waiting queue by each request's `priority`, as SGLang's flag does")
+                       help="order the waiting queue by each request's `priority`, as SGLang's flag does, and "
+                            "preempt running requests past --priority-scheduling-preemption-threshold")
     speed.add_argument("--schedule-low-priority-values-first", action="store_true",
                        help="with --enable-priority-scheduling: lower `priority` values first (SGLang's flag)")
+    speed.add_argument("--priority-scheduling-preemption-threshold", type=int, default=d.priority_preemption_threshold,
+                       help="SGLang's flag: a waiting request preempts running ones whose priority is worse by more "
+                            "than this (default %(default)s)")
     speed.add_argument("--context-length", type=int, default=d.context_length,
                        help="context length in tokens (/server_info); longer requests get SGLang's 400 (default %(default)s)")
     speed.add_argument("--startup-s", type=float, default=d.startup_s,
@@ -781,8 +903,12 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         accuracy=args.accuracy, tool_use=args.tool_use, malformed_rate=args.malformed_rate,
         length_mu=args.length_mu, length_sigma=args.length_sigma, max_filler_tokens=args.max_filler_tokens,
-        token_latency_s=args.token_latency_s, latency_sigma=args.latency_sigma, slots=args.slots,
+        model=args.model, gpu=args.gpu, tp=args.tp, time_scale=args.time_scale,
+        mem_fraction_static=args.mem_fraction_static, kv_pool_tokens=args.max_total_tokens,
+        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
+        weight_push_gbps=args.weight_push_gbps, token_latency_s=args.token_latency_s, slots=args.slots,
         priority_scheduling=args.enable_priority_scheduling,
+        priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         low_priority_values_first=args.schedule_low_priority_values_first,
         context_length=args.context_length, weight_version=args.weight_version, seed=args.seed,
         startup_s=args.startup_s, puzzle=args.puzzle,
@@ -790,11 +916,23 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     )
 
 
+def _table_models() -> list[str]:
+    from workers.sim.physics import available_tables
+
+    return sorted({name.split("--h")[0].replace("--", "/") for name in available_tables()})
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    engine = SimEngine(config_from_args(args))
-    print(f"simulated SGLang engine on http://{args.host}:{args.port} (tokenizer {engine.tokenizer_path})", flush=True)
+    try:
+        engine = SimEngine(config_from_args(args))
+    except ValueError as exc:  # an unknown model/GPU, a model that does not fit
+        raise SystemExit(f"rollout engine: {exc}") from exc
+    plays = (f"{args.model} on {args.gpu} x tp {args.tp}, KV pool {engine.scheduler.config.kv_pool_tokens} tokens"
+             if engine.table and engine.scheduler else "no model")
+    print(f"simulated SGLang engine on http://{args.host}:{args.port} ({plays}, time scale {args.time_scale}; "
+          f"tokenizer {engine.tokenizer_path})", flush=True)
     web.run_app(engine.app(), host=args.host, port=args.port, access_log=None, print=None)
     return 0
 

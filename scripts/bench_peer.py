@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -57,7 +57,7 @@ SAME_LAG_TOKENS_GOAL = 1.25  # trained tokens/s at fully async's own max lag, vs
 AFTER_PUSH_S = 0.5  # slot use in this window after each weight push is reported apart
 
 
-def _pct(values: list[int], q: float) -> float:
+def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
@@ -156,7 +156,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
         bias = length_bias(r)[0]
         print(f"[peer] repeat {rep + 1}/{repeats} {label}: " + (
             f"{r.groups_per_s:.2f} groups/s, {r.trained_tokens_per_s:.0f} trained tok/s, length {bias:+.1f}%, "
-            f"lag max {max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f} "
+            f"lag max {max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f}, "
+            f"engine clock {clock_cell([r], wl)} of the time scale "
             f"({time.monotonic() - t0:.0f} s)" if r.ran else f"could not run: {r.reason}"), flush=True)
         results.append(r)
         return r
@@ -257,19 +258,31 @@ def _counter_cells(ran: list[Result]) -> str:
 ENGINE_TITLES = [title for title, _c, _s in ENGINE_COUNTERS if title]
 
 
+def clock_cell(ran: list[Result], wl: Workload) -> str:
+    """How well the engine's step loop kept the time scale (1.00: exactly): the median and p10 of
+    its simulated seconds per wall second over busy windows, over the scale, worst repeat shown."""
+    rates = [r.clock_rates for r in ran if r.clock_rates]
+    if len(rates) < len(ran):
+        return "not kept"
+    p50 = min(_pct(x, 50) for x in rates) / wl.time_scale
+    p10 = min(_pct(x, 10) for x in rates) / wl.time_scale
+    return f"{p50:.2f} ({p10:.2f})"
+
+
 def frontier_table(results: list[Result], wl: Workload) -> str:
     head = ("| contender | groups/s | trained response tok/s | vs best fully async, same repeat | trained len mean / p90 "
             "| plan len mean / p90 | length bias mean / p90 | engine slot use (after pushes) | lag mean / max | "
             "lag distribution (calls) | tokens never trained | re-prefilled tok per push | "
             + " | ".join(ENGINE_TITLES) +
-            " | earliest schedule tok/s at lag <= eta, on this run's measured durations |")
-    lines = [head, "|" + "---|" * (13 + len(ENGINE_TITLES))]
+            " | engine clock / time scale, busy windows p50 (p10) | earliest schedule tok/s at lag <= eta, on this run's "
+            "measured durations |")
+    lines = [head, "|" + "---|" * (14 + len(ENGINE_TITLES))]
     rows = _rows(results)
     fa_runs = rows.get(FA_BEST, [])
     for label, runs in rows.items():
         ran = [r for r in runs if r.ran]
         if not ran:
-            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * (11 + len(ENGINE_TITLES)))
+            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * (12 + len(ENGINE_TITLES)))
             continue
         tl = [float(np.mean(r.trained_lengths)) for r in ran]
         tp = [_pct(r.trained_lengths, 90) for r in ran]
@@ -290,7 +303,7 @@ def frontier_table(results: list[Result], wl: Workload) -> str:
             f"{_fmt([float(np.mean(r.lags)) if r.lags else 0.0 for r in ran])} / {max(max_lag(r) for r in ran)} | {dist} | "
             f"{_fmt([waste_pct(r) for r in ran], '.1f')} % | "
             f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} | "
-            + _counter_cells(ran) + " | "
+            + _counter_cells(ran) + f" | {clock_cell(ran, wl)} | "
             f"{_fmt([ceiling_tokens_per_s(r) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
     return "\n".join(lines)
 
@@ -463,6 +476,7 @@ def run_summary(r: Result, wl: Workload) -> dict:
         plan_len_p90=_pct(r.planned_lengths, 90) if r.planned_lengths else None,
         length_bias_pct=[round(x, 2) for x in bias], slot_use=[round(x, 3) for x in use], pushes=len(r.push_times),
         earliest_schedule_tok_s=round(ceiling_tokens_per_s(r), 1) if r.eta >= 0 else None,
+        engine_clock_rate_p10_p50=[_pct(r.clock_rates, 10), _pct(r.clock_rates, 50)] if r.clock_rates else None,
         notes=[note[:200] for note in r.notes])
     return out
 

@@ -59,6 +59,7 @@ CONTENDERS = {
     "e": "in-process mode (slime sync + workers.inslime.generate)",
 }
 SLOT_SAMPLE_S = 0.05
+CLOCK_SAMPLE_S = 0.5
 
 
 @dataclass
@@ -167,7 +168,7 @@ WORKLOADS: dict[str, Workload] = {
         length_mu=math.log(AREAL_7B_MAX_RESPONSE / math.exp(1.645)),  # median 5,336: 5 % above 27K at sigma 1
         length_sigma=1.0, max_filler_tokens=AREAL_7B_MAX_RESPONSE, max_response_len=AREAL_7B_MAX_RESPONSE,
         slots=36, concurrency=36,  # ~330k KV tokens (H100, Qwen3-8B bf16) / ~9k tokens a request
-        model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=100.0),
+        model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=50.0),
 }
 
 
@@ -208,6 +209,8 @@ class Result:
     # step plus weight push (s) (`ceiling_tokens_per_s`)
     cohort_tails_s: list[float] = field(default_factory=list)
     step_overheads_s: list[float] = field(default_factory=list)
+    # the engine's simulated seconds per wall second over busy 0.5-s windows (`SlotSampler`)
+    clock_rates: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -233,6 +236,28 @@ def push_weights(engine_url: str, version: int) -> None:
     _post(engine_url, "/continue_generation", {})
 
 
+def train_step(wl: Workload, engine_url: str) -> None:
+    """The simulated trainer's step: train_step_s on the ENGINE's clock. It sleeps the scaled time,
+    then, while the engine is busy and its simulated clock (GET /sim/stats "sim_time_s") has
+    moved less than train_step_s since the step began, waits for it: a step loop that cannot keep
+    its time scale on a loaded machine runs slower than the clock, and a trainer on the wall clock
+    would then look faster than the published one. An idle engine's clock is the wall clock x the
+    scale, so an idle engine (the synchronous contenders while they train) ends the wait at once;
+    an engine without a simulated clock (no "sim_time_s") too."""
+    start = _get_json(engine_url + "/sim/stats").get("sim_time_s")
+    time.sleep(wl.train_sleep_s)
+    if start is None:
+        return
+    deadline = time.monotonic() + 10 * wl.train_sleep_s + 5.0
+    while time.monotonic() < deadline:
+        stats = _get_json(engine_url + "/sim/stats")
+        if not stats.get("running") and not stats.get("num_waiting_reqs"):
+            return
+        if float(stats["sim_time_s"]) >= float(start) + wl.train_step_s:
+            return
+        time.sleep(0.02)
+
+
 def engine_tokens(engine_url: str) -> int:
     return int(_get_json(engine_url + "/sim/stats")["output_tokens"])
 
@@ -253,22 +278,43 @@ def read_engine_counts(result: Result, engine_url: str) -> None:
 
 class SlotSampler(threading.Thread):
     """Busy engine slots over time: SGLang's GET /v1/loads (small; /sim/stats carries every
-    routing key) every SLOT_SAMPLE_S, and the times of the weight pushes."""
+    routing key) every SLOT_SAMPLE_S, and the times of the weight pushes. Every CLOCK_SAMPLE_S
+    also the engine's simulated clock (GET /sim/stats "sim_time_s", where it has one): its rate
+    over windows the engine was busy at both ends, in simulated seconds per wall second, says
+    whether the step loop kept its time scale on this machine (`clock_rates`)."""
 
     def __init__(self, engine_url: str):
         super().__init__(daemon=True)
         self.url = engine_url + "/v1/loads"
+        self.stats_url = engine_url + "/sim/stats"
         self.started = time.monotonic()
         self.samples: list[tuple[float, int]] = []
         self.pushes: list[float] = []
+        self.clock_rates: list[float] = []
+        self._last_clock: tuple[float, float] | None = None
         self.stopped = threading.Event()
+
+    def _sample_clock(self) -> None:
+        try:
+            stats = _get_json(self.stats_url)
+        except OSError:
+            return
+        if "sim_time_s" not in stats:
+            return
+        now, sim, busy = time.monotonic(), float(stats["sim_time_s"]), bool(stats.get("running"))
+        if busy and self._last_clock is not None and now > self._last_clock[0]:
+            self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
+        self._last_clock = (now, sim) if busy else None
 
     def push(self, engine_url: str, version: int) -> None:
         self.pushes.append(round(time.monotonic() - self.started, 3))
         push_weights(engine_url, version)
 
     def run(self) -> None:
+        every = max(1, round(CLOCK_SAMPLE_S / SLOT_SAMPLE_S))
         while not self.stopped.wait(SLOT_SAMPLE_S):
+            if len(self.samples) % every == 0:
+                self._sample_clock()
             try:
                 load = _get_json(self.url)["loads"][0]
             except OSError:
@@ -278,7 +324,7 @@ class SlotSampler(threading.Thread):
     def finish(self, result: Result) -> None:
         self.stopped.set()
         self.join(5)
-        result.slot_samples, result.push_times = self.samples, self.pushes
+        result.slot_samples, result.push_times, result.clock_rates = self.samples, self.pushes, self.clock_rates
 
 
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -453,7 +499,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
         out = rollout(args, rollout_id, source)  # (c) returns the list of groups itself
         groups = out.samples if hasattr(out, "samples") else out
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
-        time.sleep(wl.train_sleep_s)  # train(rollout_id)
+        train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
         sampler.push(engine_url, rollout_id + 1)
     result.wall_s = time.monotonic() - started
@@ -536,7 +582,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                     result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
                                                      for group in out.samples for s in group))
                     trained_at = time.monotonic()
-                    time.sleep(wl.train_sleep_s)
+                    train_step(wl, engine_url)
                     source.save(rollout_id)
                     sampler.push(engine_url, rollout_id + 1)
                     result.step_overheads_s.append(time.monotonic() - trained_at)

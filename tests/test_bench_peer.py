@@ -269,10 +269,12 @@ def test_engine_counters_are_shown_where_the_engine_keeps_them():
     for r in rs:
         if r.label == "pipeline eta 2":
             r.engine_stats = dict(stats)
-    lines = frontier_table(rs, Workload()).splitlines()
+            r.clock_rates = [50.0] * 9 + [25.0]  # one busy window at half the scale
+    lines = frontier_table(rs, Workload(time_scale=50)).splitlines()
     assert "| KV pool use max / mean busy | preemptions | retractions | prefill tok computed / cached |" in lines[0]
     row = next(line for line in lines if line.startswith("| pipeline eta 2 "))
     assert "| 0.75 (0.75-0.75) / 0.25 (0.25-0.25) | 3 (3-3) | 2 (2-2) | 5000 (5000-5000) / 1200 (1200-1200) |" in row
+    assert "| 1.00 (0.95) |" in row  # the engine's clock against the time scale: median (p10)
     sync = next(line for line in lines if line.startswith("| slime sync"))
-    assert sync.count("not kept") == 4  # an engine without the counters: said so, never 0
+    assert sync.count("not kept") == 5  # an engine without the counters (and clock): said so, never 0
     assert all(line.count("|") == lines[0].count("|") for line in lines)

@@ -511,16 +511,28 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
     return figures
 
 
-def load_raw(path: Path) -> tuple[list[Result], Workload, int, float]:
-    """A raw dump (`--raw`, or an earlier bench's `--json`, which held every record)."""
-    data = json.loads(path.read_text())
-    known = set(Workload.__dataclass_fields__)
-    wl = Workload(**{k: v for k, v in data["workload"].items() if k in known})
-    fields = set(Result.__dataclass_fields__)
-    results = [Result(**{k: v for k, v in r.items() if k in fields}) for r in data["results"]]
-    for r in results:
-        r.slot_samples = [(float(t), int(b)) for t, b in r.slot_samples]
-    return results, wl, int(data.get("repeats", 1)), float(data.get("seconds", 0.0))
+def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
+    """Raw dumps (`--raw`, or an earlier bench's `--json`, which held every record); several
+    runs of the same workload are read as consecutive repeats of one (their repeat numbers
+    shifted), so repeats run one invocation at a time add up."""
+    results: list[Result] = []
+    workloads: list[Workload] = []
+    repeats, seconds = 0, 0.0
+    for path in paths:
+        data = json.loads(path.read_text())
+        known = set(Workload.__dataclass_fields__)
+        workloads.append(replace(Workload(**{k: v for k, v in data["workload"].items() if k in known})))
+        fields = set(Result.__dataclass_fields__)
+        for row in data["results"]:
+            r = Result(**{k: v for k, v in row.items() if k in fields})
+            r.slot_samples = [(float(t), int(b)) for t, b in r.slot_samples]
+            r.repeat += repeats
+            results.append(r)
+        repeats += int(data.get("repeats", 1))
+        seconds += float(data.get("seconds", 0.0))
+    if any(asdict(w) != asdict(workloads[0]) for w in workloads):
+        raise ValueError(f"--from-raw: the dumps ran different workloads ({', '.join(map(str, paths))})")
+    return results, workloads[0], repeats, seconds
 
 
 def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = None, plot_path: Path | None = None,
@@ -557,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--json", default="", help="the compact summary (tables, goals, per-run figures; for docs/)")
     p.add_argument("--raw", default="", help="every record (slot samples, per-call lags, lengths): keep out of docs/")
-    p.add_argument("--from-raw", default="", help="no run: tables, goals and --json summary from a raw dump")
+    p.add_argument("--from-raw", default="",
+                   help="no run: tables, goals, plot and --json summary from raw dumps (a,b: one run's repeats after another's)")
     p.add_argument("--workload", default=DEFAULT_WORKLOAD, choices=sorted(WORKLOADS),
                    help="areal-7b: from AReaL's published 7B run (default); issue25: the earlier toy workload")
     p.add_argument("--time-scale", type=float, default=None,
@@ -572,9 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     opts = p.parse_args(argv)
 
     if opts.from_raw:
-        results, wl, repeats, seconds = load_raw(Path(opts.from_raw))
-        figures = report(results, wl, repeats=repeats, seconds=seconds, plot_path=None, json_path=opts.json,
-                         raw_path="", command=json.loads(Path(opts.from_raw).read_text()).get("command", "(not recorded)"))
+        paths = [Path(x) for x in opts.from_raw.split(",") if x.strip()]
+        results, wl, repeats, seconds = load_raw(*paths)
+        commands = [json.loads(path.read_text()).get("command", "(not recorded)") for path in paths]
+        figures = report(results, wl, repeats=repeats, seconds=seconds, plot_path=Path(opts.plot) if opts.plot else None,
+                         json_path=opts.json, raw_path="", command=" ; ".join(dict.fromkeys(commands)))
         for figure in figures:
             print(figure.line())
         return 0

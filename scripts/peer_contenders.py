@@ -255,7 +255,7 @@ def train_step(wl: Workload, engine_url: str) -> None:
             return
         if float(stats["sim_time_s"]) >= float(start) + wl.train_step_s:
             return
-        time.sleep(0.02)
+        time.sleep(0.1)  # each look costs the engine's event loop a /sim/stats answer
 
 
 def engine_tokens(engine_url: str) -> int:
@@ -511,7 +511,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
     if kind == "c":  # drain the background worker: in-flight groups finish (or come back aborted)
         worker = fully_async_rollout._global_worker
         worker.running = False
-        worker.worker_thread.join(60)
+        worker.worker_thread.join(60 + wl.request_timeout_s)  # long answers on a loaded machine
         carried_groups += [group for _, group in worker.get_completed_groups()]
         result.notes.append(f"drained {len(carried_groups)} completed groups from the worker's queue")
     carried_groups += list(source.buffer)  # (b): partial groups handed back; (c): aborted groups requeued
@@ -594,7 +594,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                 result.cpu_s = cpu.stop()
                 source.close()
             producer.stop()  # no new admissions; let the workers finish what they hold
-            deadline, idle_since = time.monotonic() + 60, None
+            deadline, idle_since = time.monotonic() + 60 + wl.request_timeout_s, None
             while time.monotonic() < deadline:
                 running = _get_json(engine_url + "/sim/stats")["running"]
                 idle_since = (idle_since or time.monotonic()) if running == 0 else None

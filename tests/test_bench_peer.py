@@ -233,6 +233,9 @@ def test_the_summary_is_compact_and_the_raw_dump_goes_where_asked(tmp_path):
     assert data["runs"][0]["lag_calls"] == {"0": 1000, "1": 1000, "2": 1000} and "slot_samples" not in data["runs"][0]
     again, wl, repeats, _ = load_raw(raw)
     assert summary(again, wl, repeats=repeats, seconds=12.0, figures=[], command="x")["table"] == data["table"]
+    # two invocations' dumps read as one run: the second's repeats follow the first's
+    both, _, repeats, seconds = load_raw(raw, raw)
+    assert repeats == 6 and seconds == 24.0 and sorted({r.repeat for r in both}) == [0, 1, 2, 3, 4, 5]
 
 
 def test_docs_hold_no_file_over_200_kb():

@@ -179,8 +179,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
     ns = f"ba{uuid.uuid4().hex[:8]}"
     keys = Keys(ns)
     profile = Profile(steps=steps, batch=setup.batch, n=setup.n, eta=eta, worker_processes=setup.worker_processes,
-                      concurrency=setup.concurrency, train_step_s=setup.train_s,
-                      token_latency_s=setup.token_latency_s, length_sigma=setup.length_sigma)
+                      concurrency=setup.concurrency, train_step_s=setup.train_s, length_sigma=setup.length_sigma)
     config = pipeline_config(profile, redis_url, ns, engine_url, default_tokenizer_path())
     config_path = workdir / f"{ns}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))

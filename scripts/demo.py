@@ -65,7 +65,11 @@ class Profile:
     worker_processes: int = 2
     concurrency: int = 12  # groups per worker process
     train_step_s: float = 1.5  # simulated optimizer step
-    token_latency_s: float = 0.004  # simulated engine, per output token (mean)
+    # the simulated engine plays this model on this GPU (measured step times, workers/sim/physics.py),
+    # its clock `time_scale` x real time so that the demo takes about a minute on a laptop
+    model: str = "Qwen/Qwen3-8B"
+    gpu: str = "h100_sxm"
+    time_scale: float = 6.0
     length_sigma: float = 1.0  # lognormal response length: the long tail
     accuracy: float = 0.6
 
@@ -73,7 +77,7 @@ class Profile:
 PROFILES = {
     "default": Profile(),
     "short": Profile(steps=3, batch=4, n=2, eta=1, worker_processes=1, concurrency=8, train_step_s=0.2,
-                     token_latency_s=0.001),
+                     time_scale=8.0),
 }
 
 
@@ -295,7 +299,7 @@ async def run_demo(
     from workers.sim.tokenizer import default_tokenizer_path
 
     tokenizer = default_tokenizer_path()
-    sim = SimConfig(accuracy=profile.accuracy, token_latency_s=profile.token_latency_s,
+    sim = SimConfig(accuracy=profile.accuracy, model=profile.model, gpu=profile.gpu, time_scale=profile.time_scale,
                     length_sigma=profile.length_sigma, slots=64, answers=load_answers(str(TASKS_FILE)),
                     weight_version="0", tokenizer_path=tokenizer)
     async with serve_sim_engine(sim) as engine:
@@ -411,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             if external_url:  # a wrong URL or password: one line (exit 3) before anything starts
                 asyncio.run(_ping(redis_url))
             console.print(f"[bold]rollout demo[/bold] ({name}): {profile.steps} steps x {profile.batch} groups x "
-                          f"{profile.n} samples, eta={profile.eta}, {profile.worker_processes} worker process(es)\n"
+                          f"{profile.n} samples, eta={profile.eta}, {profile.worker_processes} worker process(es); engine: "
+                          f"{profile.model} on {profile.gpu}, simulated at {profile.time_scale:g}x real time\n"
                           f"redis {redact(redis_url)} namespace {namespace}; run directory {workdir}")
             summary = asyncio.run(run_demo(name, profile, redis_url, namespace, workdir, console))
     except KeyboardInterrupt:

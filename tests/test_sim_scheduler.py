@@ -11,7 +11,7 @@ import pytest
 
 from workers.sim.physics import FlatSteps
 from workers.sim.radix import RadixCache
-from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
+from workers.sim.scheduler import MIN_NEW_TOKEN_RATIO, BatchScheduler, SchedulerConfig, SimReq
 
 
 def scheduler(pool: int = 100_000, max_running: int = 64, **limits) -> BatchScheduler:
@@ -143,24 +143,32 @@ def test_max_running_requests_caps_the_batch():
 # ------------------------------------------------------------------ retraction
 
 
-def test_a_full_pool_retracts_the_request_with_the_fewest_output_tokens_then_the_longest_input():
+def test_a_full_pool_retracts_the_request_with_the_fewest_output_tokens():
     """ScheduleBatch.retract_decode / _get_decode_retraction_order (schedule_batch.py, --retraction-policy
-    length): when the next decode step's tokens do not fit (check_decode_mem), requests are
-    retracted in order (fewest output tokens, then longest input), at least one, never the last;
-    the retracted one keeps its output and re-prefills later; everything still finishes."""
-    sch = scheduler(pool=200)
-    a = request("a", n_in=40, n_out=100, max_new=20)
-    b = request("b", n_in=50, n_out=100, max_new=20, first=1000)
-    for r in (a, b):
-        sch.add(r)
+    length): admission counts running requests' growth at new_token_ratio, which decays to 0.098
+    (NewTokenRatioTracker); a request admitted on that estimate can fill the pool, and when the
+    next decode step's tokens do not fit (check_decode_mem) the one with the fewest output tokens
+    (then the longest input) is retracted, at least one, never the last; it keeps its output,
+    re-prefills later, and everything finishes inside the pool. (The order itself is checked
+    against SGLang's function in tests/test_sim_sglang_rules.py.)"""
+    sch = scheduler(pool=300)
+    a = request("a", n_in=40, n_out=200)
+    sch.add(a)
     sch.step()
-    assert {r.rid for r in sch.running} == {"a", "b"}
+    sch.new_token_ratio = MIN_NEW_TOKEN_RATIO  # as after 600 decode steps
+    for _ in range(9):
+        sch.step()
+    b = request("b", n_in=20, n_out=200, first=1000)
+    sch.add(b)
+    sch.step()
+    assert {r.rid for r in sch.running} == {"a", "b"}  # 221 tokens promised < 300 - 40 - 10 - 190 x 0.098
     while not sch.stats["retractions"]:
         sch.step()
-    assert [r.rid for r in sch.waiting] == ["b"] and b.retractions == 1 and b.produced > 1
+    assert [r.rid for r in sch.waiting] == ["b"] and b.retractions == 1 and 1 < b.produced < a.produced
+    kept = b.produced
     run(sch, [a, b])
-    assert a.produced == b.produced == 100
-    assert sch.stats["max_kv_used"] <= 200
+    assert a.produced == b.produced == 200 and b.produced > kept
+    assert sch.stats["max_kv_used"] <= 300
 
 
 # ------------------------------------------------------------------ prefix cache
@@ -284,3 +292,29 @@ async def test_the_engine_preempts_over_http_and_the_preempted_request_still_fin
     assert finished[-1] == "holder" and tokens[0] == 100 and stats["preemptions"] >= 1
     finished, tokens, stats = await _holder_and_three(10**6)
     assert finished[0] == "holder" and tokens[0] == 100 and stats["preemptions"] == 0
+
+
+async def test_a_weight_update_holds_the_gpu_for_the_push_and_flushes_the_prefix_cache():
+    """WeightUpdater.flush_cache_after_weight_update (managers/scheduler_components/weight_updater.py):
+    after a weight update the scheduler flushes its cache, so the same prompt is prefilled whole
+    again (meta_info.cached_tokens 0); the push itself keeps the GPU busy model bytes /
+    --weight-push-gbps of simulated time (Qwen3-8B's 16.4 GB at 25 GB/s: 0.655 s)."""
+    import aiohttp
+
+    from workers.sim.engine import SimConfig, serve_sim_engine
+
+    config = SimConfig(model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=50.0, length_mu=3.0, length_sigma=0.01)
+    async with serve_sim_engine(config) as sim, aiohttp.ClientSession() as http:
+        body = {"input_ids": list(range(1000, 1600)), "sampling_params": {"max_new_tokens": 8}}
+
+        async def cached() -> int:
+            async with http.post(f"{sim.url}/generate", json=body) as resp:
+                return int((await resp.json())["meta_info"]["cached_tokens"])
+
+        assert [await cached(), await cached()] == [0, 599]  # at least one token is always computed
+        async with http.post(f"{sim.url}/update_weight_version", json={"new_version": "1"}) as resp:
+            assert resp.status == 200
+        assert await cached() == 0
+        stats = sim.engine.physics_stats()
+        assert sim.engine.stats["weight_push_s"] == pytest.approx(16_380_854_272 / 25e9)
+        assert sim.engine.stats["cache_flushes"] == 1 and stats["sim_time_s"] >= sim.engine.stats["weight_push_s"]

@@ -27,10 +27,13 @@ it decodes the input ids, finds the last user question and:
   ("What is 12 * 7?") itself or by looking the question up in tasks given with
   `--tasks FILE` (tasks.jsonl with labels): it is told the answers, it does not
   reason.
-Response length: a lognormal number of filler tokens (long tail). Latency: per token,
-lognormal around `token_latency_s` (0 = answer at once, for benchmarks). At most
-`slots` generations run at once; the rest queue, as in SGLang's scheduler: first come first
-served, or by each request's `priority` with `--enable-priority-scheduling` (workers/sim/scheduler.py).
+Response length: a lognormal number of filler tokens (long tail). Time: the scheduler's step
+loop (workers/sim/scheduler.py, SGLang's event_loop_normal in simulated time: admission by KV
+pool and chunked-prefill budget, max running requests, FCFS or priority with preemption, decode
+retraction, a radix prefix cache) with a named model's measured step times on a named GPU
+(`model`/`gpu`/`tp`, workers/sim/physics.py), or without a model a flat `token_latency_s` per
+decode step, or none at all (instant answers, unit tests). Every running request gains one token
+per step; there is no per-request speed.
 A turn's plan is seeded by (seed, routing key, context length), so a request resumed
 after an abort continues the same plan, and the n episodes of a group differ.
 
@@ -79,6 +82,9 @@ _SAMPLING_KEYS = frozenset(
 )
 _INT_KEYS = frozenset({"max_new_tokens", "top_k", "min_new_tokens", "n", "sampling_seed", "beam_width", "stream_interval"})
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not say
+# without a model the pool never limits admission in practice, but stays finite: the prefix cache
+# keeps finished requests' tokens until the pool needs them, so its memory is bounded by this
+_FLAT_POOL_TOKENS = 1 << 21
 
 
 @dataclass
@@ -101,7 +107,7 @@ class SimConfig:
     latency_sigma: float = 0.0  # ignored: the per-request speed draw is gone (kept so old configs load)
     slots: int = 256  # --max-running-requests (0: SGLang's default from the KV pool)
     mem_fraction_static: float = 0.0  # 0: SGLang's default for the GPU (physics.sglang_mem_fraction_static)
-    kv_pool_tokens: int = 0  # --max-total-tokens; 0: from model, GPU and mem fraction (no model: unlimited)
+    kv_pool_tokens: int = 0  # --max-total-tokens; 0: from model, GPU and mem fraction (no model: 2**21)
     chunked_prefill_size: int = 8192  # SGLang's default on 80-160 GB GPUs; -1 = no chunking
     max_prefill_tokens: int = 16384  # SGLang's --max-prefill-tokens default
     # SGLang's --enable-priority-scheduling / --schedule-low-priority-values-first /
@@ -172,7 +178,8 @@ class SimEngine:
             raise ValueError(f"time_scale must be > 0, not {c.time_scale}")
         self.mem_fraction = c.mem_fraction_static or (
             self.table.default_mem_fraction(c.chunked_prefill_size) if self.table is not None else 0.0)
-        pool = c.kv_pool_tokens or (self.table.kv_pool_tokens(self.mem_fraction) if self.table is not None else 1 << 62)
+        pool = c.kv_pool_tokens or (self.table.kv_pool_tokens(self.mem_fraction) if self.table is not None
+                                    else _FLAT_POOL_TOKENS)
         max_running = c.slots or sglang_max_running_requests(pool, c.context_length)
         limits = SchedulerConfig(kv_pool_tokens=pool, max_running_requests=max_running,
                                  chunked_prefill_size=c.chunked_prefill_size, max_prefill_tokens=c.max_prefill_tokens,
@@ -860,16 +867,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help="SGLang's flag: fraction of GPU memory for weights + KV pool (0: SGLang's default for "
                               "the GPU) (default %(default)s)")
     physics.add_argument("--max-total-tokens", type=int, default=d.kv_pool_tokens,
-                         help="KV pool size in tokens (0: from model, GPU and memory fraction; no model: unlimited) "
+                         help="KV pool size in tokens (0: from model, GPU and memory fraction; no model: 2097152) "
                               "(default %(default)s)")
     physics.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                          help="SGLang's flag: most prompt tokens prefilled in one step, -1 = no chunking "
                               "(default %(default)s)")
     physics.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
                          help="SGLang's flag: prefill token budget of one step (default %(default)s)")
-    physics.add_argument("--slots", "--max-running-requests", dest="slots", type=int, default=d.slots,
-                         help="SGLang's flag: requests decoding at once, the rest queue; 0 = SGLang's default "
-                              "from the KV pool (default %(default)s)")
+    physics.add_argument("--slots", type=int, default=d.slots,
+                         help="SGLang's --max-running-requests: requests decoding at once, the rest queue; 0 = "
+                              "SGLang's default from the KV pool (default %(default)s)")
+    physics.add_argument("--max-running-requests", dest="slots", type=int, default=argparse.SUPPRESS,
+                         help="SGLang's name for --slots")
     physics.add_argument("--weight-push-gbps", type=float, default=d.weight_push_gbps,
                          help="with --model: a weight update keeps the GPU busy model bytes / this many GB/s "
                               "(an assumed link speed, not measured); 0 = free (default %(default)s)")

@@ -21,7 +21,7 @@ Rules, each from the SGLang function named (tests/test_sim_batch_scheduler.py pi
   waiting one fits; they go back to the queue and re-prefill later.
 - Prefix cache, `RadixCache` (workers/sim/radix.py): a request prefills only its uncached part
   (`meta_info.cached_tokens`); its input is cached when its prefill ends (`cache_unfinished_req`),
-  input + output when it ends (`cache_finished_req`); flushed on a weight update (`flush_cache`,
+  input + output when it ends (`cache_finished_req`); flushed on a weight update (`WeightUpdater.flush_cache_after_weight_update` -> `Scheduler.flush_cache`,
   refused while requests hold cached nodes, as SGLang refuses it when not idle).
 - Decode retraction, `ScheduleBatch.retract_decode` / `check_decode_mem` (managers/schedule_batch.py):
   when the next decode step's tokens do not fit, requests are retracted, fewest output tokens
@@ -123,7 +123,7 @@ class BatchScheduler:
         self._hold_until = 0.0  # simulated time a weight push keeps the GPU busy until
         self.stats: dict[str, float] = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
                                         "cached_tokens": 0, "retractions": 0, "preemptions": 0,
-                                        "busy_s": 0.0, "max_kv_used": 0, "kv_used_token_s": 0.0}
+                                        "busy_s": 0.0, "prefill_busy_s": 0.0, "decode_busy_s": 0.0, "max_kv_used": 0, "kv_used_token_s": 0.0}
 
     # ------------------------------------------------------------ interface
 
@@ -194,7 +194,7 @@ class BatchScheduler:
                 self._sync_clock()
                 continue
             if self._hold_until > self.sim_now:
-                await self._advance(self._hold_until - self.sim_now, busy=False)
+                await self._advance(self._hold_until - self.sim_now)
                 continue
             duration = self.step()
             if duration is None:  # nothing fits and nothing runs: wait for a change
@@ -202,7 +202,7 @@ class BatchScheduler:
                 await self._wake.wait()
                 self._sync_clock()
                 continue
-            await self._advance(duration, busy=True)
+            await self._advance(duration)
 
     def _sync_clock(self) -> None:
         now = time.monotonic()
@@ -212,13 +212,11 @@ class BatchScheduler:
         real0, sim0 = self._anchor
         self.sim_now = max(self.sim_now, sim0 + (now - real0) * self.config.time_scale)
 
-    async def _advance(self, duration: float, *, busy: bool) -> None:
+    async def _advance(self, duration: float) -> None:
         """Simulated time moves on by `duration`; sleep when real time is behind by more than the slack."""
         used = self.kv_used
         self.stats["kv_used_token_s"] += used * duration
         self.stats["max_kv_used"] = max(self.stats["max_kv_used"], used)
-        if busy:
-            self.stats["busy_s"] += duration
         self.sim_now += duration
         if self._anchor is None:
             self._anchor = (time.monotonic(), self.sim_now - duration)
@@ -233,48 +231,43 @@ class BatchScheduler:
         """One iteration of event_loop_normal: a prefill batch if one can be formed, else a decode."""
         self.stats["steps"] += 1
         batch = self._admit()
-        if batch:
-            return self._run_prefill(batch)
-        if self.running:
-            return self._run_decode()
-        return None
+        duration = self._run_prefill(batch) if batch else self._run_decode() if self.running else None
+        if duration is not None:
+            self.stats["busy_s"] += duration
+        return duration
 
     # ------------------------------------------------------------ prefill
 
     def _admit(self) -> list[tuple[SimReq, int]]:
         """PrefillAdder over the waiting queue: [(request, tokens it prefills this step)]."""
         c = self.config
-        rem_total = self.kv_free + self.cache.evictable_size - sum(self._growth(r) for r in self.running)
+        budget = _Budget(self, sum(self._growth(r) for r in self.running))
         rem_input = c.max_prefill_tokens
         rem_chunk: int | None = c.chunked_prefill_size if c.chunked_prefill_size > 0 else None
         batch: list[tuple[SimReq, int]] = []
         if self.chunked is not None:  # add_chunked_req: the unfinished chunk goes first
             req = self.chunked
             left = len(req.fill) - req.filled
-            take = left if rem_chunk is None else min(left, rem_chunk)
+            take = left if rem_chunk is None else min(left, _available_chunk(budget, rem_chunk))
             batch.append((req, take))
-            truncated = take < left
-            rem_total -= take + (0 if truncated else self._max_new(req))
+            budget.reserve(take, 0 if take < left else self._max_new(req))
             rem_input -= take
             rem_chunk = None if rem_chunk is None else rem_chunk - take
         for req in self._queue_order():
-            if rem_total <= 0 or rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
-                break  # budget_state: NO_TOKEN / OTHER
+            if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
+                break  # budget_state: OTHER
             if len(self.running) + len(batch) >= c.max_running_requests:
-                if not (c.priority_scheduling and self._preempt_for(req, rem_total)):
+                if not (c.priority_scheduling and self._preempt_for(req, budget)):
                     break
-                rem_total = self.kv_free + self.cache.evictable_size - sum(self._growth(r) for r in self.running) \
-                    - sum(t + self._max_new(r) for r, t in batch)
             fill = req.fill
             prefix, node = self.cache.match_prefix(fill[:-1])  # at least one token is computed
             extend = len(fill) - prefix
             max_new = self._max_new(req)
-            self.cache.lock(node)  # _lock_node: its own prefix is not evictable room
-            room = self.kv_free + self.cache.evictable_size - sum(t for _, t in batch)
-            if extend + max_new + PAGE > rem_total or extend > room \
+            self.cache.lock(node)  # _lock_node: its own prefix is no evictable room
+            if not extend + max_new + PAGE < budget.remaining_total \
                     or (rem_chunk is None and batch and extend >= rem_input):
                 self.cache.unlock(node)
-                break  # NO_TOKEN; or OTHER: without chunking only the first may exceed max_prefill_tokens
+                break  # NO_TOKEN (PrefillBudget.check_prefill); OTHER: unchunked, only the first may exceed
             take = extend
             if rem_chunk is not None and extend > rem_chunk:
                 take, max_new = rem_chunk, 0  # chunked: no output reserved yet
@@ -284,11 +277,11 @@ class BatchScheduler:
                 req.cached_tokens = prefix
             self.stats["cached_tokens"] += prefix
             batch.append((req, take))
-            rem_total -= take + max_new + PAGE
+            budget.reserve(take, max_new)
             rem_input -= take
             rem_chunk = None if rem_chunk is None else rem_chunk - take
-            if take < extend:
-                break  # one chunked request per pass
+            if take < extend or not budget.has_capacity():
+                break  # one chunked request per pass; budget_state NO_TOKEN
         return batch
 
     def _run_prefill(self, batch: list[tuple[SimReq, int]]) -> float:
@@ -309,9 +302,11 @@ class BatchScheduler:
                 self._finish(req)
             else:
                 self.running.append(req)
+        duration = self.steps.prefill_s(tokens, prefix)
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += tokens
-        return self.steps.prefill_s(tokens, prefix)
+        self.stats["prefill_busy_s"] += duration
+        return duration
 
     def _cache_prompt(self, req: SimReq) -> None:
         """cache_unfinished_req: the prefilled tokens enter the tree, the request locks them."""
@@ -341,8 +336,10 @@ class BatchScheduler:
         for req in batch:
             if req.produced >= req.target:
                 self._finish(req)
+        duration = self.steps.decode_s(len(batch), kv)
         self.stats["decode_steps"] += 1
-        return self.steps.decode_s(len(batch), kv)
+        self.stats["decode_busy_s"] += duration
+        return duration
 
     def _decode_fits(self, reqs: list[SimReq]) -> bool:
         return len(reqs) <= self.kv_free + self.cache.evictable_size
@@ -381,12 +378,12 @@ class BatchScheduler:
         sign = self._sign()
         return sorted(self.waiting, key=lambda r: (self._priority(r) * sign, r.entry))
 
-    def _preempt_for(self, req: SimReq, rem_total: float) -> bool:
+    def _preempt_for(self, req: SimReq, budget: _Budget) -> bool:
         """preempt_to_schedule: release running requests worse than `req` by more than the
         threshold, worst (then latest) first, until its input + output fit."""
         sign = self._sign()
         candidates = sorted(self.running, key=lambda r: (self._priority(r) * -sign, -r.entry))
-        need = len(req.fill) - req.filled + self._max_new(req) - rem_total
+        need = len(req.fill) - req.filled + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS) - budget.remaining_total
         chosen: list[SimReq] = []
         for running in candidates:
             if (self._priority(req) - self._priority(running)) * -sign <= self.config.preemption_threshold:
@@ -398,6 +395,7 @@ class BatchScheduler:
         if not chosen or need > 0:
             return False
         for running in chosen:
+            budget.total_offset -= self._growth(running)
             self._release(running, cache_it=False)
             running.retractions += 1
             self.stats["preemptions"] += 1
@@ -413,7 +411,7 @@ class BatchScheduler:
 
     def _growth(self, req: SimReq) -> float:
         """_get_running_request_total_token_offset: what a running request may still add."""
-        return self._max_new(req) * self.new_token_ratio
+        return min(req.max_new_tokens - req.produced, CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
 
     def _holders(self) -> list[SimReq]:
         return [*self.running, *([self.chunked] if self.chunked else [])]
@@ -459,3 +457,38 @@ class BatchScheduler:
         self.running = [r for r in self.running if not r.aborted]
         for req in gone:
             self._finish(req)
+
+
+class _Budget:
+    """PrefillBudget (mem_cache/prefill_budget.py) for one pass: the pool's free + evictable tokens
+    less what is promised (running requests' growth, this pass's admissions), read live, so a
+    prefix locked or a request preempted during the pass counts at once."""
+
+    def __init__(self, sch: BatchScheduler, running_offset: float):
+        self.sch = sch
+        self.total_offset = running_offset
+        self.current_offset = 0.0
+
+    def _available_and_evictable(self) -> int:
+        return self.sch.kv_free + self.sch.cache.evictable_size
+
+    @property
+    def remaining_total(self) -> float:
+        return self._available_and_evictable() - self.total_offset
+
+    @property
+    def remaining_current(self) -> float:
+        return self._available_and_evictable() - self.current_offset
+
+    def has_capacity(self) -> bool:
+        return self.remaining_total > 0 and self.remaining_current > 0
+
+    def reserve(self, extend: int, max_new: int) -> None:
+        self.total_offset += extend + PAGE + max_new
+        self.current_offset += extend + PAGE
+
+
+def _available_chunk(budget: _Budget, chunk_limit: int) -> int:
+    """PrefillBudget.available_chunk_tokens: the chunk budget, cut to the pool's room if any."""
+    available = min(chunk_limit, int(budget.remaining_total))
+    return available if available > 0 else chunk_limit

@@ -57,10 +57,11 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
 
 
 def _peer_section(quick: bool) -> list[Figure]:
-    """The frontier (issue 25): slime's sync and fully-async rollouts next to this pipeline at
-    eta 1, 2, 4, 8 and at fully async's max lag (scripts/bench_peer.py prints its tables and
-    writes bench-peer-frontier.png and every run's raw figures to bench-peer.json here; it needs
-    the slime snapshot, see tests/conformance_support.py). Its goals come back as figures."""
+    """The frontier (issues 25, 31): slime's sync and fully-async rollouts next to this pipeline
+    at eta 1, 2, 4, 8 and at fully async's max lag, on the default workload (AReaL's published
+    7B run, time-scaled; scripts/bench_peer.py prints its tables and writes
+    bench-peer-frontier.png and the compact summary to bench-peer.json here; it needs the slime
+    snapshot, see tests/conformance_support.py). Its goals come back as figures."""
     from scripts.bench_peer import bench_peer
 
     return bench_peer(quick=quick, plot_path=Path("bench-peer-frontier.png"), json_path="bench-peer.json")

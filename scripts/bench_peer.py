@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter as Tally
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -31,6 +32,7 @@ import numpy as np
 
 from scripts.peer_contenders import (
     CONTENDERS,
+    WORKLOADS,
     Result,
     Workload,
     finish,
@@ -46,6 +48,8 @@ FA_SWEEP = (1, 2, 4)  # fully async's sglang_server_concurrency, in multiples of
 QUICK_ETAS = (1, 2, 4)
 QUICK_SWEEP = (1,)
 FCFS = "pipeline (FCFS engine) eta"  # --fcfs: the same points on an engine without priority scheduling
+FA_BEST = "slime fully async, best of the sweep"
+DEFAULT_WORKLOAD = "areal-7b"
 AREAL_SPEEDUP = 2.77  # AReaL (Fu et al. 2025): async RL vs synchronous, same hardware
 LENGTH_GOAL_PCT = 2.0
 WASTE_GOAL_PCT = 1.0
@@ -53,7 +57,7 @@ SAME_LAG_TOKENS_GOAL = 1.25  # trained tokens/s at fully async's own max lag, vs
 AFTER_PUSH_S = 0.5  # slot use in this window after each weight push is reported apart
 
 
-def _pct(values: list[int], q: float) -> float:
+def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
@@ -79,18 +83,21 @@ def slot_use(r: Result, slots: int) -> tuple[float, float]:
 
 
 def ceiling_tokens_per_s(r: Result, eta: int | None = None) -> float:
-    """The most trained tokens/s a schedule could reach on this run's own groups with lag <= eta
-    counted from admission (docs/benchmarks.md, "What limits eta 1 and 2").
+    """The EARLIEST SCHEDULE with lag <= eta on this run's own measured durations, in trained
+    tokens/s (docs/benchmarks.md, "What limits eta 1 and 2"). Not a bound over every schedule:
+    another schedule changes the durations themselves (which requests share the engine, how long
+    each decode takes), and slime's sync once ran above the eta-0 figure of the same groups.
 
     Step k may start (S_k) only after step k-1's training and weight push (tau_k, measured):
     S_k >= S_{k-1} + tau_{k-1}. A group trained at step k has lag <= eta, so it was admitted at
     version k - eta or later, which is out at S_{k-eta-1} + tau; it cannot start earlier, and
     the step cannot start before it ends: S_k >= S_{k-eta-1} + tau + D_k, D_k the longest
-    episode the step trained (measured). The earliest S_k by these two rules, plus the last
-    step's own tau, is the least wall time for the run's steps; every measured run takes at
-    least that long. (The first eta + 1 steps take groups admitted before the clock started.)
-    `eta` other than the run's: the same bound for the same groups and overheads at that lag
-    (eta 0: the fastest synchronous schedule of these groups)."""
+    episode the step trained (measured). The earliest S_k by these two rules (a max-plus
+    recursion; tests/test_bench_peer.py checks it against a brute-force search over every
+    admission version and delay on small instances), plus the last step's own tau, is the
+    least wall time for these steps with these durations. (The first eta + 1 steps take groups
+    admitted before the clock started.) `eta` other than the run's: the same schedule for the
+    same groups and overheads at that lag (eta 0: the earliest synchronous schedule)."""
     eta = r.eta if eta is None else eta
     if eta < 0 or not r.steps or len(r.cohort_tails_s) != r.steps or len(r.step_overheads_s) != r.steps:
         return float("nan")
@@ -149,7 +156,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
         bias = length_bias(r)[0]
         print(f"[peer] repeat {rep + 1}/{repeats} {label}: " + (
             f"{r.groups_per_s:.2f} groups/s, {r.trained_tokens_per_s:.0f} trained tok/s, length {bias:+.1f}%, "
-            f"lag max {max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f} "
+            f"lag max {max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f}, "
+            f"engine clock {clock_cell([r], wl)} of the time scale "
             f"({time.monotonic() - t0:.0f} s)" if r.ran else f"could not run: {r.reason}"), flush=True)
         results.append(r)
         return r
@@ -183,7 +191,7 @@ def _rows(results: list[Result]) -> dict[str, list[Result]]:
         rows.setdefault(r.label, []).append(r)
     best = [r for r in results if "best fully async of this repeat (trained tokens/s)" in r.notes]
     if best:
-        rows["slime fully async, best of the sweep"] = best
+        rows[FA_BEST] = best
     order = sorted(rows, key=lambda label: (not label.startswith("slime sync"), not label.startswith("slime fully"),
                                             label.startswith("pipeline eta ="), _eta_of(label)))
     return {label: rows[label] for label in order}
@@ -203,15 +211,78 @@ def _fmt(values: list[float], spec: str = ".2f") -> str:
     return f"{mid:{spec}} ({lo:{spec}}-{hi:{spec}})" if len(values) > 1 else f"{mid:{spec}}"
 
 
+def _stat(r: Result, key: str) -> float | None:
+    return r.engine_stats.get(key)
+
+
+def _kv_max(r: Result) -> float | None:
+    used, pool = _stat(r, "max_kv_used"), _stat(r, "kv_pool_tokens")
+    return used / pool if used is not None and pool else None
+
+
+def _kv_mean(r: Result) -> float | None:
+    """KV tokens in use averaged over the engine's busy simulated time, over the pool."""
+    token_s, busy, pool = _stat(r, "kv_used_token_s"), _stat(r, "busy_s"), _stat(r, "kv_pool_tokens")
+    return token_s / busy / pool if token_s is not None and busy and pool else None
+
+
+# the engine's own counters (GET /sim/stats and /server_info at the end of each run); an engine
+# that does not keep one (the per-request-speed simulator keeps none) prints "not kept"
+ENGINE_COUNTERS: tuple[tuple[str, Callable[[Result], float | None], str], ...] = (
+    ("KV pool use max / mean busy", _kv_max, ".2f"),
+    ("", _kv_mean, ".2f"),
+    ("preemptions", lambda r: _stat(r, "preemptions"), ".0f"),
+    ("retractions", lambda r: _stat(r, "retractions"), ".0f"),
+    ("prefill tok computed / cached", lambda r: _stat(r, "prefill_tokens"), ".0f"),
+    ("", lambda r: _stat(r, "cached_tokens"), ".0f"),
+)
+
+
+def _counter_cell(ran: list[Result], counter: Callable[[Result], float | None], spec: str) -> str:
+    values = [counter(r) for r in ran]
+    return "not kept" if any(v is None for v in values) else _fmt([float(v) for v in values if v is not None], spec)
+
+
+def _counter_cells(ran: list[Result]) -> str:
+    """The engine counters, a column each; a title "" joins its value to the column before."""
+    cells: list[str] = []
+    for title, counter, spec in ENGINE_COUNTERS:
+        cell = _counter_cell(ran, counter, spec)
+        if title or not cells:
+            cells.append(cell)
+        elif cells[-1] != cell or cell != "not kept":
+            cells[-1] += f" / {cell}"
+    return " | ".join(cells)
+
+
+ENGINE_TITLES = [title for title, _c, _s in ENGINE_COUNTERS if title]
+
+
+def clock_cell(ran: list[Result], wl: Workload) -> str:
+    """How well the engine's step loop kept the time scale (1.00: exactly): the median and p10 of
+    its simulated seconds per wall second over busy windows, over the scale, worst repeat shown."""
+    rates = [r.clock_rates for r in ran if r.clock_rates]
+    if len(rates) < len(ran):
+        return "not kept"
+    p50 = min(_pct(x, 50) for x in rates) / wl.time_scale
+    p10 = min(_pct(x, 10) for x in rates) / wl.time_scale
+    return f"{p50:.2f} ({p10:.2f})"
+
+
 def frontier_table(results: list[Result], wl: Workload) -> str:
-    head = ("| contender | groups/s | trained response tok/s | trained len mean / p90 | plan len mean / p90 | "
-            "length bias mean / p90 | engine slot use (after pushes) | lag mean / max | lag distribution (calls) | "
-            "tokens never trained | re-prefilled tok per push | ceiling tok/s at lag <= eta |")
-    lines = [head, "|" + "---|" * 12]
-    for label, runs in _rows(results).items():
+    head = ("| contender | groups/s | trained response tok/s | vs best fully async, same repeat | trained len mean / p90 "
+            "| plan len mean / p90 | length bias mean / p90 | engine slot use (after pushes) | lag mean / max | "
+            "lag distribution (calls) | tokens never trained | re-prefilled tok per push | "
+            + " | ".join(ENGINE_TITLES) +
+            " | engine clock / time scale, busy windows p50 (p10) | earliest schedule tok/s at lag <= eta, on this run's "
+            "measured durations |")
+    lines = [head, "|" + "---|" * (14 + len(ENGINE_TITLES))]
+    rows = _rows(results)
+    fa_runs = rows.get(FA_BEST, [])
+    for label, runs in rows.items():
         ran = [r for r in runs if r.ran]
         if not ran:
-            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * 10)
+            lines.append(f"| {label} | could not run: {runs[0].reason} |" + " |" * (12 + len(ENGINE_TITLES)))
             continue
         tl = [float(np.mean(r.trained_lengths)) for r in ran]
         tp = [_pct(r.trained_lengths, 90) for r in ran]
@@ -223,14 +294,16 @@ def frontier_table(results: list[Result], wl: Workload) -> str:
         dist = " ".join(f"{k}:{v}" for k, v in sorted(lags.items()))
         etas = sorted({e for r in ran for e in [_eta_note(r)] if e})
         shown = label + (f" ({', '.join(map(str, etas))})" if label.startswith("pipeline eta =") else "")
+        vs_fa = ratio_text(per_repeat_ratios(ran, fa_runs, lambda r: r.trained_tokens_per_s))
         lines.append(
             f"| {shown} | {_fmt([r.groups_per_s for r in ran])} | {_fmt([r.trained_tokens_per_s for r in ran], '.0f')} | "
-            f"{_fmt(tl, '.1f')} / {_fmt(tp, '.0f')} | {_fmt(pl, '.1f')} / {_fmt(pp, '.0f')} | "
+            f"{vs_fa} | {_fmt(tl, '.1f')} / {_fmt(tp, '.0f')} | {_fmt(pl, '.1f')} / {_fmt(pp, '.0f')} | "
             f"{_fmt([b[0] for b in bias], '+.1f')} % / {_fmt([b[1] for b in bias], '+.1f')} % | "
             f"{_fmt([u[0] for u in use])} ({_fmt([u[1] for u in use])}) | "
             f"{_fmt([float(np.mean(r.lags)) if r.lags else 0.0 for r in ran])} / {max(max_lag(r) for r in ran)} | {dist} | "
             f"{_fmt([waste_pct(r) for r in ran], '.1f')} % | "
             f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} | "
+            + _counter_cells(ran) + f" | {clock_cell(ran, wl)} | "
             f"{_fmt([ceiling_tokens_per_s(r) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
     return "\n".join(lines)
 
@@ -258,11 +331,28 @@ def _by_repeat(runs: list[Result]) -> dict[int, Result]:
     return {r.repeat: r for r in runs if r.ran}
 
 
+
+def per_repeat_ratios(mine: list[Result], base: list[Result], value) -> list[float]:
+    """value(mine) / value(base) for every repeat both ran, in repeat order. THE aggregation rule
+    of every ratio this bench prints (tables, goals, docs): the median of these per-repeat
+    ratios with the worst beside it (`ratio_text`), never a ratio of medians."""
+    a, b = _by_repeat(mine), _by_repeat(base)
+    return [value(a[k]) / value(b[k]) for k in sorted(set(a) & set(b)) if value(b[k])]
+
+
+def ratio_text(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    med = statistics.median(ratios)
+    return f"{med:.2f}x (worst {min(ratios):.2f}x)" if len(ratios) > 1 else f"{med:.2f}x"
+
+
 def goals(results: list[Result]) -> list[Figure]:
-    """Issue 25 item 2, each printed met or missed: medians of the repeats, the worst beside."""
+    """Issue 25 item 2, each printed met or missed: ratios are medians of the per-repeat ratios
+    (`per_repeat_ratios`), the worst repeat beside."""
     rows = _rows(results)
-    fa = _by_repeat(rows.get("slime fully async, best of the sweep", []))
-    sync = _by_repeat(rows.get("slime sync", []))
+    fa_runs, sync_runs = rows.get(FA_BEST, []), rows.get("slime sync", [])
+    fa = _by_repeat(fa_runs)
     figures: list[Figure] = []
     if not fa:
         return [Figure(section="peer", name="slime fully async did not run: no goal can be checked", value=float("nan"),
@@ -276,29 +366,32 @@ def goals(results: list[Result]) -> list[Figure]:
         common = sorted(set(mine) & set(fa))
         if not common:
             continue
-        ratios = [mine[k].trained_tokens_per_s / fa[k].trained_tokens_per_s for k in common]
+        ratios = per_repeat_ratios(runs, fa_runs, lambda r: r.trained_tokens_per_s)
         tok = statistics.median(mine[k].trained_tokens_per_s for k in common)
         biases = [length_bias(mine[k])[0] for k in common]
         worst_bias = max(biases, key=abs)
         same_lag = label.startswith("pipeline eta =")
         want = SAME_LAG_TOKENS_GOAL if same_lag else 1.0
-        ceiling = statistics.median(ceiling_tokens_per_s(mine[k]) for k in common)
-        limit = (f"; ceiling at this eta from the run's own group tails {ceiling:.0f} tok/s"
-                 + (f", below fully async's x {want:g} ({want * fa_tok:.0f}): no schedule with lag <= eta and nothing "
-                    "discarded reaches the goal here" if ceiling < want * fa_tok else ""))
+        earliest = [ceiling_tokens_per_s(mine[k]) / fa[k].trained_tokens_per_s for k in common]
+        limit = (f"; the earliest schedule with lag <= eta on this run's own measured durations: "
+                 f"{ratio_text(earliest)} fully async's tok/s"
+                 + (" - below the goal: with these durations held fixed no such schedule reaches it (not a bound "
+                    "over schedules that change the durations)" if statistics.median(earliest) < want else ""))
         figures.append(Figure(
-            section="peer", name=f"{label}: trained response tokens/s, median {tok:.0f} (worst repeat ratio "
-            f"{min(ratios):.2f}x); trained length vs plan median {statistics.median(biases):+.1f} % (worst "
-            f"{worst_bias:+.1f} %; fully async {fa_bias:+.1f} %){limit}", value=tok, unit="tok/s",
-            baseline="slime fully async, best concurrency, same run", baseline_value=fa_tok, ratio=statistics.median(ratios),
+            section="peer", name=f"{label}: trained response tokens/s {tok:.0f} (median), vs fully async "
+            f"{ratio_text(ratios)} (median of per-repeat ratios); trained length vs plan median "
+            f"{statistics.median(biases):+.1f} % (worst {worst_bias:+.1f} %; fully async {fa_bias:+.1f} %){limit}",
+            value=tok, unit="tok/s", baseline="slime fully async, best concurrency, same run (median)",
+            baseline_value=fa_tok, ratio=statistics.median(ratios),
             goal=f">= {want:g}x fully async's trained tokens/s, length within {LENGTH_GOAL_PCT:g} % of the plan",
             met=statistics.median(ratios) >= want and abs(statistics.median(biases)) <= LENGTH_GOAL_PCT))
         if same_lag:
-            g = [mine[k].groups_per_s / fa[k].groups_per_s for k in common]
+            g = per_repeat_ratios(runs, fa_runs, lambda r: r.groups_per_s)
             figures.append(Figure(
-                section="peer", name=f"{label}: groups/s, median ratio (worst repeat {min(g):.2f}x)",
+                section="peer", name=f"{label}: groups/s vs fully async {ratio_text(g)} (median of per-repeat ratios)",
                 value=statistics.median(mine[k].groups_per_s for k in common), unit="groups/s",
-                baseline="slime fully async, best concurrency", baseline_value=statistics.median(r.groups_per_s for r in fa.values()),
+                baseline="slime fully async, best concurrency (median)",
+                baseline_value=statistics.median(r.groups_per_s for r in fa.values()),
                 ratio=statistics.median(g), goal=">= 1x fully async's groups/s", met=statistics.median(g) >= 1.0))
         waste = max(waste_pct(r) for r in mine.values())
         skipped = sum(r.counters.get("stale", 0) + r.counters.get("discarded", 0) for r in mine.values())
@@ -308,19 +401,21 @@ def goals(results: list[Result]) -> list[Figure]:
             f"(a due group skipped) {skipped}; runs with lag over eta {len(over)}", value=waste, unit="%",
             goal=f"<= {WASTE_GOAL_PCT:g} %, no due group skipped, lag <= eta, every repeat",
             met=waste <= WASTE_GOAL_PCT and skipped == 0 and not over))
-    eta2 = _by_repeat(rows.get("pipeline eta 2", []))
-    common = sorted(set(eta2) & set(sync))
-    if common:
-        speed = [eta2[k].groups_per_s / sync[k].groups_per_s for k in common]
-        # what any eta-2 schedule can gain over any synchronous one on the same groups and step overheads
-        bound = [ceiling_tokens_per_s(eta2[k]) / ceiling_tokens_per_s(eta2[k], eta=0) for k in common]
+    eta2_runs = rows.get("pipeline eta 2", [])
+    speed = per_repeat_ratios(eta2_runs, sync_runs, lambda r: r.groups_per_s)
+    if speed:
+        eta2 = _by_repeat(eta2_runs)
+        # the same earliest-schedule arithmetic at eta 2 and at eta 0 on each eta-2 repeat's own durations
+        earliest = [ceiling_tokens_per_s(r) / ceiling_tokens_per_s(r, eta=0) for _, r in sorted(eta2.items())]
         figures.append(Figure(
-            section="peer", name=f"pipeline eta 2 vs slime sync, groups/s per repeat: "
-            f"{', '.join(f'{x:.2f}x' for x in speed)} (ceiling eta 2 / ceiling sync on each repeat's own groups: "
-            f"{', '.join(f'{x:.2f}x' for x in bound)})", value=statistics.median(eta2[k].groups_per_s for k in common),
-            unit="groups/s", baseline="slime sync, same repeat",
-            baseline_value=statistics.median(sync[k].groups_per_s for k in common), ratio=min(speed),
-            goal=f">= {AREAL_SPEEDUP}x in the worst repeat (AReaL)", met=min(speed) >= AREAL_SPEEDUP))
+            section="peer", name=f"pipeline eta 2 vs slime sync, groups/s {ratio_text(speed)} (median of per-repeat "
+            f"ratios; each repeat: {', '.join(f'{x:.2f}x' for x in speed)}); earliest schedule at eta 2 / at eta 0 on "
+            f"each eta-2 repeat's own measured durations: {', '.join(f'{x:.2f}x' for x in earliest)}",
+            value=statistics.median(r.groups_per_s for r in eta2.values()), unit="groups/s",
+            baseline="slime sync, same repeats (median)",
+            baseline_value=statistics.median(r.groups_per_s for r in _by_repeat(sync_runs).values()),
+            ratio=statistics.median(speed), goal=f">= {AREAL_SPEEDUP}x in the worst repeat (AReaL)",
+            met=min(speed) >= AREAL_SPEEDUP))
     return figures
 
 
@@ -337,7 +432,7 @@ def plot(results: list[Result], path: Path) -> Path | None:
     lines: dict[str, list[tuple[float, float, float, str]]] = {}
     for label, runs in _rows(results).items():
         ran = [r for r in runs if r.ran]
-        if not ran or label == "slime fully async, best of the sweep" or label.startswith("pipeline eta ="):
+        if not ran or label == FA_BEST or label.startswith("pipeline eta ="):
             continue  # repeats of points drawn already (the best concurrency; the per-repeat etas)
         family = ("slime sync" if label.startswith("slime sync") else "slime fully async (1x, 2x, 4x slots)"
                   if label.startswith("slime fully") else "this pipeline, due-first, FCFS engine" if label.startswith(FCFS)
@@ -364,37 +459,103 @@ def plot(results: list[Result], path: Path) -> Path | None:
     return path
 
 
+def run_summary(r: Result, wl: Workload) -> dict:
+    """One run, compact (a few hundred bytes): what the tables and goals are computed from, with
+    the per-call lags as a distribution and the lengths as means and p90s."""
+    bias, use = length_bias(r), slot_use(r, wl.slots)
+    keep = ("contender", "label", "repeat", "eta", "concurrency", "ran", "reason", "steps", "wall_s", "groups_per_s",
+            "trained_tokens_per_s", "engine_tokens", "trained_tokens", "carried_tokens", "untrained_tokens",
+            "resumed_requests", "resumed_input_tokens", "samples_without_tokens", "samples_without_log_probs",
+            "cpu_s", "counters", "engine_stats")
+    out = {k: getattr(r, k) for k in keep}
+    out.update(
+        lag_calls={str(k): v for k, v in sorted(Tally(r.lags).items())},
+        trained_len_mean=round(float(np.mean(r.trained_lengths)), 1) if r.trained_lengths else None,
+        trained_len_p90=_pct(r.trained_lengths, 90) if r.trained_lengths else None,
+        plan_len_mean=round(float(np.mean(r.planned_lengths)), 1) if r.planned_lengths else None,
+        plan_len_p90=_pct(r.planned_lengths, 90) if r.planned_lengths else None,
+        length_bias_pct=[round(x, 2) for x in bias], slot_use=[round(x, 3) for x in use], pushes=len(r.push_times),
+        earliest_schedule_tok_s=round(ceiling_tokens_per_s(r), 1) if r.eta >= 0 else None,
+        engine_clock_rate_p10_p50=[_pct(r.clock_rates, 10), _pct(r.clock_rates, 50)] if r.clock_rates else None,
+        notes=[note[:200] for note in r.notes])
+    return out
+
+
+def summary(results: list[Result], wl: Workload, *, repeats: int, seconds: float, figures: list[Figure],
+            command: str) -> dict:
+    """What docs/ keeps of a run (well under 100 kB); the raw per-record dump (`--raw`) is
+    regenerated by running `command` again."""
+    return {"command": command, "workload": asdict(wl), "workload_text": wl.describe(), "repeats": repeats,
+            "seconds": round(seconds, 1), "aggregation": "median of the repeats (min-max); every ratio: median of "
+            "per-repeat ratios, worst repeat beside", "runs": [run_summary(r, wl) for r in results],
+            "goals": [f.line() for f in figures], "table": frontier_table(results, wl)}
+
+
+def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float, plot_path: Path | None,
+           json_path: str, raw_path: str, command: str) -> list[Figure]:
+    """Tables, goals, plot; the compact summary to json_path, every record to raw_path."""
+    print(f"\n{wl.describe()}; the pipeline due-first, {wl.pipeline_groups()} groups in flight; {repeats} repeat(s), "
+          f"median (min-max); every ratio the median of per-repeat ratios (worst beside). Run took {seconds:.0f} s.")
+    print(frontier_table(results, wl))
+    print(cpu_table(results, wl))
+    figures = goals(results)
+    path = plot(results, plot_path) if plot_path else None
+    if path is not None:
+        print(f"[peer] plot: {path}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary(results, wl, repeats=repeats, seconds=seconds, figures=figures,
+                                                      command=command), indent=1))
+    if raw_path:
+        Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": repeats,
+                                              "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
+    return figures
+
+
+def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
+    """Raw dumps (`--raw`, or an earlier bench's `--json`, which held every record); several
+    runs of the same workload are read as consecutive repeats of one (their repeat numbers
+    shifted), so repeats run one invocation at a time add up."""
+    results: list[Result] = []
+    workloads: list[Workload] = []
+    repeats, seconds = 0, 0.0
+    for path in paths:
+        data = json.loads(path.read_text())
+        known = set(Workload.__dataclass_fields__)
+        workloads.append(replace(Workload(**{k: v for k, v in data["workload"].items() if k in known})))
+        fields = set(Result.__dataclass_fields__)
+        for row in data["results"]:
+            r = Result(**{k: v for k, v in row.items() if k in fields})
+            r.slot_samples = [(float(t), int(b)) for t, b in r.slot_samples]
+            r.repeat += repeats
+            results.append(r)
+        repeats += int(data.get("repeats", 1))
+        seconds += float(data.get("seconds", 0.0))
+    if any(asdict(w) != asdict(workloads[0]) for w in workloads):
+        raise ValueError(f"--from-raw: the dumps ran different workloads ({', '.join(map(str, paths))})")
+    return results, workloads[0], repeats, seconds
+
+
 def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = None, plot_path: Path | None = None,
-               json_path: str = "", keep: str = "", etas: tuple[int, ...] | None = None,
-               sweep: tuple[int, ...] | None = None, fcfs: bool = False) -> list[Figure]:
+               json_path: str = "", raw_path: str = "", keep: str = "", etas: tuple[int, ...] | None = None,
+               sweep: tuple[int, ...] | None = None, fcfs: bool = False, workload: str = DEFAULT_WORKLOAD,
+               time_scale: float | None = None, command: str = "") -> list[Figure]:
     """The frontier section (`rollout bench --sections peer`): tables, plot, goals as figures."""
-    wl = Workload(steps=steps or (5 if quick else 12))
+    wl = replace(WORKLOADS[workload], steps=steps or (5 if quick else WORKLOADS[workload].steps))
+    if time_scale:
+        wl = replace(wl, time_scale=time_scale)
     repeats = repeats or (1 if quick else 3)
     etas = etas or (QUICK_ETAS if quick else FRONTIER_ETAS)
     sweep = sweep or (QUICK_SWEEP if quick else FA_SWEEP)
     started = time.monotonic()
+    print(f"[peer] {wl.describe()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         workdir = Path(keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
         results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs)
-    took = time.monotonic() - started
-    print(f"\nWorkload: B={wl.batch} n={wl.n} steps={wl.steps} train step {wl.train_step_s}s, weight push after each "
-          f"(abort mode); engine: {wl.slots} slots, {wl.token_latency_s * 1e3:.1f} ms/token, lognormal lengths "
-          f"mu={wl.length_mu} sigma={wl.length_sigma}, --enable-priority-scheduling; the pipeline: due-first, "
-          f"{wl.pipeline_groups()} groups in flight, eta {', '.join(map(str, etas))}; fully async at sglang_server_concurrency {', '.join(f'{k * wl.slots}' for k in sweep)}; "
-          f"{repeats} repeat(s), median (min-max). Run took {took:.0f} s.")
-    text = frontier_table(results, wl)
-    print(text)
-    print(cpu_table(results, wl))
-    figures = goals(results)
-    path = plot(results, plot_path or Path("bench-peer-frontier.png"))
-    if path is not None:
-        print(f"[peer] plot: {path}")
-    if json_path:
-        Path(json_path).write_text(json.dumps({"workload": asdict(wl), "repeats": repeats, "seconds": round(took, 1),
-                                               "results": [asdict(r) for r in results], "table": text}, indent=1))
-    return figures
+    return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
+                  plot_path=plot_path or Path("bench-peer-frontier.png"), json_path=json_path, raw_path=raw_path,
+                  command=command or "python -m scripts.bench_peer " + " ".join(sys.argv[1:]))
 
 
 def _ints(text: str) -> tuple[int, ...] | None:
@@ -406,7 +567,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="5 steps, 1 repeat (12 steps, 3 repeats without)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--json", default="", help="write every figure (and the raw lags and lengths) here")
+    p.add_argument("--json", default="", help="the compact summary (tables, goals, per-run figures; for docs/)")
+    p.add_argument("--raw", default="", help="every record (slot samples, per-call lags, lengths): keep out of docs/")
+    p.add_argument("--from-raw", default="",
+                   help="no run: tables, goals, plot and --json summary from raw dumps (a,b: one run's repeats after another's)")
+    p.add_argument("--workload", default=DEFAULT_WORKLOAD, choices=sorted(WORKLOADS),
+                   help="areal-7b: from AReaL's published 7B run (default); issue25: the earlier toy workload")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="divide the engine's token time and the trainer's step alike (default: the workload's)")
     p.add_argument("--plot", default="bench-peer-frontier.png", help="the frontier plot (PNG)")
     p.add_argument("--contenders", default="", help="issue 17's single points instead of the frontier: a,b,c,d,e")
     p.add_argument("--keep", default="", help="run in this folder and keep the logs (engine, child, workers)")
@@ -416,15 +584,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run each pipeline point on an engine without priority scheduling (the ablation)")
     opts = p.parse_args(argv)
 
+    if opts.from_raw:
+        paths = [Path(x) for x in opts.from_raw.split(",") if x.strip()]
+        results, wl, repeats, seconds = load_raw(*paths)
+        commands = [json.loads(path.read_text()).get("command", "(not recorded)") for path in paths]
+        figures = report(results, wl, repeats=repeats, seconds=seconds, plot_path=Path(opts.plot) if opts.plot else None,
+                         json_path=opts.json, raw_path="", command=" ; ".join(dict.fromkeys(commands)))
+        for figure in figures:
+            print(figure.line())
+        return 0
     if not opts.contenders:
         figures = bench_peer(quick=opts.quick, repeats=opts.repeats, steps=opts.steps, plot_path=Path(opts.plot),
-                             json_path=opts.json, keep=opts.keep, etas=_ints(opts.etas), sweep=_ints(opts.sweep),
-                             fcfs=opts.fcfs)
+                             json_path=opts.json, raw_path=opts.raw, keep=opts.keep, etas=_ints(opts.etas),
+                             sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale)
         for figure in figures:
             print(figure.line())
         return 0
 
-    wl = Workload(steps=opts.steps or (4 if opts.quick else 12))
+    wl = replace(WORKLOADS[opts.workload], steps=opts.steps or (4 if opts.quick else 12))
+    if opts.time_scale:
+        wl = replace(wl, time_scale=opts.time_scale)
     kinds = [k.strip() for k in opts.contenders.split(",") if k.strip()]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
@@ -438,9 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(finish(run_contender(kind, wl, workdir, tasks, prompts, quiet=False), wl))
             print(f"# ({kind}) {CONTENDERS[kind]}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     text = table(results, plan, wl)
-    print(f"Workload: B={wl.batch} n={wl.n} steps={wl.steps} train step {wl.train_step_s}s; engine: lognormal "
-          f"lengths mu={wl.length_mu} sigma={wl.length_sigma}, {wl.token_latency_s * 1e3:.1f} ms/token, "
-          f"{wl.slots} slots; concurrency {wl.concurrency} requests; pipeline eta={wl.eta}. "
+    print(f"{wl.describe()}; concurrency {wl.concurrency} requests; pipeline eta={wl.eta}. "
           f"Run took {time.monotonic() - started:.0f} s.")
     print(text)
     if opts.json:

@@ -38,6 +38,7 @@ generate call; trained response length vs the engine's length plan (mean, p90).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -58,17 +59,23 @@ CONTENDERS = {
     "e": "in-process mode (slime sync + workers.inslime.generate)",
 }
 SLOT_SAMPLE_S = 0.05
+CLOCK_SAMPLE_S = 0.5
 
 
 @dataclass
 class Workload:
-    """Issue 25's workload: 32 slots, 4 ms a token, lognormal lengths, 0.4 s trainer step."""
+    """What every contender runs: Workload() is issue 25's (32 slots, 4 ms a token, lognormal
+    lengths, 0.4 s trainer step); WORKLOADS["areal-7b"], the bench's default, is taken from a
+    published 7B run (docs/benchmarks.md, "The workload and its sources"). Times are real seconds;
+    `time_scale` divides the engine's per-token time and the trainer's step alike (the only
+    thing it changes), and every figure printed with it says so."""
 
     steps: int = 12
     batch: int = 8  # B groups per step
     n: int = 4  # samples per group
     train_step_s: float = 0.4
-    token_latency_s: float = 0.004  # mean per output token (lognormal around it per request)
+    token_latency_s: float = 0.004  # per output token of one request, at time scale 1
+    latency_sigma: float = 0.5  # the per-request speed draw of the simulator (0: none)
     length_mu: float = 4.0  # lognormal filler tokens: median exp(4) ~ 55
     length_sigma: float = 1.0
     max_filler_tokens: int = 2048
@@ -84,16 +91,85 @@ class Workload:
     # no priority (FCFS as without it), the pipeline's carry their group's clock (due first)
     priority_scheduling: bool = True
     seed: int = 0
+    time_scale: float = 1.0
+    name: str = "issue25"
+    # the model and GPU the engine plays, where the engine has measured physics (SimConfig.model:
+    # SGLang's step loop with aiconfigurator's step times and KV pool; issue 31); there the
+    # engine's --max-running-requests is `engine_max_running` (0: SGLang's default from the KV
+    # pool) and `slots` stays the unit of fully async's concurrency; an engine without it runs
+    # `token_latency_s` per token of each request and caps running requests at `slots`
+    model: str = ""
+    gpu: str = "h100_sxm"
+    engine_max_running: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.time_scale > 0:
+            raise ValueError(f"Workload.time_scale must be > 0, got {self.time_scale!r}")
+
+    @property
+    def train_sleep_s(self) -> float:
+        """The trainer's step as the bench sleeps it: train_step_s on the scaled clock."""
+        return self.train_step_s / self.time_scale
+
+    @property
+    def request_timeout_s(self) -> float:
+        """Client timeout: 60 s, or ten times the longest answer's decode on the scaled clock."""
+        return max(60.0, 10 * self.max_response_len * self.token_latency_s / self.time_scale)
+
+    @property
+    def measured_physics(self) -> bool:
+        """True where the engine plays `model` on its measured step times (it has SimConfig.model)."""
+        from dataclasses import fields
+
+        from workers.sim.engine import SimConfig
+
+        return bool(self.model) and "model" in {f.name for f in fields(SimConfig)}
 
     def engine_args(self, tasks: str) -> list[str]:
-        return ["--length-mu", str(self.length_mu), "--length-sigma", str(self.length_sigma),
-                "--token-latency-s", str(self.token_latency_s), "--slots", str(self.slots),
-                "--max-filler-tokens", str(self.max_filler_tokens), "--weight-version", "0",
-                "--seed", str(self.seed), "--tasks", tasks,
-                *(["--enable-priority-scheduling"] if self.priority_scheduling else [])]
+        common = ["--length-mu", str(self.length_mu), "--length-sigma", str(self.length_sigma),
+                  "--max-filler-tokens", str(self.max_filler_tokens), "--weight-version", "0",
+                  "--seed", str(self.seed), "--tasks", tasks,
+                  *(["--enable-priority-scheduling"] if self.priority_scheduling else [])]
+        if self.measured_physics:
+            return [*common, "--model", self.model, "--gpu", self.gpu, "--time-scale", str(self.time_scale),
+                    "--slots", str(self.engine_max_running)]
+        return [*common, "--token-latency-s", str(self.token_latency_s / self.time_scale),
+                "--latency-sigma", str(self.latency_sigma), "--slots", str(self.slots)]
+
+    def describe(self) -> str:
+        scale = f"time scale {self.time_scale:g}x (engine and trainer alike)" if self.time_scale != 1 else "time scale 1x"
+        engine = (f"engine: SGLang's step loop playing {self.model} on {self.gpu} (aiconfigurator step times, KV pool; "
+                  f"--max-running-requests {self.engine_max_running or 'default'}), {self.slots} requests the unit of "
+                  "fully async's concurrency" if self.measured_physics else
+                  f"engine: per-request speed, {self.slots} slots, {self.token_latency_s * 1e3:.1f} ms a token "
+                  f"(speed draw sigma {self.latency_sigma:g}), prefill free")
+        return (f"workload {self.name}: B={self.batch} groups x n={self.n} per step, {self.steps} steps, trainer step "
+                f"{self.train_step_s:g} s then a weight push (abort mode); {engine}; lognormal lengths median "
+                f"{math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at {self.max_response_len}; {scale}")
 
     def pipeline_groups(self) -> int:
         return self.groups_in_flight or max(1, 4 * self.slots // self.n)
+
+
+# The default benchmark workload, from AReaL's published 7B math run (AReaL v0.2 "boba" recipe:
+# R1-Distill-Qwen-7B, 512 prompts x 16 responses a step, max generation 27K tokens, truncation
+# below 5 %; AReaL v0.3: the same model and data, 1000 PPO steps on 24 nodes in 57.7 h synchronous,
+# 25.4 h asynchronous), scaled down in prompts per step (512 prompts on 192 GPUs: 2.7 per GPU; one
+# simulated engine is one GPU: B = 3) and in steps, never in lengths. Sources, the numbers and the
+# assumptions (the trainer step, the length median, the slots): docs/benchmarks.md.
+AREAL_7B_MAX_RESPONSE = 27 * 1024
+WORKLOADS: dict[str, Workload] = {
+    "issue25": Workload(),
+    "areal-7b": Workload(
+        name="areal-7b", steps=12, batch=3, n=16,
+        train_step_s=91.4,  # 25.4 h / 1000 steps, asynchronous AReaL (trainer-paced: balanced workers)
+        token_latency_s=0.0275,  # aiconfigurator 0.12 Qwen/Qwen3-8B h100_sxm sglang decode step, batch 48 x 9,000 context
+        latency_sigma=0.0,  # no per-request speed draw (issue 31)
+        length_mu=math.log(AREAL_7B_MAX_RESPONSE / math.exp(1.645)),  # median 5,336: 5 % above 27K at sigma 1
+        length_sigma=1.0, max_filler_tokens=AREAL_7B_MAX_RESPONSE, max_response_len=AREAL_7B_MAX_RESPONSE,
+        slots=36, concurrency=36,  # ~330k KV tokens (H100, Qwen3-8B bf16) / ~9k tokens a request
+        model="Qwen/Qwen3-8B", gpu="h100_sxm", time_scale=50.0),
+}
 
 
 @dataclass
@@ -126,10 +202,15 @@ class Result:
     resumed_input_tokens: int = 0
     cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the loop
     counters: dict[str, int] = field(default_factory=dict)  # the pipeline's Redis counters
+    # the engine's own scalar counters at the end (GET /sim/stats): KV pool use, preemptions,
+    # retractions, prefill charged, where the engine keeps them (`bench_peer.ENGINE_COUNTERS`)
+    engine_stats: dict[str, float] = field(default_factory=dict)
     # the pipeline, per step: the longest episode of the groups it trained (s), and the trainer's
     # step plus weight push (s) (`ceiling_tokens_per_s`)
     cohort_tails_s: list[float] = field(default_factory=list)
     step_overheads_s: list[float] = field(default_factory=list)
+    # the engine's simulated seconds per wall second over busy 0.5-s windows (`SlotSampler`)
+    clock_rates: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -155,6 +236,28 @@ def push_weights(engine_url: str, version: int) -> None:
     _post(engine_url, "/continue_generation", {})
 
 
+def train_step(wl: Workload, engine_url: str) -> None:
+    """The simulated trainer's step: train_step_s on the ENGINE's clock. It sleeps the scaled time,
+    then, while the engine is busy and its simulated clock (GET /sim/stats "sim_time_s") has
+    moved less than train_step_s since the step began, waits for it: a step loop that cannot keep
+    its time scale on a loaded machine runs slower than the clock, and a trainer on the wall clock
+    would then look faster than the published one. An idle engine's clock is the wall clock x the
+    scale, so an idle engine (the synchronous contenders while they train) ends the wait at once;
+    an engine without a simulated clock (no "sim_time_s") too."""
+    start = _get_json(engine_url + "/sim/stats").get("sim_time_s")
+    time.sleep(wl.train_sleep_s)
+    if start is None:
+        return
+    deadline = time.monotonic() + 10 * wl.train_sleep_s + 5.0
+    while time.monotonic() < deadline:
+        stats = _get_json(engine_url + "/sim/stats")
+        if not stats.get("running") and not stats.get("num_waiting_reqs"):
+            return
+        if float(stats["sim_time_s"]) >= float(start) + wl.train_step_s:
+            return
+        time.sleep(0.1)  # each look costs the engine's event loop a /sim/stats answer
+
+
 def engine_tokens(engine_url: str) -> int:
     return int(_get_json(engine_url + "/sim/stats")["output_tokens"])
 
@@ -168,26 +271,50 @@ def read_engine_counts(result: Result, engine_url: str) -> None:
     result.resumed_input_tokens = int(stats.get("resumed_input_tokens", 0))
     planned = [min(int(v), 10**9) for v in (stats.get("planned") or {}).values()]
     result.planned_lengths = planned
+    info = _get_json(engine_url + "/server_info")
+    result.engine_stats = {k: float(v) for k, v in {**info, **stats}.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 class SlotSampler(threading.Thread):
     """Busy engine slots over time: SGLang's GET /v1/loads (small; /sim/stats carries every
-    routing key) every SLOT_SAMPLE_S, and the times of the weight pushes."""
+    routing key) every SLOT_SAMPLE_S, and the times of the weight pushes. Every CLOCK_SAMPLE_S
+    also the engine's simulated clock (GET /sim/stats "sim_time_s", where it has one): its rate
+    over windows the engine was busy at both ends, in simulated seconds per wall second, says
+    whether the step loop kept its time scale on this machine (`clock_rates`)."""
 
     def __init__(self, engine_url: str):
         super().__init__(daemon=True)
         self.url = engine_url + "/v1/loads"
+        self.stats_url = engine_url + "/sim/stats"
         self.started = time.monotonic()
         self.samples: list[tuple[float, int]] = []
         self.pushes: list[float] = []
+        self.clock_rates: list[float] = []
+        self._last_clock: tuple[float, float] | None = None
         self.stopped = threading.Event()
+
+    def _sample_clock(self) -> None:
+        try:
+            stats = _get_json(self.stats_url)
+        except OSError:
+            return
+        if "sim_time_s" not in stats:
+            return
+        now, sim, busy = time.monotonic(), float(stats["sim_time_s"]), bool(stats.get("running"))
+        if busy and self._last_clock is not None and now > self._last_clock[0]:
+            self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
+        self._last_clock = (now, sim) if busy else None
 
     def push(self, engine_url: str, version: int) -> None:
         self.pushes.append(round(time.monotonic() - self.started, 3))
         push_weights(engine_url, version)
 
     def run(self) -> None:
+        every = max(1, round(CLOCK_SAMPLE_S / SLOT_SAMPLE_S))
         while not self.stopped.wait(SLOT_SAMPLE_S):
+            if len(self.samples) % every == 0:
+                self._sample_clock()
             try:
                 load = _get_json(self.url)["loads"][0]
             except OSError:
@@ -197,7 +324,7 @@ class SlotSampler(threading.Thread):
     def finish(self, result: Result) -> None:
         self.stopped.set()
         self.join(5)
-        result.slot_samples, result.push_times = self.samples, self.pushes
+        result.slot_samples, result.push_times, result.clock_rates = self.samples, self.pushes, self.clock_rates
 
 
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -308,7 +435,7 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
     host, port = engine_url.removeprefix("http://").rsplit(":", 1)
     inprocess = kind == "e"  # (a)'s rollout with the pipeline's episode runner and environment inside
     if inprocess:
-        config = {"engine": {"request_timeout_s": 60.0},
+        config = {"engine": {"request_timeout_s": wl.request_timeout_s},
                   "rollout": {"n_samples_per_prompt": wl.n, "max_response_tokens": wl.max_response_len,
                               "max_turns": 1, "sampling": {"temperature": 1.0}},
                   "environments": {"math": {"kind": "math", "options": {"check_in": "inline"}}}}
@@ -372,7 +499,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
         out = rollout(args, rollout_id, source)  # (c) returns the list of groups itself
         groups = out.samples if hasattr(out, "samples") else out
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
-        time.sleep(wl.train_step_s)  # train(rollout_id)
+        train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
         sampler.push(engine_url, rollout_id + 1)
     result.wall_s = time.monotonic() - started
@@ -384,7 +511,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
     if kind == "c":  # drain the background worker: in-flight groups finish (or come back aborted)
         worker = fully_async_rollout._global_worker
         worker.running = False
-        worker.worker_thread.join(60)
+        worker.worker_thread.join(60 + wl.request_timeout_s)  # long answers on a loaded machine
         carried_groups += [group for _, group in worker.get_completed_groups()]
         result.notes.append(f"drained {len(carried_groups)} completed groups from the worker's queue")
     carried_groups += list(source.buffer)  # (b): partial groups handed back; (c): aborted groups requeued
@@ -413,7 +540,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
     with LocalRedis() as server:
         config = {
             "redis": {"url": server.url, "namespace": ns},
-            "engine": {"url": engine_url, "tokenizer": default_tokenizer_path(), "request_timeout_s": 60.0},
+            "engine": {"url": engine_url, "tokenizer": default_tokenizer_path(),
+                       "request_timeout_s": wl.request_timeout_s},
             "rollout": {"n_samples_per_prompt": wl.n, "rollout_batch_size": wl.batch, "eta": wl.eta,
                         "max_response_tokens": wl.max_response_len, "max_turns": 1,
                         "sampling": {"temperature": 1.0}},
@@ -454,7 +582,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                     result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
                                                      for group in out.samples for s in group))
                     trained_at = time.monotonic()
-                    time.sleep(wl.train_step_s)
+                    train_step(wl, engine_url)
                     source.save(rollout_id)
                     sampler.push(engine_url, rollout_id + 1)
                     result.step_overheads_s.append(time.monotonic() - trained_at)
@@ -466,7 +594,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                 result.cpu_s = cpu.stop()
                 source.close()
             producer.stop()  # no new admissions; let the workers finish what they hold
-            deadline, idle_since = time.monotonic() + 60, None
+            deadline, idle_since = time.monotonic() + 60 + wl.request_timeout_s, None
             while time.monotonic() < deadline:
                 running = _get_json(engine_url + "/sim/stats")["running"]
                 idle_since = (idle_since or time.monotonic()) if running == 0 else None

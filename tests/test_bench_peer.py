@@ -136,3 +136,148 @@ def test_length_bias_is_trained_against_the_engines_plan_and_tables_show_it(tmp_
     pytest.importorskip("matplotlib")
     out = plot(rs, tmp_path / "frontier.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _brute_force_least_wall(taus, tails, eta):
+    """Every schedule of the ceiling's model, searched: step k trains groups admitted at any
+    version v with k - eta <= v <= k (version v >= 1 is out when step v - 1 has trained and
+    pushed, S_{v-1} + tau_{v-1}; version 0 and earlier before the clock), started at that time or
+    up to 1 s later, and the step starts when its longest episode is done and the previous step
+    has pushed, or up to 1 s later. Returns the least wall time over all of them."""
+    steps, best = len(taus), [float("inf")]
+
+    def walk(k, starts):
+        if k == steps:
+            best[0] = min(best[0], starts[-1] + taus[-1])
+            return
+        for version in range(max(0, k - eta), k + 1):
+            released = starts[version - 1] + taus[version - 1] if version >= 1 else float("-inf")
+            for delay in (0, 1):
+                for wait in (0, 1):
+                    ready = max(starts[k - 1] + taus[k - 1] if k else 0.0, released + delay + tails[k])
+                    walk(k + 1, [*starts, ready + wait])
+
+    walk(0, [])
+    return best[0]
+
+
+def test_the_earliest_schedule_is_the_optimum_of_its_model_by_brute_force():
+    """The max-plus recursion in ceiling_tokens_per_s against an exhaustive search over every
+    admission version, start delay and step wait on small integer instances."""
+    import random
+
+    from scripts.bench_peer import Result, ceiling_tokens_per_s
+
+    rng = random.Random(31)
+    for case in range(40):
+        steps, eta = rng.randint(1, 4), rng.randint(0, 3)
+        taus = [float(rng.randint(1, 3)) for _ in range(steps)]
+        tails = [float(rng.randint(0, 5)) for _ in range(steps)]
+        r = Result(contender="d", name="pipeline", eta=eta, ran=True, steps=steps, trained_tokens=1000,
+                   cohort_tails_s=tails, step_overheads_s=taus)
+        least = _brute_force_least_wall(taus, tails, eta)
+        assert ceiling_tokens_per_s(r) == pytest.approx(1000 / least), (case, taus, tails, eta)
+
+
+def test_every_ratio_is_the_median_of_per_repeat_ratios_with_the_worst_beside():
+    """Issue 31: 1.215x (ratio of medians) must not print as 1.26x in one place and 1.22x in
+    another: the table's ratio column and the goals use the same per-repeat ratios."""
+    from scripts.bench_peer import FA_BEST, Workload, frontier_table, goals, per_repeat_ratios, ratio_text
+
+    rs = _frontier()
+    for rep, (fa_tok, mine_tok) in enumerate([(1000.0, 1500.0), (2000.0, 2100.0), (1500.0, 1800.0)]):
+        next(r for r in rs if r.repeat == rep and r.contender == "c").trained_tokens_per_s = fa_tok
+        next(r for r in rs if r.repeat == rep and r.label == "pipeline eta 5").trained_tokens_per_s = mine_tok
+    fa = [r for r in rs if r.contender == "c"]
+    mine = [r for r in rs if r.label == "pipeline eta 5"]
+    ratios = per_repeat_ratios(mine, fa, lambda r: r.trained_tokens_per_s)
+    assert ratios == pytest.approx([1.5, 1.05, 1.2])  # ratio of medians would be 1800 / 1500 = 1.2
+    assert ratio_text(ratios) == "1.20x (worst 1.05x)"
+    row = next(line for line in frontier_table(rs, Workload()).splitlines() if line.startswith("| pipeline eta 5"))
+    assert "| 1.20x (worst 1.05x) |" in row
+    figure = next(f for f in goals(rs) if f.name.startswith("pipeline eta 5") and f.unit == "tok/s")
+    assert figure.ratio == pytest.approx(1.2) and "1.20x (worst 1.05x)" in figure.name
+    assert FA_BEST in frontier_table(rs, Workload())
+
+
+def test_the_ceiling_is_printed_as_what_it_is_not_as_a_bound():
+    from scripts.bench_peer import Workload, frontier_table, goals
+
+    rs = _frontier()
+    for r in rs:
+        if r.contender == "d":
+            r.cohort_tails_s, r.step_overheads_s = [0.5, 0.5], [0.1, 0.1]
+    head = frontier_table(rs, Workload()).splitlines()[0]
+    assert "earliest schedule" in head and "measured durations" in head and "ceiling" not in head
+    for figure in goals(rs):
+        assert "no schedule with lag" not in figure.name and "ceiling" not in figure.name
+
+
+def test_the_summary_is_compact_and_the_raw_dump_goes_where_asked(tmp_path):
+    """docs/ keeps a summary (lags as a distribution, no slot samples); --raw gets every record,
+    and --from-raw rebuilds the same summary from it."""
+    import json
+
+    from scripts.bench_peer import Workload, load_raw, report, summary
+
+    rs = _frontier()
+    for r in rs:  # a long run's records: 4,000 slot samples, 3,000 lags
+        r.slot_samples = [(i * 0.05, 16) for i in range(4_000)]
+        r.lags = [i % 3 for i in range(3_000)]
+    raw, compact = tmp_path / "raw.json", tmp_path / "summary.json"
+    report(rs, Workload(), repeats=3, seconds=12.0, plot_path=None, json_path=str(compact), raw_path=str(raw),
+           command="python -m scripts.bench_peer --repeats 3")
+    assert compact.stat().st_size < 100_000 < raw.stat().st_size
+    data = json.loads(compact.read_text())
+    assert data["command"] == "python -m scripts.bench_peer --repeats 3"
+    assert data["runs"][0]["lag_calls"] == {"0": 1000, "1": 1000, "2": 1000} and "slot_samples" not in data["runs"][0]
+    again, wl, repeats, _ = load_raw(raw)
+    assert summary(again, wl, repeats=repeats, seconds=12.0, figures=[], command="x")["table"] == data["table"]
+    # two invocations' dumps read as one run: the second's repeats follow the first's
+    both, _, repeats, seconds = load_raw(raw, raw)
+    assert repeats == 6 and seconds == 24.0 and sorted({r.repeat for r in both}) == [0, 1, 2, 3, 4, 5]
+
+
+def test_docs_hold_no_file_over_200_kb():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    big = {p.name: p.stat().st_size for p in docs.rglob("*") if p.is_file() and p.stat().st_size > 200_000}
+    assert not big, f"regenerable dumps belong outside docs/: {big}"
+
+
+def test_the_time_scale_speeds_the_engine_and_the_trainer_alike():
+    from scripts.peer_contenders import WORKLOADS, Workload
+
+    wl = WORKLOADS["areal-7b"]
+    args = wl.engine_args("tasks.jsonl")
+    if wl.measured_physics:  # the engine runs its own clock that much faster
+        assert float(args[args.index("--time-scale") + 1]) == wl.time_scale and "--model" in args
+    else:
+        token_s = float(args[args.index("--token-latency-s") + 1])
+        assert token_s == pytest.approx(wl.token_latency_s / wl.time_scale)
+    assert wl.train_sleep_s == pytest.approx(wl.train_step_s / wl.time_scale)
+    assert f"time scale {wl.time_scale:g}x" in wl.describe()
+    assert wl.max_response_len == wl.max_filler_tokens == 27 * 1024 and wl.n == 16  # AReaL's, never scaled
+    with pytest.raises(ValueError, match="time_scale"):
+        Workload(time_scale=0)
+
+
+def test_engine_counters_are_shown_where_the_engine_keeps_them():
+    from scripts.bench_peer import Workload, frontier_table
+
+    rs = _frontier()
+    stats = {"max_kv_used": 300.0, "kv_pool_tokens": 400.0, "kv_used_token_s": 100.0, "busy_s": 1.0,
+             "preemptions": 3.0, "retractions": 2.0, "prefill_tokens": 5000.0, "cached_tokens": 1200.0}
+    for r in rs:
+        if r.label == "pipeline eta 2":
+            r.engine_stats = dict(stats)
+            r.clock_rates = [50.0] * 9 + [25.0]  # one busy window at half the scale
+    lines = frontier_table(rs, Workload(time_scale=50)).splitlines()
+    assert "| KV pool use max / mean busy | preemptions | retractions | prefill tok computed / cached |" in lines[0]
+    row = next(line for line in lines if line.startswith("| pipeline eta 2 "))
+    assert "| 0.75 (0.75-0.75) / 0.25 (0.25-0.25) | 3 (3-3) | 2 (2-2) | 5000 (5000-5000) / 1200 (1200-1200) |" in row
+    assert "| 1.00 (0.95) |" in row  # the engine's clock against the time scale: median (p10)
+    sync = next(line for line in lines if line.startswith("| slime sync"))
+    assert sync.count("not kept") == 5  # an engine without the counters (and clock): said so, never 0
+    assert all(line.count("|") == lines[0].count("|") for line in lines)

@@ -13,7 +13,9 @@ the project's simulator as the scheduler.
   (`BatchStrOutput`, `AbortReq` prefix matching, the input-length check with SGLang's own
   `validate_input_length` at the `max_req_input_len` its own `TpModelWorker.get_worker_info`
   computes, `max_new_tokens` clipped to
-  `max_req_len`, weight-version spans). Tokens, log-probs, latency and aborts come from
+  `max_req_len`, weight-version spans, `cached_tokens` from its prefix cache; a weight-version
+  update is the simulator's push: its GPU time, the cache flushed; a `retract` pause frees KV).
+  Tokens, log-probs, latency and aborts come from
   `workers.sim.engine.SimEngine`, the project's simulator.
 - **Router**: smg 1.13.0 (`python -m smg launch`, the successor) or sglang-router 0.3.2
   (`python -m sglang_router.launch_router`; slime's docker/Dockerfile installs a fork build of
@@ -463,13 +465,14 @@ class SimScheduler:
         elif isinstance(obj, io.PauseGenerationReqInput):  # in_place / retract (abort is the tokenizer's loop)
             engine._resumed.clear()
             engine._paused_in_place = True
+            if obj.mode == "retract" and engine.scheduler is not None:
+                engine.scheduler.retract_all()  # their KV is freed: they re-prefill after continue
         elif isinstance(obj, io.ContinueGenerationReqInput):
             engine._paused_in_place = False
             engine._resumed.set()
         elif isinstance(obj, io.UpdateWeightVersionReqInput):
-            old, engine.weight_version = engine.weight_version, obj.new_version
-            for running in engine._running.values():
-                running.version_events.append((old, running.produced))
+            # the simulator's update: the push time on the step loop, the prefix cache flushed, spans
+            await engine.push_weights(obj.new_version)
             await self._reply(io.UpdateWeightVersionReqOutput(rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
         elif isinstance(obj, io.GetInternalStateReq):
             state = {"max_req_input_len": self.max_req_input_len, "weight_version": engine.weight_version,
@@ -524,10 +527,10 @@ class SimScheduler:
         engine.stats["output_tokens"] += len(ids)
         if finish.get("type") == "abort":
             finish = {**finish, "status_code": None, "err_type": None}
-        await self._output(req, ids, lps, finish, spans)
+        await self._output(req, ids, lps, finish, spans, cached_tokens=running.cached_tokens)
 
     async def _output(self, req: Any, ids: list[int], lps: list[float], finish: dict[str, Any],
-                      spans: list[dict[str, Any]] | None) -> None:
+                      spans: list[dict[str, Any]] | None, *, cached_tokens: int = 0) -> None:
         io = self.io
         from sglang.srt.utils.weight_versions import WeightVersionSpan
 
@@ -538,7 +541,7 @@ class SimScheduler:
         out = io.BatchStrOutput(
             rids=[req.rid], http_worker_ipcs=[req.http_worker_ipc], finished_reasons=[finish], output_strs=[text],
             output_ids=[ids], prompt_tokens=[len(req.input_ids)], completion_tokens=[len(ids)],
-            reasoning_tokens=[0], cached_tokens=[0],
+            reasoning_tokens=[0], cached_tokens=[cached_tokens],
             input_token_logprobs_val=[[]], input_token_logprobs_idx=[[]],
             output_token_logprobs_val=[lps], output_token_logprobs_idx=[ids],
             input_top_logprobs_val=[[]], input_top_logprobs_idx=[[]],

@@ -360,3 +360,26 @@ def test_server_info_says_what_the_engine_enforces_and_the_router_lists_the_engi
         with pytest.raises(urllib.error.HTTPError) as info_error:
             urllib.request.urlopen(request, timeout=30)
         assert info_error.value.code == 404
+
+
+def test_prefix_cache_hits_reach_meta_info_and_a_weight_update_flushes_them(stack):
+    """The simulator's radix cache (workers/sim/radix.py, SGLang's RadixCache) answered through
+    SGLang's own front: `meta_info.cached_tokens` counts the prefix a request found cached, as
+    SGLang's scheduler reports it (Req.cached_tokens -> BatchStrOutput.cached_tokens), and a weight
+    update empties the cache (SGLang's update_weights_* flush it), so the next request prefills all."""
+    prompt = list(range(5, 205))
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+
+    def cached() -> int:
+        status, answer = admit(stack, body)
+        assert status == 200, answer
+        return int(answer["meta_info"]["cached_tokens"])
+
+    assert cached() == 0  # a cold cache
+    assert cached() >= len(prompt) - 1  # the prompt (SGLang keeps the last token out of the match)
+    request = urllib.request.Request(f"{stack.engine_urls[0]}/update_weight_version",
+                                     data=json.dumps({"new_version": "flushed"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        assert json.loads(resp.read())["success"]
+    assert cached() == 0

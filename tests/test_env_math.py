@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from pipeline.config import ConfigError, EnvConfig
@@ -154,8 +156,15 @@ async def test_math_verify_giving_up_is_a_failed_measurement_not_a_zero(label, a
     from workers.envs.base import MeasurementFailed
 
     env = MathEnvironment("m", EnvConfig(kind="math", options={"check_in": "inline", "parse_timeout_s": timeout_s}))
-    with pytest.raises(MeasurementFailed, match=f"math-verify gave up: .*{why}"):
-        await _score(env, label, answer)
+    # Python's default depth, as in a worker's checker process: an import elsewhere in the suite
+    # raises the limit, and the 200-deep fraction then parses (and is graded right, 1.0)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    try:
+        with pytest.raises(MeasurementFailed, match=f"math-verify gave up: .*{why}"):
+            await _score(env, label, answer)
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 async def test_an_undecided_check_fails_the_episode_through_the_checker_pool_and_runner():

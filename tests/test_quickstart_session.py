@@ -33,7 +33,7 @@ MARKER = "A normal run, recorded"
 KEY_LINES: dict[str, list[str]] = {
     "rollout prepare": [r"wrote 2 tasks to tasks\.jsonl \(0 invalid rows skipped\)",
                         r"│ gsm +│ +2 │ +2 │ +0 │"],
-    "rollout engine": [r"simulated SGLang engine on http://127\.0\.0\.1:\d+ \(tokenizer "],
+    "rollout engine": [r"simulated SGLang engine on http://127\.0\.0\.1:\d+ \(no model, time scale 1\.0; tokenizer "],
     "rollout workers": [r"workers\.settings INFO worker \S+ ready: queue myexp:queue, 8 groups at once",
                         r"workers\.groups INFO group done: task gsm/\w+, env gsm, reward mean \d\.\d{3}, \d+ tokens, "
                         r"\d+\.\ds \(4 episodes, 0 failed\)"],

@@ -1,4 +1,4 @@
-"""scripts/peer_contenders.py (the contenders of scripts/bench_peer.py) drives slime's own rollout
+"""scripts/bench/peer_contenders.py (the contenders of scripts/bench/peer.py) drives slime's own rollout
 code (the pinned snapshot) against the simulated engine: two steps of each slime contender, counts
 only (never times).
 
@@ -22,7 +22,7 @@ STEPS = 2
 
 def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path):
     require_slime("slime.rollout.sglang_rollout", "slime.rollout.fully_async_rollout")
-    from scripts.peer_contenders import (
+    from scripts.bench.peer_contenders import (
         Workload,
         finish,
         run_contender,
@@ -57,7 +57,7 @@ def test_slime_contenders_train_whole_groups_with_tokens_and_log_probs(tmp_path)
 
 def _result(label, rep, *, kind="d", eta=-1, tok_s=1000.0, groups_s=10.0, trained=None, planned=None, lags=(0,),
             engine=1000, trained_tokens=1000, carried=0, counters=None):
-    from scripts.peer_contenders import CONTENDERS, Result
+    from scripts.bench.peer_contenders import CONTENDERS, Result
 
     trained = trained if trained is not None else [50] * 8
     return Result(kind, CONTENDERS[kind], label=label, eta=eta, repeat=rep, ran=True, steps=2, wall_s=1.0,
@@ -87,7 +87,7 @@ def _frontier(pipeline_waste_tokens=0, pipeline_lag=2, fa_bias_short=True, disca
 
 
 def test_frontier_goals_are_met_or_missed_by_the_counts():
-    from scripts.bench_peer import goals
+    from scripts.bench.peer import goals
 
     met = {f.name.split(":")[0] + f.goal: f.met for f in goals(_frontier())}
     assert all(v for k, v in met.items() if "vs slime sync" not in k), met
@@ -111,7 +111,7 @@ def test_the_ceiling_is_the_earliest_schedule_the_lag_bound_allows():
     """Four steps, each 1 s of trainer step + push and a 3 s longest episode: at eta 0 every step
     waits for its own decode (S = 0, 4, 8, 12, end 13); at eta 2 step 3 waits only for step 0's
     push plus its decode (S = 0, 1, 2, 4, end 5)."""
-    from scripts.bench_peer import Result, ceiling_tokens_per_s
+    from scripts.bench.peer import Result, ceiling_tokens_per_s
 
     r = Result(contender="p", name="pipeline", label="pipeline eta 2", eta=2, concurrency=32, repeat=0, ran=True,
                steps=4, trained_tokens=1300, cohort_tails_s=[3.0] * 4, step_overheads_s=[1.0] * 4)
@@ -123,7 +123,7 @@ def test_the_ceiling_is_the_earliest_schedule_the_lag_bound_allows():
 
 
 def test_length_bias_is_trained_against_the_engines_plan_and_tables_show_it(tmp_path):
-    from scripts.bench_peer import Workload, frontier_table, length_bias, plot, slot_use
+    from scripts.bench.peer import Workload, frontier_table, length_bias, plot, slot_use
 
     rs = _frontier()
     fa = rs[1]
@@ -166,7 +166,7 @@ def test_the_earliest_schedule_is_the_optimum_of_its_model_by_brute_force():
     admission version, start delay and step wait on small integer instances."""
     import random
 
-    from scripts.bench_peer import Result, ceiling_tokens_per_s
+    from scripts.bench.peer import Result, ceiling_tokens_per_s
 
     rng = random.Random(31)
     for case in range(40):
@@ -182,7 +182,7 @@ def test_the_earliest_schedule_is_the_optimum_of_its_model_by_brute_force():
 def test_every_ratio_is_the_median_of_per_repeat_ratios_with_the_worst_beside():
     """Issue 31: 1.215x (ratio of medians) must not print as 1.26x in one place and 1.22x in
     another: the table's ratio column and the goals use the same per-repeat ratios."""
-    from scripts.bench_peer import FA_BEST, Workload, frontier_table, goals, per_repeat_ratios, ratio_text
+    from scripts.bench.peer import FA_BEST, Workload, frontier_table, goals, per_repeat_ratios, ratio_text
 
     rs = _frontier()
     for rep, (fa_tok, mine_tok) in enumerate([(1000.0, 1500.0), (2000.0, 2100.0), (1500.0, 1800.0)]):
@@ -201,7 +201,7 @@ def test_every_ratio_is_the_median_of_per_repeat_ratios_with_the_worst_beside():
 
 
 def test_the_ceiling_is_printed_as_what_it_is_not_as_a_bound():
-    from scripts.bench_peer import Workload, frontier_table, goals
+    from scripts.bench.peer import Workload, frontier_table, goals
 
     rs = _frontier()
     for r in rs:
@@ -218,7 +218,7 @@ def test_the_summary_is_compact_and_the_raw_dump_goes_where_asked(tmp_path):
     and --from-raw rebuilds the same summary from it."""
     import json
 
-    from scripts.bench_peer import Workload, load_raw, report, summary
+    from scripts.bench.peer import Workload, load_raw, report, summary
 
     rs = _frontier()
     for r in rs:  # a long run's records: 4,000 slot samples, 3,000 lags
@@ -226,10 +226,10 @@ def test_the_summary_is_compact_and_the_raw_dump_goes_where_asked(tmp_path):
         r.lags = [i % 3 for i in range(3_000)]
     raw, compact = tmp_path / "raw.json", tmp_path / "summary.json"
     report(rs, Workload(), repeats=3, seconds=12.0, plot_path=None, json_path=str(compact), raw_path=str(raw),
-           command="python -m scripts.bench_peer --repeats 3")
+           command="python -m scripts.bench.peer --repeats 3")
     assert compact.stat().st_size < 100_000 < raw.stat().st_size
     data = json.loads(compact.read_text())
-    assert data["command"] == "python -m scripts.bench_peer --repeats 3"
+    assert data["command"] == "python -m scripts.bench.peer --repeats 3"
     assert data["runs"][0]["lag_calls"] == {"0": 1000, "1": 1000, "2": 1000} and "slot_samples" not in data["runs"][0]
     again, wl, repeats, _ = load_raw(raw)
     assert summary(again, wl, repeats=repeats, seconds=12.0, figures=[], command="x")["table"] == data["table"]
@@ -247,7 +247,7 @@ def test_docs_hold_no_file_over_200_kb():
 
 
 def test_the_time_scale_speeds_the_engine_and_the_trainer_alike():
-    from scripts.peer_contenders import WORKLOADS, Workload
+    from scripts.bench.peer_contenders import WORKLOADS, Workload
 
     wl = WORKLOADS["areal-7b"]
     args = wl.engine_args("tasks.jsonl")
@@ -264,7 +264,7 @@ def test_the_time_scale_speeds_the_engine_and_the_trainer_alike():
 
 
 def test_engine_counters_are_shown_where_the_engine_keeps_them():
-    from scripts.bench_peer import Workload, frontier_table
+    from scripts.bench.peer import Workload, frontier_table
 
     rs = _frontier()
     stats = {"max_kv_used": 300.0, "kv_pool_tokens": 400.0, "kv_used_token_s": 100.0, "busy_s": 1.0,

@@ -1,4 +1,4 @@
-"""`rollout bench --sections scale` (scripts/bench_scale.py) on tiny sizes: it runs, and what it
+"""`rollout bench --sections scale` (scripts/bench/scale.py) on tiny sizes: it runs, and what it
 counts holds (issue 26 item 2): a heartbeat's Redis commands do not grow with W, and the keys
 the buffer and trainer path leave without a TTL do not grow with the groups pushed."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from pipeline.local_redis import LocalRedis
-from scripts import bench_scale
+from scripts.bench import scale as bench_scale
 
 
 def test_liveness_commands_per_heartbeat_do_not_grow_with_workers():

@@ -1,7 +1,7 @@
 """due-first consumption on the real pipeline (issue 17), as a user runs it: redis-server, the
 simulated engine (`rollout engine`, long-tailed lengths, per-token latency), `rollout workers`,
 `rollout enqueue --follow` on the bundled tasks, and a trainer loop calling `generate_rollout` with
-`RedisDataSource`, `save(rid)` and a weight push per step (scripts/bench_async.py `run_once`).
+`RedisDataSource`, `save(rid)` and a weight push per step (scripts/bench/async_loop.py `run_once`).
 
 Counts, not times: with due-first no group is discarded, every trained token's lag is <= eta, and
 every token the engine generated is trained or still waiting at the end (none thrown away), so the
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts.bench_async import Setup, engine_args, model_tokens, run_once
+from scripts.bench.async_loop import Setup, engine_args, model_tokens, run_once
 from scripts.processes import SimEngineProcess
 
 pytestmark = pytest.mark.slow

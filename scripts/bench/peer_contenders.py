@@ -1,4 +1,4 @@
-"""The contenders of the peer benchmark (scripts/bench_peer.py), each run through its own code
+"""The contenders of the peer benchmark (scripts/bench/peer.py), each run through its own code
 on a fresh simulated engine, and what is counted of each run (a `Result`).
 
 Workload (the same for every contender): the math tasks of scripts/demo_tasks.jsonl; the
@@ -49,7 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "scripts" / "demo_tasks.jsonl"
 CONTENDERS = {
     "a": "slime sync generate_rollout",

@@ -21,8 +21,8 @@ from arq.connections import RedisSettings
 from arq.worker import Worker
 
 from pipeline.config import WorkersSection
-from scripts.report import Figure
-from scripts.timing import percentile, ratio
+from scripts.bench.report import Figure
+from scripts.bench.timing import percentile, ratio
 
 ARQ_DEFAULT_POLL_S = 0.5
 ARQ_DEFAULT_MAX_JOBS = 10

@@ -5,7 +5,7 @@ concurrent episodes (goal: lag p99 < 50 ms at 1,000), side by side with a low
 concurrency run as the baseline. The worker runs in this process (so its loop is the
 one measured); the engine and redis-server are child processes.
 
-    python scripts/bench_worker.py --concurrency 1000 --episodes 8000
+    python scripts/bench/worker.py --concurrency 1000 --episodes 8000
 `run_worker_bench(concurrency, episodes, ...) -> dict` is what `rollout bench` calls.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.config import parse_config  # noqa: E402
 from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job  # noqa: E402

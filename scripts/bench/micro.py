@@ -28,8 +28,8 @@ from pipeline.schema import Prompt, Sample, SampleGroup, SchemaError, Status, Ta
 from pipeline.slime import RedisDataSource, to_trainer_group
 from pipeline.slime_samples import mask_list
 from pipeline.synthetic import make_group
-from scripts.report import Figure
-from scripts.timing import ratio
+from scripts.bench.report import Figure
+from scripts.bench.timing import ratio
 
 CODEC_GOAL = 100.0  # x faster than pickle of lists: the goal the msgpack codec was chosen for (~1 us against ~300 us)
 BUFFER_GOAL = 0.5  # x raw redis-py pipelined stream ops
@@ -349,7 +349,7 @@ def _tolist_only(entries: list[Any]) -> float:
 # ------------------------------------------------------------------ design alternatives
 # Not a `rollout bench` section: the evidence behind two designs that were measured and not
 # adopted (docs/benchmarks.md, "codec" and "trainer hand-off"). Run:
-#     python -m scripts.bench_micro alternatives
+#     python -m scripts.bench.micro alternatives
 
 # prototypes of the layouts codec_layouts compares (SampleGroup's fields, other arrangements)
 class _Row(Sample, array_like=True, gc=False):
@@ -526,7 +526,7 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:] != ["alternatives"]:
-        sys.exit("usage: python -m scripts.bench_micro alternatives")
+        sys.exit("usage: python -m scripts.bench.micro alternatives")
     import gc
 
     gc.disable()  # as in to_trainer_group's build: no collection walks the lists being built

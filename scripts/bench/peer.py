@@ -1,8 +1,8 @@
 """Against the peer, side by side (issues 17 and 25): slime's OWN rollout code next to this
 pipeline, on the same simulated workload, in one run: a frontier of trained tokens/s against lag.
 
-    python -m scripts.bench_peer [--quick] [--repeats 3] [--json out.json] [--plot peer.png]
-    python -m scripts.bench_peer --contenders a,b,c,d,e       # the five single points (issue 17)
+    python -m scripts.bench.peer [--quick] [--repeats 3] [--json out.json] [--plot peer.png]
+    python -m scripts.bench.peer --contenders a,b,c,d,e       # the five single points (issue 17)
 
 The frontier (the default, issue 25), per repeat and in this order, each on a fresh engine:
   sync      slime's synchronous generate_rollout (contender a)
@@ -12,7 +12,7 @@ The frontier (the default, issue 25), per repeat and in this order, each on a fr
             the best fully-async run showed in this repeat (run again only if not in 1, 2, 4, 8)
 Goals (issue 25 item 2), medians of the repeats with the worst repeat beside, printed met/missed.
 
-The contenders and how each is run and counted: scripts/peer_contenders.py.
+The contenders and how each is run and counted: scripts/bench/peer_contenders.py.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.peer_contenders import (
+from scripts.bench.peer_contenders import (
     CONTENDERS,
     WORKLOADS,
     Result,
@@ -40,7 +40,7 @@ from scripts.peer_contenders import (
     run_contender,
     write_inputs,
 )
-from scripts.report import Figure
+from scripts.bench.report import Figure
 
 FRONTIER_ETAS = (1, 2, 4, 8)
 FA_SWEEP = (1, 2, 4)  # fully async's sglang_server_concurrency, in multiples of the engine's slots
@@ -555,7 +555,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
         results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs)
     return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
                   plot_path=plot_path or Path("bench-peer-frontier.png"), json_path=json_path, raw_path=raw_path,
-                  command=command or "python -m scripts.bench_peer " + " ".join(sys.argv[1:]))
+                  command=command or "python -m scripts.bench.peer " + " ".join(sys.argv[1:]))
 
 
 def _ints(text: str) -> tuple[int, ...] | None:
@@ -563,7 +563,7 @@ def _ints(text: str) -> tuple[int, ...] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.bench.peer", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="5 steps, 1 repeat (12 steps, 3 repeats without)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)

@@ -36,7 +36,7 @@ import redis as sync_redis
 from pipeline.keys import Keys, attempts_field
 from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
-from scripts.report import Figure
+from scripts.bench.report import Figure
 
 WORKER_COUNTS = (10, 50, 200, 500)
 JOBS_PER_WORKER = 32

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from scripts.simmodel import LengthProfile, SimSetup
+from scripts.bench.simmodel import LengthProfile, SimSetup
 
 
 class PlanRow(msgspec.Struct, kw_only=True):

@@ -1,6 +1,6 @@
 """What `redis.min_replica_acks` costs a write: push latency with 0 and 1 replica acks.
 
-    python -m scripts.bench_replica_acks [--pushes 400] [--n 4] [--response-len 256] [--writers 1,8]
+    python -m scripts.bench.replica_acks [--pushes 400] [--n 4] [--response-len 256] [--writers 1,8]
 
 A private redis-server primary and one replica (`REPLICAOF`) on loopback; `GroupBuffer.push` of
 synthetic groups (n samples of 64 + response_len tokens), `writers` at a time (one: the latency

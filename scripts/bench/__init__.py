@@ -23,7 +23,7 @@ from pathlib import Path
 import msgspec
 
 from pipeline.local_redis import LocalRedis
-from scripts.report import Figure
+from scripts.bench.report import Figure
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
 # asked for by name only (minutes each): slime's own rollout functions next to this pipeline
@@ -32,26 +32,26 @@ OPT_IN_SECTIONS = ("peer", "scale")
 
 def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list[Figure]]:
     if name == "codec":
-        from scripts.bench_micro import bench_codec
+        from scripts.bench.micro import bench_codec
         return lambda: bench_codec(quick=quick)
     if name == "buffer":
-        from scripts.bench_micro import bench_buffer
+        from scripts.bench.micro import bench_buffer
         return lambda: bench_buffer(redis_url, quick=quick)
     if name == "handoff":
-        from scripts.bench_micro import bench_handoff
+        from scripts.bench.micro import bench_handoff
         return lambda: bench_handoff(redis_url, quick=quick)
     if name == "queue":
-        from scripts.bench_queue import bench_queue
+        from scripts.bench.arq_queue import bench_queue
         return lambda: bench_queue(redis_url, quick=quick)
     if name == "worker":
         return lambda: _worker_section(quick)
     if name == "async":
-        from scripts.bench_async import bench_async
+        from scripts.bench.async_loop import bench_async
         return lambda: bench_async(redis_url, quick=quick)
     if name == "peer":
         return lambda: _peer_section(quick)
-    if name == "scale":  # W simulated workers' liveness and 100,000 groups' memory (scripts/bench_scale.py)
-        from scripts.bench_scale import bench_scale
+    if name == "scale":  # W simulated workers' liveness and 100,000 groups' memory (scripts/bench/scale.py)
+        from scripts.bench.scale import bench_scale
         return lambda: bench_scale(redis_url, quick=quick)
     raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
 
@@ -59,10 +59,10 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
 def _peer_section(quick: bool) -> list[Figure]:
     """The frontier (issues 25, 31): slime's sync and fully-async rollouts next to this pipeline
     at eta 1, 2, 4, 8 and at fully async's max lag, on the default workload (AReaL's published
-    7B run, time-scaled; scripts/bench_peer.py prints its tables and writes
+    7B run, time-scaled; scripts/bench/peer.py prints its tables and writes
     bench-peer-frontier.png and the compact summary to bench-peer.json here; it needs the slime
     snapshot, see tests/conformance_support.py). Its goals come back as figures."""
-    from scripts.bench_peer import bench_peer
+    from scripts.bench.peer import bench_peer
 
     return bench_peer(quick=quick, plot_path=Path("bench-peer-frontier.png"), json_path="bench-peer.json")
 
@@ -74,11 +74,11 @@ WORKER_ENGINE_ARGS = ["--token-latency-s", "0.01"]
 
 
 def _worker_section(quick: bool) -> list[Figure]:
-    """One worker process, simulated engine with latency (scripts/bench_worker.py, owned by workers/)."""
+    """One worker process, simulated engine with latency (scripts/bench/worker.py, owned by workers/)."""
     try:
-        module = importlib.import_module("scripts.bench_worker")
+        module = importlib.import_module("scripts.bench.worker")
     except ImportError as exc:
-        print(f"[worker] skipped: scripts.bench_worker is not available ({exc})")
+        print(f"[worker] skipped: scripts.bench.worker is not available ({exc})")
         return []
     episodes = 2000 if quick else 8000
     base = module.run_worker_bench(64, episodes // 4, engine_args=WORKER_ENGINE_ARGS)
@@ -126,7 +126,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "plan":
-        from scripts.plan import main as plan_main
+        from scripts.bench.plan import main as plan_main
         return plan_main(argv[1:])
     args = _parse(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]

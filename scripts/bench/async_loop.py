@@ -53,7 +53,7 @@ import yaml
 from pipeline.keys import Counter, Keys
 from pipeline.schema import SampleGroup, Status, decode_group
 from pipeline.slime import RedisDataSource, generate_rollout
-from scripts.report import Figure
+from scripts.bench.report import Figure
 
 AREAL_SPEEDUP = 2.77  # AReaL (Fu et al. 2025): async RL vs synchronous, same hardware
 OCCUPANCY_GOAL = 0.9
@@ -61,7 +61,7 @@ WASTE_GOAL_PCT = 1.0
 LENGTH_GOAL_PCT = 2.0
 ETAS = (1, 2, 4)
 ORDERS = ("arrival", "due-first")
-TASKS_FILE = Path(__file__).resolve().parents[1] / "scripts" / "demo_tasks.jsonl"
+TASKS_FILE = Path(__file__).resolve().parents[2] / "scripts" / "demo_tasks.jsonl"
 
 
 @dataclass

@@ -1,0 +1,5 @@
+import sys
+
+from scripts.bench import main
+
+sys.exit(main())

@@ -5,12 +5,13 @@ record goes into `{ns}:eval_rounds` (Redis, so a restarted trainer finds it), it
 arq queue behind the jobs of earlier rounds, and the call returns at once. Rounds are collected
 without waiting at every later rollout call (`report_finished`, from `generate_rollout`) and at
 every eval call; the eval call of the run's last rollout (`num_rollout - 1`), after which no
-step is left to hold, waits for every round in flight.
+step is left to hold, waits for every round in flight and for its own.
 
 The rule for a round due while others are in flight: at most `pipeline_eval_max_rounds` rounds
 are in flight (default 1); a round due beyond that is skipped, counted (`skipped`), and the next
 due round starts once one has ended. With a limit above 1, a later round's jobs queue behind
-the earlier round's (queue scores follow each other).
+the earlier round's (queue scores follow each other). The run's last eval call is never
+skipped: it waits for the rounds in flight, then runs its own to the end.
 
 One version per result: the weights move while a background round runs (train_async.py pushes
 after every `--update-weights-interval` steps), so a round's groups are split by the policy
@@ -67,7 +68,7 @@ class RoundRecord(msgspec.Struct, kw_only=True, frozen=True):
     round_id: str
     rollout_id: int  # slime's eval call that started it
     version: int  # the version `{ns}:policy` held then (the jobs' admission version)
-    started_at: float  # time.time(): a restarted trainer measures pipeline_eval_timeout_s from it
+    started_at: float  # Redis's clock (TIME), as the stream ids: a restarted trainer measures the timeout from it
     names: list[str]  # dataset keys, in the datasets file's order
     wanted: list[tuple[str, str, int, str]]  # (eval group id, dataset, position, task id)
 
@@ -83,7 +84,9 @@ class RoundSummary(msgspec.Struct, kw_only=True, frozen=True):
     groups_failed: int
     groups_mixed: int
     mixed: list[str]  # the mixed groups' task ids, "<dataset>/<task>" (the first MIXED_NAMED)
-    wait_s: float
+    started_at: float  # Redis's clock (TIME)
+    round_s: float  # from its start to its last group (or its timeout)
+    reported_after_s: float  # from its start to its report
     reason: str = ""
 
 
@@ -92,6 +95,8 @@ class Finished(msgspec.Struct, kw_only=True):
     got: dict[str, tuple[str, SampleGroup]]  # group id -> (stream id, group)
     failed: dict[str, str]  # group id -> error
     missing: list[str]  # group ids neither got nor failed (timed out)
+    ended_at: float  # Redis's clock: the last entry's time, or now when timed out
+    now: float  # Redis's clock when collected
 
 
 # ------------------------------------------------------------------ the eval call
@@ -103,12 +108,13 @@ def evaluate_in_background(args: Any, rollout_id: int, ds: Any, datasets: list[t
     for every round in flight first (nothing is left to hold)."""
     started = time.monotonic()
     reported = report_finished(args, ds)
-    record = ds._run(start_round(ds, rollout_id, datasets))
     num_rollout = getattr(args, "num_rollout", None)
-    if num_rollout is not None and rollout_id >= int(num_rollout) - 1:
-        while ds._run(ds._redis.hlen(ds.keys.eval_rounds)):
-            time.sleep(WAIT_POLL_S)
-            reported += report_finished(args, ds)
+    last = num_rollout is not None and rollout_id >= int(num_rollout) - 1
+    if last:  # no step left to hold: the rounds in flight end, then this one runs to its end
+        reported += _wait_for_rounds(args, ds)
+    record = ds._run(start_round(ds, rollout_id, datasets))
+    if last:
+        reported += _wait_for_rounds(args, ds)
     counts = ds._run(round_counts(ds._redis, ds.keys))
     return {
         "eval/pipeline/round_started": float(record is not None),
@@ -120,6 +126,14 @@ def evaluate_in_background(args: Any, rollout_id: int, ds: Any, datasets: list[t
         "eval/pipeline/rounds_failed": counts["failed"],
         "eval/pipeline/call_s": time.monotonic() - started,
     }
+
+
+def _wait_for_rounds(args: Any, ds: Any) -> int:
+    reported = 0
+    while ds._run(ds._redis.hlen(ds.keys.eval_rounds)):
+        time.sleep(WAIT_POLL_S)
+        reported += report_finished(args, ds)
+    return reported
 
 
 async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset, list[Task]]]
@@ -138,7 +152,7 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
     wanted = [(eval_group_id(round_id, d.key, t.id), d.key, i, t.id) for d, tasks in datasets
               for i, t in enumerate(tasks)]
     seq = int(await redis.hincrby(keys.eval_stats, "seq", len(wanted))) - len(wanted)
-    record = RoundRecord(round_id=round_id, rollout_id=rollout_id, version=version, started_at=time.time(),
+    record = RoundRecord(round_id=round_id, rollout_id=rollout_id, version=version, started_at=await _now(redis),
                          names=[d.key for d, _ in datasets], wanted=wanted)
     async with redis.pipeline(transaction=True) as pipe:  # the record first: a crash then leaves a round that times out
         pipe.hset(keys.eval_rounds, round_id, msgspec.json.encode(record))
@@ -156,6 +170,11 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
     return record
 
 
+async def _now(redis: Any) -> float:
+    seconds, micros = await redis.time()
+    return seconds + micros / 1e6
+
+
 async def round_counts(redis: Any, keys: Any) -> dict[str, int]:
     """Rounds running (the oldest in flight), queued (behind it), and the counts so far."""
     in_flight = int(await redis.hlen(keys.eval_rounds))
@@ -171,7 +190,7 @@ def report_finished(args: Any, ds: Any) -> int:
     never waits for one. Returns how many were reported."""
     done = ds._run(collect_ended(ds))
     for fin in done:
-        summary, logs = split_round(fin, time.time())
+        summary, logs = split_round(fin)
         _write_ledger(ds, fin, summary)
         for step, data, metrics in logs:
             log_eval(args, step, data, metrics)
@@ -184,17 +203,20 @@ async def collect_ended(ds: Any) -> list[Finished]:
     ended: list[Finished] = []
     records = sorted((msgspec.json.decode(raw, type=RoundRecord) for raw in (await redis.hvals(keys.eval_rounds))),
                      key=lambda r: r.started_at)
+    now = await _now(redis) if records else 0.0
     for record in records:
         stream = keys.eval_stream(record.round_id)
-        if await redis.xlen(stream) < len(record.wanted) and time.time() - record.started_at <= ds.settings.eval_timeout_s:
+        if await redis.xlen(stream) < len(record.wanted) and now - record.started_at <= ds.settings.eval_timeout_s:
             continue  # still running (an entry per group, at least)
-        fin = Finished(record=record, got={}, failed={}, missing=[])
+        fin = Finished(record=record, got={}, failed={}, missing=[], ended_at=now, now=now)
+        last_ms = 0
         wanted = {gid for gid, *_ in record.wanted}
         last = "-"
         while entries := await redis.xrange(stream, min=last, count=STREAM_READ):
             for raw_id, fields in entries:
                 stream_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
                 gid = fields[b"id"].decode()
+                last_ms = int(stream_id.split("-")[0])
                 if gid in wanted and gid not in fin.got and gid not in fin.failed:
                     if b"error" in fields:
                         fin.failed[gid] = fields[b"error"].decode()
@@ -204,6 +226,8 @@ async def collect_ended(ds: Any) -> list[Finished]:
             if len(entries) < STREAM_READ:
                 break
         fin.missing = [gid for gid in wanted if gid not in fin.got and gid not in fin.failed]
+        if not fin.missing and last_ms:
+            fin.ended_at = last_ms / 1000
         if fin.missing:  # past its timeout: what is still queued leaves the queue
             await _withdraw(redis, keys, fin.missing)
         ended.append(fin)
@@ -222,11 +246,9 @@ def step_of_version(version: int) -> int:
     return max(0, version - 1)
 
 
-def split_round(fin: Finished, now: float) -> tuple[RoundSummary, list[tuple[int, dict, dict]]]:
+def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict]]]:
     """The round's summary and what to log: (rollout step, slime eval data, metrics) per version,
     then the round's own line at its eval call's step."""
-    from pipeline.slime_samples import to_trainer_group
-
     record = fin.record
     by_version: dict[int, dict[str, list[Entry]]] = {}
     mixed: dict[str, list[str]] = {}
@@ -258,7 +280,7 @@ def split_round(fin: Finished, now: float) -> tuple[RoundSummary, list[tuple[int
             metrics[f"eval/{name}/groups"] = len(entries)
             wire = [s for e in entries for s in e.group.samples]
             data[name] = {"rewards": [s.reward for s in wire], "truncated": [s.status is Status.TRUNCATED for s in wire],
-                          "samples": [s for i, e in enumerate(entries) for s in to_trainer_group(e, i)]}
+                          "samples": trainer_samples(entries)}
         logs.append((step_of_version(version), data, metrics))
     groups_failed = sum(failed_groups.values())
     reason = ""
@@ -273,10 +295,10 @@ def split_round(fin: Finished, now: float) -> tuple[RoundSummary, list[tuple[int
         round_id=record.round_id, rollout_id=record.rollout_id, state=state,
         versions={v: sum(len(e) for e in by_name.values()) for v, by_name in sorted(by_version.items())},
         groups=len(record.wanted), groups_failed=groups_failed, groups_mixed=sum(len(t) for t in mixed.values()),
-        mixed=[f"{name}/{t}" for name, tasks in mixed.items() for t in tasks][:MIXED_NAMED], wait_s=now - record.started_at,
-        reason=reason)
+        mixed=[f"{name}/{t}" for name, tasks in mixed.items() for t in tasks][:MIXED_NAMED],
+        started_at=record.started_at, round_s=fin.ended_at - record.started_at, reported_after_s=fin.now - record.started_at, reason=reason)
     line: dict[str, Any] = {"eval/pipeline/round_failed": float(state == "failed"),
-                            "eval/pipeline/round_s": summary.wait_s, "eval/pipeline/round_versions": len(by_version)}
+                            "eval/pipeline/round_s": summary.round_s, "eval/pipeline/round_versions": len(by_version)}
     for name in record.names:
         line[f"eval/{name}/groups_failed"] = failed_groups[name]
         line[f"eval/{name}/groups_mixed"] = len(mixed.get(name, []))
@@ -286,9 +308,17 @@ def split_round(fin: Finished, now: float) -> tuple[RoundSummary, list[tuple[int
                  summary.groups_mixed, ", ".join(summary.mixed[:SHOW]))
     (log.error if state == "failed" else log.info)(
         "eval round %s (rollout %d) %s after %.1fs: versions %s, %d failed, %d mixed%s", record.round_id,
-        record.rollout_id, state, summary.wait_s, summary.versions, groups_failed, summary.groups_mixed,
+        record.rollout_id, state, summary.round_s, summary.versions, groups_failed, summary.groups_mixed,
         f": {reason}" if reason else "")
     return summary, logs
+
+
+def trainer_samples(entries: list[Entry]) -> list[Any]:
+    """slime Samples of the groups, in order (`to_trainer_group`'s conversion, one GC pause for all)."""
+    from pipeline.slime_samples import _gc_paused, _to_trainer_group
+
+    with _gc_paused():
+        return [s for i, e in enumerate(entries) for s in _to_trainer_group(e, i)]
 
 
 def log_eval(args: Any, step: int, data: dict, metrics: dict) -> dict:

@@ -33,6 +33,7 @@ from pipeline.buffer import Entry
 from pipeline.config import ConfigError, EvalMode
 from pipeline.keys import Keys
 from pipeline.sampling import seed_errors
+from pipeline.staleness import TrainerLoop
 from pipeline.schema import (
     PromptJob,
     SampleGroup,
@@ -156,9 +157,16 @@ def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
         deterministic = bool(getattr(args, "sglang_enable_deterministic_inference", False))
         datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets,
                                                                    deterministic=deterministic)
+    background = data_source.settings.eval_mode is EvalMode.BACKGROUND
     if data_source.first_rollout_id is None:
         data_source.publish(rollout_id)  # eval before the first rollout (train.py): workers wait for a version
-    if data_source.settings.eval_mode is EvalMode.BACKGROUND:
+    elif background:
+        # slime calls eval(r) after step r and its push: the engines hold what the next generate
+        # call publishes (r + 2 under train_async.py, r + 1 under train.py). Published now, the
+        # round's labels are known: after the run's last step no generate call would publish them
+        # and the workers' stamps would stay at the version before the last push.
+        data_source.publish(rollout_id + (2 if data_source.settings.trainer_loop is TrainerLoop.ASYNC else 1))
+    if background:
         from pipeline.eval_background import evaluate_in_background
 
         return eval_output({}, evaluate_in_background(args, rollout_id, data_source, datasets))

@@ -13,9 +13,14 @@ import time
 import msgspec
 import pytest
 
+from rich.console import Console
+
 from pipeline.config import parse_config
 from pipeline.eval_background import report_finished
 from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job
+from pipeline.metrics import figures
+from pipeline.monitor import snapshot
+from pipeline.monitor_view import print_once
 from pipeline.schema import PromptJob, Task
 from tests.test_evaluation import DATASETS, N_TASKS, _args, _evaluate, _worker, _write_datasets
 from tests.test_worker_jobs import config_dict, wait_for
@@ -47,17 +52,30 @@ async def test_skip_rule_and_a_restart_that_neither_loses_nor_reruns_the_round(r
         first = ps.RedisDataSource(args)
         try:
             first.publish(3)
-            pinned = int((await redis.hget(keys.policy, "version")).decode())
             began = time.monotonic()
             started = await _evaluate(ps, args, 3, first)  # no worker yet: the round stays queued
             call_s = time.monotonic() - began
+            # the eval call after step 3 publishes what the engines hold then (train_async.py: what
+            # generate(5) would): the push after step 3 has landed
+            pinned = int((await redis.hget(keys.policy, "version")).decode())
+            assert pinned == 4
             skipped = await _evaluate(ps, args, 4, first)  # due while the first is in flight: skipped
+            now_held = int((await redis.hget(keys.policy, "version")).decode())  # after step 4's push: 5
         finally:
             first.close()  # the trainer dies with its round in flight
         assert started.data == {} and started.metrics["eval/pipeline/round_started"] == 1.0 and call_s < 5.0
         assert skipped.metrics["eval/pipeline/round_started"] == 0.0
         assert skipped.metrics["eval/pipeline/rounds_skipped"] == 1 and skipped.metrics["eval/pipeline/rounds_running"] == 1
         assert await redis.zcard(keys.queue) == N_TASKS and await redis.hlen(keys.eval_rounds) == 1
+        # the monitor: rounds running, queued, skipped (its terminal view and its exports)
+        snap = await snapshot(redis, keys)
+        assert {k: snap.eval_rounds[k] for k in ("running", "queued", "skipped")} == {"running": 1, "queued": 0,
+                                                                                     "skipped": 1}
+        assert figures(snap)["eval_rounds/skipped"] == 1
+        console = Console(record=True, width=140)
+        print_once(snap, console)
+        view = console.export_text()
+        assert "eval rounds running" in view and "1 (+0 queued)" in view
         [round_id] = [k.decode() for k in await redis.hkeys(keys.eval_rounds)]
         async with _worker(config):  # the round runs while no trainer is up
             await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS), 30, "the round's groups")
@@ -70,7 +88,8 @@ async def test_skip_rule_and_a_restart_that_neither_loses_nor_reruns_the_round(r
     assert (reported, again) == (1, 0)
     summary = (await _done(redis, keys))[round_id]
     assert summary["state"] == "finished" and summary["groups"] == N_TASKS and summary["groups_failed"] == 0
-    assert summary["versions"] == {str(pinned): N_TASKS} and summary["rollout_id"] == 3
+    # reported under the version its tokens came from: the jobs ran after the push that followed step 4
+    assert summary["versions"] == {str(now_held): N_TASKS} and now_held == 5 and summary["rollout_id"] == 3
     assert await _stats(redis, keys) == {"seq": N_TASKS, "started": 1, "skipped": 1, "reported": 1}  # never re-run
     assert await redis.zcard(keys.queue) == 0 and await redis.hlen(keys.eval_rounds) == 0
     assert not await redis.exists(keys.eval_stream(round_id))

@@ -22,6 +22,7 @@ from pipeline.metrics import figures
 from pipeline.monitor import snapshot
 from pipeline.monitor_view import print_once
 from pipeline.schema import PromptJob, Task
+from pipeline.show import main as show_main
 from tests.test_evaluation import DATASETS, N_TASKS, _args, _evaluate, _worker, _write_datasets
 from tests.test_worker_jobs import config_dict, wait_for
 from workers.settings import eval_slots
@@ -99,6 +100,10 @@ async def test_skip_rule_and_a_restart_that_neither_loses_nor_reruns_the_round(r
     eval_ledger = Ledger(tmp_path / "ledger" / "eval")
     assert eval_ledger.steps() == [3] and len(eval_ledger.groups(3)) == N_TASKS
     assert json.loads((eval_ledger.dir / "round-00000003.json").read_text())["round_id"] == round_id
+    console = Console(record=True, width=200)
+    assert show_main(["--dir", str(tmp_path / "ledger"), "--eval", "--step", "3", "--position", "1"], console) == 0
+    header = console.export_text()
+    assert "reported under version  5 (logged at rollout step 4)" in header and f"{round_id} finished" in header
 
 
 async def test_a_round_whose_engines_died_or_timed_out_is_reported_failed(redis, redis_url, keys, namespace,

@@ -33,7 +33,6 @@ from pipeline.buffer import Entry
 from pipeline.config import ConfigError, EvalMode
 from pipeline.keys import Keys
 from pipeline.sampling import seed_errors
-from pipeline.staleness import TrainerLoop
 from pipeline.schema import (
     PromptJob,
     SampleGroup,
@@ -45,6 +44,7 @@ from pipeline.schema import (
     decode_task_json,
     encode,
 )
+from pipeline.staleness import TrainerLoop
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ import time
 
 import msgspec
 import pytest
-
 from rich.console import Console
 
 from pipeline.config import parse_config

@@ -543,7 +543,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
     ns = "peer"
     per_process = wl.pipeline_groups()
     with LocalRedis() as server:
-        config = {
+        config: dict[str, Any] = {
             "redis": {"url": server.url, "namespace": ns},
             "engine": {"url": engine_url, "tokenizer": default_tokenizer_path(),
                        "request_timeout_s": wl.request_timeout_s},

@@ -287,7 +287,7 @@ def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict
     if fin.missing:
         reason = (f"{len(fin.missing)} of {len(record.wanted)} groups missing after pipeline_eval_timeout_s; "
                   f"their queued jobs were withdrawn")
-    state = "failed" if not by_version else "finished"
+    state = "failed" if not by_version and not mixed else "finished"  # failed: no group has a result
     if state == "failed" and not reason:
         errors = list(fin.failed.values())[:1]
         reason = f"every group failed ({errors[0] if errors else 'every episode failed'})"

@@ -568,6 +568,10 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
         if evaluation:
             args.pipeline_eval_datasets, args.pipeline_eval_mode = str(evaluation["datasets"]), "background"
             args.pipeline_eval_timeout_s = 600.0
+            # what slime's eval logger reads (slime's parser sets them; nothing is sent anywhere)
+            args.__dict__.update(custom_eval_rollout_log_function_path=None, log_passrate=False, reward_key=None,
+                                 n_samples_per_eval_prompt=1, wandb_always_use_train_step=False, use_wandb=False,
+                                 use_tensorboard=False, advantage_estimator="grpo", log_reward_category=None)
         workers = WorkerProcess(config_path, processes=1, concurrency=per_process, log_path=str(workdir / "workers.log"))
         # the default poll: a published version wakes the producer at once (issue 25 item 3)
         producer = ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--follow", "--quiet"],

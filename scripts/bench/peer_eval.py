@@ -37,7 +37,7 @@ def _run(wl, workdir: Path, tasks: Path, evaluation: dict | None) -> Result:
     from scripts.processes import SimEngineProcess
 
     sub = workdir / ("with-eval" if evaluation else "alone")
-    sub.mkdir(exist_ok=True)
+    sub.mkdir(parents=True, exist_ok=True)
     with SimEngineProcess(wl.engine_args(str(tasks)), log_path=str(sub / "engine.log")) as engine:
         assert engine.proc is not None
         return finish(run_pipeline_contender(wl, engine.url, tasks, sub, engine_pid=engine.proc.pid,

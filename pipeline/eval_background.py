@@ -322,10 +322,13 @@ def trainer_samples(entries: list[Entry]) -> list[Any]:
 
 
 def log_eval(args: Any, step: int, data: dict, metrics: dict) -> dict:
-    """slime's own eval logger at rollout step `step` (its `eval/step` axis); without slime, the log."""
+    """slime's own eval logger at rollout step `step` (its `eval/step` axis); without slime, or
+    called with args slime's parser did not make (no `use_wandb`: outside slime's loop), the log."""
     try:
         from slime.observability.rollout_metrics import log_eval_rollout_data
     except ImportError:
+        log_eval_rollout_data = None
+    if log_eval_rollout_data is None or not hasattr(args, "use_wandb"):
         log.info("eval %d: %s", step, metrics)
         return metrics
     return log_eval_rollout_data(step, args, data, metrics)

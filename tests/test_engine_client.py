@@ -3,7 +3,9 @@ the simulator as scheduler (tests/engine_stack.py), and against the simulator al
 injects faults the front cannot (5xx, garbage 200s, a closed port)."""
 
 import asyncio
+import contextlib
 import dataclasses
+import socket
 import time
 
 import pytest
@@ -15,7 +17,7 @@ from pipeline.local_redis import free_port
 from pipeline.schema import SamplingParams, Status, Task
 from pipeline.state import PipelineState
 from workers.chat import ChatTokens
-from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineLocator
+from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineFacts, EngineLocator
 from workers.envs.registry import build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.sim.engine import SimConfig, serve_sim_engine
@@ -297,3 +299,120 @@ async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_ot
     info_reads = [url for url in asked if url.endswith("server_info")]
     # each engine asked once per read of the fleet (invalidate() drops every fact: issue 32)
     assert sorted(info_reads) == sorted([f"{u}/server_info" for u in stack.engine_urls] * 2 + [f"{small.url}/server_info"])
+
+
+# ------------------------------------------------------------ facts that were not read (issue 39, items 1-4)
+
+
+@contextlib.asynccontextmanager
+async def frozen_engine():
+    """What a frozen engine (SIGSTOPped, or a /server_info that waits on a stuck scheduler) is on
+    the wire: the kernel completes the TCP handshake and queues the request; nothing answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(upstream: str):
+    """A reverse proxy in front of `upstream` that, while `broken` holds, answers every GET with
+    200 and its HTML error page (a misconfigured proxy, a captive portal)."""
+    import aiohttp
+    from aiohttp import web
+
+    state = {"broken": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def forward(request: web.Request) -> web.Response:
+            if state["broken"]:
+                return web.Response(status=200, text="<html><body>upstream error</body></html>", content_type="text/html")
+            async with session.get(f"{upstream}{request.path}") as resp:
+                return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
+
+        app = web.Application()
+        app.router.add_get("/{path:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}", state
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_200_that_is_not_json_is_no_fact_and_no_engine(monkeypatch):
+    """Issue 39 item 1 (fails on e13e9eb: a /server_info 200 with an HTML body was kept as
+    EngineFacts(None, None) for 30 s, and the same page from /workers made the URL an engine)."""
+    monkeypatch.setattr("workers.engine._FACTS_RETRY_S", 0.05, raising=False)  # the backoffs after a failed read
+    monkeypatch.setattr("workers.engine._LIST_RETRY_S", 0.05)
+    async with serve_sim_engine(SimConfig(context_length=8000)) as sim, proxy_to(sim.url) as (url, proxy), \
+            EngineClient(url) as client:
+        assert await client.directory.engines() == []  # an HTML page at /workers names no engine
+        assert await client.directory.facts_of(url) == EngineFacts()  # and says no context
+        assert url not in client.directory._facts
+        proxy["broken"] = False  # the proxy heals: the next read after the backoff is the engine's
+        await asyncio.sleep(0.1)
+        assert await client.directory.facts_of(url) == EngineFacts(limit=8000)
+        assert await client.directory.engines() == [sim.url]  # the sim lists itself (as slime's router would)
+
+
+async def test_a_read_under_way_at_invalidate_is_neither_joined_nor_kept():
+    """Issue 39 item 2 (fails on e13e9eb: callers after `invalidate()` joined the read started
+    before it, keyed by URL only, and its answer was kept with a fresh time: the engine replaced
+    at the same URL by one with a 2048 context stayed at 8000)."""
+    port = free_port()
+    held, release = asyncio.Event(), asyncio.Event()
+    async with EngineClient(f"http://127.0.0.1:{port}") as client:
+        get_json = client.get_json
+
+        async def late(url: str):  # the old engine's answer arrives after the fleet changed
+            answer = await get_json(url)
+            if not held.is_set():
+                held.set()
+                await release.wait()
+            return answer
+
+        client.get_json = late  # type: ignore[method-assign]
+        async with serve_sim_engine(SimConfig(context_length=8000), port=port):
+            before = asyncio.create_task(client.directory.limit_of(client.locator._fixed))
+            await held.wait()
+        async with serve_sim_engine(SimConfig(context_length=2048), port=port):
+            client.directory.invalidate()  # the engine was replaced: what a connection error calls
+            after = asyncio.create_task(client.directory.limit_of(client.locator._fixed))
+            done, _ = await asyncio.wait({after}, timeout=5)
+            assert done, "the read after invalidate() waited for the one before it"
+            release.set()
+            assert await before == 8000  # its own caller gets what it asked for
+            assert await after == 2048
+            assert await client.context_length() == 2048  # the old answer was not kept
+
+
+async def test_a_hung_server_info_is_not_waited_for_at_every_request(monkeypatch):
+    """Issue 39 item 3 (fails on e13e9eb: no backoff after a failed read, so every request's
+    `priority()` waited `control_timeout_s` on an engine whose /server_info hangs, or on a router
+    whose /workers does)."""
+    async with frozen_engine() as url, EngineClient(url, control_timeout_s=0.3) as client:
+        for read in (lambda: client.directory.facts_of(url), lambda: client.priority(5)):
+            started = time.monotonic()
+            assert await read() in (EngineFacts(), None)  # the one read: no answer within 0.3 s
+            assert 0.3 <= time.monotonic() - started < 1.0
+            started = time.monotonic()
+            for _ in range(5):  # the next requests go without the facts instead of waiting again
+                assert await read() in (EngineFacts(), None)
+            assert time.monotonic() - started < 0.1
+
+
+async def test_close_with_an_abort_pending_leaves_no_session_open():
+    """Issue 39 item 4 (fails on e13e9eb: close() closed the session while an abort was still
+    reading the engine list; the abort then opened a new ClientSession through `session` that
+    nobody closed)."""
+    async with frozen_engine() as url:
+        client = EngineClient(url, control_timeout_s=0.2)
+        client._hold(asyncio.create_task(client.abort("rid-1")))
+        await client.close()
+        first = client._session
+        assert not client._control_tasks  # nothing of the client runs past close()
+        await asyncio.sleep(0.5)  # past where the abort would read the list again
+        assert client._session is first and (first is None or first.closed)

@@ -12,8 +12,8 @@ the project's simulator as the scheduler.
   `tokenizer_ipc_name`) and answers as SGLang's scheduler + detokenizer do
   (`BatchStrOutput`, `AbortReq` prefix matching, the input-length check with SGLang's own
   `validate_input_length` at the `max_req_input_len` its own `TpModelWorker.get_worker_info`
-  computes, `max_new_tokens` clipped to
-  `max_req_len`, weight-version spans, `cached_tokens` from its prefix cache; a weight-version
+  computes, `max_new_tokens` by its own `Scheduler.init_req_max_new_tokens`, weight-version spans
+  by its own `compute_weight_version_spans` for every finished request, `cached_tokens` from its prefix cache; a weight-version
   update is the simulator's push: its GPU time, the cache flushed; a `retract` pause frees KV).
   Tokens, log-probs, latency and aborts come from
   `workers.sim.engine.SimEngine`, the project's simulator.
@@ -506,9 +506,11 @@ class SimScheduler:
                                              "err_type": "BadRequestError"}, None)
             return
         input_ids = checked.origin_input_ids
-        # scheduler.py init_req_max_new_tokens: clipped to what the KV budget of one request allows
-        max_new = max(0, min(params.max_new_tokens if params.max_new_tokens is not None else 128,
-                             self.max_req_len - len(input_ids) - 1))
+        max_new, refused = self.max_new_tokens(req, input_ids)
+        if refused is not None:
+            await self._output(req, [], [], {"type": "abort", "message": refused, "status_code": 400,
+                                             "err_type": "BadRequestError"}, None)
+            return
         stops = params.stop_strs
         sim_params = {"max_new_tokens": max_new, "stop": list(stops) if stops else None}
         routing_key = req.routing_key or req.rid
@@ -520,24 +522,52 @@ class SimScheduler:
         try:
             await engine._resumed.wait()
             async with engine._slot(engine._note_priority(req.rid, req.priority)):  # the scheduler's waiting queue (workers/sim/scheduler.py)
-                ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
+                ids, lps, finish, _spans = await engine._run(running, input_ids, routing_key, sim_params)
         finally:
             engine._running.pop(req.rid, None)
             self.publish_load()
         engine.stats["output_tokens"] += len(ids)
         if finish.get("type") == "abort":
             finish = {**finish, "status_code": None, "err_type": None}
-        await self._output(req, ids, lps, finish, spans, cached_tokens=running.cached_tokens)
+        await self._output(req, ids, lps, finish, running.version_events, cached_tokens=running.cached_tokens)
+
+    def max_new_tokens(self, req: Any, input_ids: list[int]) -> tuple[int, str | None]:
+        """What SGLang's scheduler lets the request generate, by its own `Scheduler.init_req_max_new_tokens`
+        (max_new_tokens null: 1 << 30; SGLANG_MAX_NEW_TOKENS_LIMIT; clipped to max_req_len and to the
+        KV budget of this engine's pool, page size 1), and its abort message where the prompt does
+        not fit that budget."""
+        import copy
+        import types
+
+        from sglang.srt.environ import envs
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+        allocator = SimpleNamespace(page_size=1)
+        allocator.max_new_tokens_for_memory = types.MethodType(BaseTokenToKVPoolAllocator.max_new_tokens_for_memory,
+                                                               allocator)
+        limits = SimpleNamespace(max_new_tokens_limit=envs.SGLANG_MAX_NEW_TOKENS_LIMIT.get(), max_req_len=self.max_req_len,
+                                 max_total_num_tokens=self.max_total_num_tokens, kv_shard_widening=1, page_size=1,
+                                 token_to_kv_pool_allocator=allocator, sliding_window_size=None,
+                                 chunked_prefill_size=None)
+        refused: list[str] = []
+        scheduled = SimpleNamespace(rid=req.rid, origin_input_ids=input_ids, sampling_params=copy.copy(req.sampling_params),
+                                    set_finish_with_abort=refused.append)  # the fields of Req it reads
+        Scheduler.init_req_max_new_tokens(limits, scheduled)
+        return int(scheduled.sampling_params.max_new_tokens), refused[0] if refused else None
 
     async def _output(self, req: Any, ids: list[int], lps: list[float], finish: dict[str, Any],
-                      spans: list[dict[str, Any]] | None, *, cached_tokens: int = 0) -> None:
+                      events: list[tuple[str, int]] | None, *, cached_tokens: int = 0) -> None:
+        """`events`: the simulator's (old label, output tokens then) per weight update the request
+        lived through; the spans are SGLang's own `compute_weight_version_spans` of them, sent for
+        every finished request as SGLang's output streamer sends them."""
         io = self.io
-        from sglang.srt.utils.weight_versions import WeightVersionSpan
+        from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans
 
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        version_spans = None
-        if spans is not None and len(spans) > 1:
-            version_spans = [[WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"]) for s in spans]]
+        changes = [WeightVersionEvent(old_version=old, num_output_tokens=n) for old, n in events or ()]
+        version_spans = [compute_weight_version_spans(changes, current_version=self.engine.weight_version,
+                                                      num_output_tokens=len(ids))]
         out = io.BatchStrOutput(
             rids=[req.rid], http_worker_ipcs=[req.http_worker_ipc], finished_reasons=[finish], output_strs=[text],
             output_ids=[ids], prompt_tokens=[len(req.input_ids)], completion_tokens=[len(ids)],

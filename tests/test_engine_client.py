@@ -416,3 +416,47 @@ async def test_close_with_an_abort_pending_leaves_no_session_open():
         assert not client._control_tasks  # nothing of the client runs past close()
         await asyncio.sleep(0.5)  # past where the abort would read the list again
         assert client._session is first and (first is None or first.closed)
+
+
+# ------------------------------------------------------------ SGLang's own rules in the front (issue 39, item 5)
+
+
+async def test_max_new_tokens_null_is_sglangs_unset(stack, tokenizer):
+    """Issue 39 item 5: `max_new_tokens: null` is SGLang's scheduler's 1 << 30, clipped to what the
+    engine allows (`Scheduler.init_req_max_new_tokens`, run by the stack); fails on e13e9eb, where
+    the stack's copy took 128 and cut a 300-token answer at 128 with a length finish."""
+    stack.configure(length_mu=5.7, length_sigma=0.01)  # ~300 filler tokens
+    async with EngineClient(stack.engine_urls[0]) as client:
+        answer = await post(client, "/generate", {"input_ids": prompt_ids(tokenizer), "rid": "unset",
+                                                   "sampling_params": {"max_new_tokens": None}})
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop" and meta["completion_tokens"] > 128, meta
+
+
+async def test_every_finished_request_carries_sglangs_version_spans(stack, tokenizer):
+    """Issue 39 item 5: SGLang sends `meta_info.weight_versions` for every finished request, and
+    records a weight update only for a request that has output (`record_weight_version_events`).
+    Fails on e13e9eb: spans only when there were two or more, and a request still queued at an
+    in_place update got a zero-token span of the old label."""
+    stack.configure(slots=1, token_latency_s=0.005, length_mu=4.5, length_sigma=0.01)  # ~90 tokens, ~0.5 s
+    engine = stack.engine_urls[0]
+    async with EngineClient(engine) as client:
+        plain = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="plain", routing_key="k")
+        assert plain.version_spans == (("default", 0, 3),)
+        answer = await post(client, "/generate", {"input_ids": prompt_ids(tokenizer), "rid": "raw",
+                                                   "sampling_params": {"max_new_tokens": 3}})
+        assert answer["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 3}]
+        running = asyncio.create_task(client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=200),
+                                                      rid="running", routing_key="a"))
+        await asyncio.sleep(0.2)  # it runs; the next one waits for the engine's one slot
+        queued = asyncio.create_task(client.generate(prompt_ids(tokenizer, "What is 2 + 2?"),
+                                                     SamplingParams(max_new_tokens=200), rid="queued", routing_key="b"))
+        await asyncio.sleep(0.1)
+        try:
+            await post(client, "/pause_generation", {"mode": "in_place"})
+            await post(client, "/update_weight_version", {"new_version": "2", "abort_all_requests": False})
+        finally:
+            await post(client, "/continue_generation", {})
+        first, second = await running, await queued
+    assert [label for label, _, _ in first.version_spans] == ["default", "2"], first.version_spans
+    assert second.version_spans == (("2", 0, len(second.output_ids)),)  # no output under "default"

@@ -66,7 +66,22 @@ def _cases(seed: int = 31) -> dict[str, list[Any]]:
     for free in (100, 101, 102):  # the budget's edge: 50 input + 50 output + 1 page against `free`
         admit.append({"free": free, "running": [], "chunk": -1, "max_prefill": 16384, "max_running": 4, "ratio": 0.7,
                       "waiting": [{"input": 50, "max_new": 50}]})
-    return {"sort": sort, "retract": retract, "preempt": preempt, "admit": admit}
+    return {"sort": sort, "retract": retract, "preempt": preempt, "admit": admit, "spans": _span_cases(rng)}
+
+
+def _span_cases(rng: random.Random) -> list[Any]:
+    """Weight updates a request lived through: (old label, its output tokens then) each, with
+    output (the sim records none without: SGLang's `record_weight_version_events`), the label at
+    its end, and its output tokens (more than at the last update, or as many: an abort)."""
+    cases = []
+    for _ in range(80):
+        events, produced = [], 0
+        for _ in range(rng.randint(0, 4)):
+            produced += rng.randint(0, 5)
+            if produced:
+                events.append([rng.choice("abc"), produced])
+        cases.append({"events": events, "current": rng.choice("abc"), "produced": produced + rng.randint(0, 5)})
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +102,17 @@ def sglang_answers(tmp_path_factory) -> dict[str, list[Any]]:
 def _scheduler(**limits: Any) -> BatchScheduler:
     return BatchScheduler(SchedulerConfig(kv_pool_tokens=10**9, max_running_requests=64, **limits),
                           FlatSteps(0.01), asyncio.Event())
+
+
+def test_weight_version_spans_are_sglangs(sglang_answers):
+    """The simulator's spans (workers/sim/engine.py `_spans`, its own: it runs without sglang)
+    are SGLang's `compute_weight_version_spans` of the same events (issue 39 item 5)."""
+    from workers.sim.engine import SimEngine
+
+    for case, theirs in zip(_cases()["spans"], sglang_answers["spans"]):
+        running = SimpleNamespace(version_events=[tuple(event) for event in case["events"]])
+        spans = SimEngine._spans(SimpleNamespace(weight_version=case["current"]), running, case["produced"])  # type: ignore[arg-type]
+        assert [[s["version"], s["start"], s["end"]] for s in spans] == theirs, case
 
 
 def test_queue_order_is_sglangs(sglang_answers):
@@ -200,7 +226,12 @@ def _probe(workdir: Path) -> None:
         preempt.append(_sglang_preempt(policy.PrefillAdder, case))
     configure(False)
     admit = [_sglang_admit(policy, case) for case in cases["admit"]]
-    print(json.dumps({"sort": sort, "retract": retract, "preempt": preempt, "admit": admit}))
+    from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans
+
+    spans = [[[s.version, s.start, s.end] for s in compute_weight_version_spans(
+        [WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in case["events"]],
+        current_version=case["current"], num_output_tokens=case["produced"])] for case in cases["spans"]]
+    print(json.dumps({"sort": sort, "retract": retract, "preempt": preempt, "admit": admit, "spans": spans}))
 
 
 class _Tree:

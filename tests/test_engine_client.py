@@ -1,6 +1,7 @@
 """SGLang client over real HTTP: through slime's router (smg) -> SGLang 0.5.23's own HTTP front ->
-the simulator as scheduler (tests/engine_stack.py), and against the simulator alone where a test
-injects faults the front cannot (5xx, garbage 200s, a closed port)."""
+the simulator as scheduler (tests/engine_stack.py; 5xx and 400s are the scheduler's aborts, which
+SGLang's front answers), and against the simulator alone where a test needs what the front cannot
+be (garbage 200s, a proxy's HTML page, an engine replaced at the same port, a closed port, a frozen one)."""
 
 import asyncio
 import contextlib
@@ -146,28 +147,31 @@ async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_b
     assert sample.response_length > 2048 + 1000  # both turns' tokens are in the sample
 
 
-async def test_5xx_is_retried_then_succeeds(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=3, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 503, "count": 2})
+async def test_5xx_is_retried_then_succeeds(stack, tokenizer):
+    """SGLang's front answers a request its scheduler aborted with status 503 as it answers a real
+    one; the client retries it."""
+    stack.sim("fail_next", {"status": 503, "count": 2}, 0)
+    async with EngineClient(stack.engine_urls[0], max_retries=3, backoff_s=0.01) as client:
         gen = await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
         assert gen.output_ids
-        assert (await stats(client))["requests"] == 3
+    assert stack.stats(0)["requests"] == 3
 
 
-async def test_5xx_retries_are_bounded(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=2, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 500, "count": 10, "message": "engine on fire"})
+async def test_5xx_retries_are_bounded(stack, tokenizer):
+    stack.sim("fail_next", {"status": 500, "count": 10, "message": "engine on fire"}, 0)
+    async with EngineClient(stack.engine_urls[0], max_retries=2, backoff_s=0.01) as client:
         with pytest.raises(EngineError, match="gave up after 3 attempts.*engine on fire"):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
-        assert (await stats(client))["requests"] == 3
+    assert stack.stats(0)["requests"] == 3
 
 
-async def test_400_bad_params_is_not_retried_and_keeps_the_message(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=3, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 400, "message": "unknown field `foo`"})
+async def test_400_bad_params_is_not_retried_and_keeps_the_message(stack, tokenizer):
+    """A 400 SGLang's scheduler answers, as its front passes it on: not retried, the message kept."""
+    async with EngineClient(stack.engine_urls[0], max_retries=3, backoff_s=0.01) as client:
+        stack.sim("fail_next", {"status": 400, "message": "unknown field `foo`"}, 0)
         with pytest.raises(BadRequest, match="unknown field `foo`"):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
-        assert (await stats(client))["requests"] == 1
+    assert stack.stats(0)["requests"] == 1
 
 
 async def test_400_context_overflow_is_its_own_error(stack, tokenizer):

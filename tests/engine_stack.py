@@ -194,6 +194,7 @@ class EngineStack:
                 resp.read()
 
     _stats_ports: list[int] = field(default_factory=list)
+    spare_urls: list[str] = field(default_factory=list)  # engines behind no router (`start_engine_stack`'s spares)
 
     def tail(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in self.logs if p.exists())
@@ -223,6 +224,7 @@ def start_engine_stack(
     sim: dict[str, Any] | None = None,
     engines_per_process: int | None = None,
     timeout_s: float = START_TIMEOUT_S,
+    spares: tuple[int, ...] = (),
 ) -> EngineStack:
     """Start `n_engines` SGLang fronts over simulators and `router` (one name or several, each
     its own process in front of all the engines; `router_url` is the first's) in front of them.
@@ -233,7 +235,9 @@ def start_engine_stack(
     engine's simulator (accuracy, slots, token_latency_s, ...; seeds count up from 0 unless
     given). One front process serves `engines_per_process` engines (None: all of them; SGLang's
     import costs ~20 s of CPU per process; 1 to kill engines one by one:
-    `stack.engine_processes[i]`). Returns when every router lists every engine as healthy.
+    `stack.engine_processes[i]`). `spares`: the `--context-length` of more engines in the first
+    front process, behind no router (`stack.spare_urls`: a test registers one with a router itself).
+    Returns when every router lists every engine as healthy.
     """
     routers = (router,) if isinstance(router, str) else tuple(router)
     if not routers or set(routers) - set(ROUTERS):
@@ -248,12 +252,15 @@ def start_engine_stack(
     for first in range(0, n_engines, per_process):
         group = range(first, min(n_engines, first + per_process))
         ports, stats_ports = [free_port() for _ in group], [free_port() for _ in group]
+        extra = spares if first == 0 else ()
+        extra_ports = [free_port() for _ in extra]
         log = tmp / f"front-{first}-{ports[0]}.log"
-        cmd = [sys.executable, str(Path(__file__)), "front", "--port", *map(str, ports),
-               "--stats-port", *map(str, stats_ports), "--first-seed", str(first), "--sim", json.dumps(sim or {}),
-               "--workdir", str(tmp / f"front-{first}"), "--model-context", str(model_context)]
-        if context_length is not None:
-            cmd += ["--context-length", str(context_length)]
+        cmd = [sys.executable, str(Path(__file__)), "front", "--port", *map(str, extra_ports + ports),
+               "--stats-port", *[str(free_port()) for _ in extra], *map(str, stats_ports), "--spares", str(len(extra)),
+               "--first-seed", str(first), "--sim", json.dumps(sim or {}),
+               "--workdir", str(tmp / f"front-{first}"), "--model-context", str(model_context),
+               "--context-length", *map(str, extra), *[str(context_length)] * len(ports)]
+        stack.spare_urls += [f"http://127.0.0.1:{port}" for port in extra_ports]
         proc = _spawn(cmd, log, env)
         stack.processes.append(proc)
         stack.logs.append(log)
@@ -261,7 +268,7 @@ def start_engine_stack(
         stack._stats_ports += stats_ports
         stack.engine_processes += [proc] * len(ports)
     try:
-        _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
+        _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls + stack.spare_urls),
               list(stack.processes), stack, timeout_s)
         for name in routers:
             stack.router_urls[name] = start_router(stack, name, tmp)
@@ -315,13 +322,15 @@ async def async_engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any)
 
 _SHARED: list[EngineStack] = []
 SHARED_MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
+SPARE_CONTEXT = 2048  # the shared stack's spare engine's --context-length
 
 
 def shared_stack() -> EngineStack:
     """The test session's stack, started on first use and stopped at exit: two engines (SGLang
     fronts over simulators, seeds 0 and 1) at a 4096-token model context without
     --context-length, with --enable-priority-scheduling (larger values first, SGLang's default), behind smg (`router_url`) and sglang-router 0.3.2
-    (`router_urls["sglang-router"]`). A test starts with `configure(...)` (the simulator's
+    (`router_urls["sglang-router"]`), and a spare engine at --context-length SPARE_CONTEXT behind
+    neither (`spare_urls[0]`, in the same process). A test starts with `configure(...)` (the simulator's
     behaviour, a clean slate of counters); one stack start per session keeps CI fast."""
     if _SHARED and all(p.poll() is None for p in _SHARED[0].processes):
         return _SHARED[0]
@@ -331,7 +340,7 @@ def shared_stack() -> EngineStack:
 
     tmp = Path(tempfile.mkdtemp(prefix="engine-stack-"))
     stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"),
-                               sim={"priority_scheduling": True})
+                               sim={"priority_scheduling": True}, spares=(SPARE_CONTEXT,))
     print(f"\nengine stack (2 SGLang fronts, smg, sglang-router) started in {stack.startup_s:.1f}s ({tmp})")
     _SHARED[:] = [stack]
     atexit.register(_stop_and_remove, stack, tmp)
@@ -663,18 +672,22 @@ async def _serve_front(args: argparse.Namespace) -> None:
     model = str(_model_dir(Path(args.workdir), args.model_context))
     sim_fields = json.loads(args.sim)
     servers, schedulers = [], []
+    contexts = [None if c == "None" else int(c) for c in args.context_length]
     for i, (port, stats_port) in enumerate(zip(args.port, args.stats_port)):
         # the simulator's priority_scheduling is SGLang's --enable-priority-scheduling: the front
         # says so in /server_info and its TokenizerManager handles `priority` as it would
-        server_args = ServerArgs(model_path=model, context_length=args.context_length, device="cpu",
+        context = contexts[i] if len(contexts) > 1 else contexts[0]
+        server_args = ServerArgs(model_path=model, context_length=context, device="cpu",
                                  skip_server_warmup=True, host="127.0.0.1", port=port, log_level="warning",
                                  enable_priority_scheduling=bool(sim_fields.get("priority_scheduling")),
                                  schedule_low_priority_values_first=bool(sim_fields.get("low_priority_values_first")))
-        # process-wide config, last publish wins: the engines differ only in their port
+        # process-wide config, last publish wins: the engines differ only in their port (the
+        # spares, first, also in their --context-length, read from their own ServerArgs)
         publish(server_args, role="tokenizer")
         port_args = PortArgs.init_new(server_args)
         manager = TokenizerManager(server_args, port_args)
-        config = SimConfig(**{"seed": args.first_seed + i, **sim_fields, "context_length": manager.context_len})
+        seed = args.first_seed + i - args.spares if i >= args.spares else 1000 + i
+        config = SimConfig(**{"seed": seed, **sim_fields, "context_length": manager.context_len})
         scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct,
                                  allow_auto_truncate=server_args.allow_auto_truncate)
         manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
@@ -754,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     front.add_argument("--port", type=int, nargs="+", required=True)
     front.add_argument("--stats-port", type=int, nargs="+", required=True)
     front.add_argument("--first-seed", type=int, default=0, help="the simulators' seeds count up from it")
-    front.add_argument("--context-length", type=int, default=None)
+    front.add_argument("--context-length", nargs="+", default=["None"],
+                       help="SGLang's --context-length, one for all ports or one per port (None: the model's)")
+    front.add_argument("--spares", type=int, default=0, help="the first N ports are spare engines (seeds 1000 + i)")
     front.add_argument("--model-context", type=int, default=32768, help="the model's max_position_embeddings")
     front.add_argument("--sim", default="{}", help="SimConfig fields as JSON")
     front.add_argument("--workdir", required=True)

@@ -8,9 +8,10 @@ import contextlib
 import dataclasses
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
-from engine_stack import SHARED_MODEL_CONTEXT, START_TIMEOUT_S, shared_stack
+from engine_stack import SHARED_MODEL_CONTEXT, SPARE_CONTEXT, START_TIMEOUT_S, shared_stack
 
 from pipeline.config import EnvConfig, parse_config
 from pipeline.jobqueue import RemoteJobError, job_deserializer, job_serializer
@@ -262,13 +263,15 @@ def test_job_serializer_round_trips_results_and_exceptions():
 
 
 async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_others_are_not(stack):
-    """A smaller engine registered with smg at run time (POST /workers, as slime registers its
+    """A smaller engine (SGLang's front at --context-length 2048: it refuses an input of 2042
+    tokens or more) registered with smg at run time (POST /workers, as slime registers its
     engines) lowers the limit at the next read of the list, and is asked once."""
     import aiohttp
 
     router = stack.router_url
     asked: list[str] = []
-    async with serve_sim_engine(SimConfig(context_length=2048)) as small, EngineClient(router) as client:
+    small = SimpleNamespace(url=stack.spare_urls[0])
+    async with EngineClient(router) as client:
         get_json = client.get_json
 
         async def counting(url: str):
@@ -290,7 +293,7 @@ async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_ot
                         break
                     await asyncio.sleep(0.2)
                 client.directory.invalidate()  # what the next 30 s refresh, a connection error or an overflow does
-                assert await client.context_length() == 2048
+                assert await client.context_length() == SPARE_CONTEXT - 6  # max_req_input_len: 2048 - 1 - 5
             finally:
                 ids = [w["id"] for w in workers if w["url"] == small.url]
                 for worker_id in ids:

@@ -13,6 +13,11 @@ the counters equal it. Without acks, the same run counts what each failover lost
 and stream entries read from the primary just before the kill, against what the promoted
 replica has (docs/reliability.md "Redis Sentinel failover").
 
+On loopback the replica is not behind at a kill, so those two runs cannot tell acks on from off.
+The third test makes it fall behind (its link cut 1 s before the kill) under one writer of
+groups: acks 0 lose every push that returned in that second, acks 1 none, and with one replica
+the writes wait after the failover until the dead node is back and synced.
+
 Run alone: `python -m pytest tests/test_chaos_sentinel.py -s -p no:warnings` (prints the reports).
 """
 
@@ -127,7 +132,6 @@ async def test_primary_sigkilled_twice_without_replica_acks_measures_what_each_f
     assert status == 0, "trainer failed"
     verdict = result["verdict"]
     assert verdict.lost == [] and verdict.twice == {} and verdict.in_two_steps == [], result["report"]
-
 
 
 CUT_S = 1.0  # how long the replica is behind before the primary's kill

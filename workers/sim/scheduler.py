@@ -157,11 +157,15 @@ class BatchScheduler:
 
     @property
     def kv_used(self) -> int:
-        return self.cache.total_size + sum(r.private for r in self._holders())
+        """KV tokens in use as SGLang counts them (`SchedulerPoolStatsObserver._get_token_info`:
+        the pool less what is free and what the radix cache could evict): the running requests'
+        KV and the cached prefixes they lock; unlocked cached prefixes are not "used"."""
+        return self.cache.protected_size + sum(r.private for r in self._holders())
 
     @property
     def kv_free(self) -> int:
-        return self.config.kv_pool_tokens - self.kv_used
+        """The allocator's free tokens (`available_size`): the pool less everything held, evictable too."""
+        return self.config.kv_pool_tokens - self.kv_used - self.cache.evictable_size
 
     def retract_all(self) -> None:
         """`pause_generation(mode="retract")`: every running request's KV released; they queue again."""
@@ -298,7 +302,7 @@ class BatchScheduler:
 
     def _run_prefill(self, batch: list[tuple[SimReq, int]]) -> float:
         tokens = sum(t for _, t in batch)
-        prefix = sum(r.filled for r, _ in batch)
+        seqs = [(take, r.filled) for r, take in batch]  # each sequence's new tokens over its cached KV
         self._make_room(tokens)
         self.chunked = None
         for req, take in batch:
@@ -314,7 +318,7 @@ class BatchScheduler:
                 self._finish(req)
             else:
                 self.running.append(req)
-        duration = self.steps.prefill_s(tokens, prefix)
+        duration = self.steps.prefill_s(seqs)
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += tokens
         self.stats["prefill_busy_s"] += duration

@@ -194,10 +194,11 @@ def test_check_decode_mem_and_retraction_are_sglangs(sglang_answers):
     evicting to keep SGLANG_RETRACT_DECODE_STEPS tokens per remaining request, and
     `NewTokenRatioTracker.estimate_new_token_ratio_after_retract`): whether the batch fits, which
     requests are retracted in which order, the new token ratio, and the free and evictable
-    tokens after. Mutations caught: flipping the tie-break in `BatchScheduler._retract`
+    tokens after; and the KV in use then as SGLang's token usage counts it
+    (`SchedulerPoolStatsObserver._get_token_info`: the pool less free and evictable). Mutations caught: flipping the tie-break in `BatchScheduler._retract`
     (`-len(r.input_ids)` -> `len(r.input_ids)`); `_decode_fits` counting the evictable cache
     without evicting it (`len(reqs) <= self.kv_free + self.cache.evictable_size`); `_retract_one`
-    without the eviction."""
+    without the eviction; `kv_used` counting the whole tree (`self.cache.total_size + ...`)."""
     outcomes = sglang_answers["decode"]
     assert {o["fits"] for o in outcomes} == {True, False} and any(len(o["retracted"]) > 1 for o in outcomes)
     for case, theirs in zip(_cases()["decode"], outcomes):
@@ -207,7 +208,7 @@ def test_check_decode_mem_and_retraction_are_sglangs(sglang_answers):
             sch._retract()
         ours = {"fits": fits, "retracted": [r.rid for r in sch.waiting], "kept": [r.rid for r in sch.running],
                 "ratio": round(sch.new_token_ratio, 9) if not fits else None,
-                "free": sch.kv_free, "evictable": sch.cache.evictable_size}
+                "free": sch.kv_free, "evictable": sch.cache.evictable_size, "used": sch.kv_used}
         assert ours == theirs, case
 
 
@@ -534,8 +535,15 @@ def _sglang_decode(case: dict[str, Any]) -> dict[str, Any]:
         out, ratio, aborted = batch.retract_decode()
         assert not aborted
         retracted = [r.rid for r in out]
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+
+    total = sum(n_in + n_out for n_in, n_out, _ in case["running"]) + case["free"] + len(
+        {tuple(ids[:k]) for ids in case["cached"] for k in range(1, len(ids) + 1)})  # the cached tokens, shared once
+    usage = SchedulerPoolStatsObserver._get_token_info(SimpleNamespace(  # type: ignore[arg-type]
+        token_to_kv_pool_allocator=pool, tree_cache=tree, max_total_num_tokens=total))
     return {"fits": fits, "retracted": retracted, "kept": [r.rid for r in batch.reqs],
-            "ratio": None if ratio is None else round(ratio, 9), "free": pool.free, "evictable": tree.evictable_size()}
+            "ratio": None if ratio is None else round(ratio, 9), "free": pool.free, "evictable": tree.evictable_size(),
+            "used": usage.full_num_used}
 
 
 def _sglang_radix(ops: list[list[Any]]) -> list[Any]:

@@ -285,16 +285,50 @@ def test_retract_pause_is_sglangs(sglang_answers):
     -> `reqs = self._holders()[::-1]`). The modes SGLang's scheduler never sees are pinned
     against the source in test_pause_modes_follow_sglangs_source."""
     for case, theirs in zip(_cases()["pause"], sglang_answers["pause"]):
-        running = [[n, 1, 50] for n in case["running"]]
-        sch = _decode_state({"running": running, "free": case["free"], "cached": case["cached"]})
-        if case["chunked"]:  # mid-prefill: its first chunk's KV is its own
-            req = SimReq("chunked", _ids(99, case["chunked"] * 2), [7], 1)
-            req.filled = req.private = case["chunked"]
-            req.node = sch.cache.root  # nothing cached matched
-            sch.chunked = req
-            sch.config.kv_pool_tokens += case["chunked"]
+        sch = _pause_state(case)
         sch.retract_all()
         assert [[r.rid for r in sch.waiting], sch.kv_free, sch.cache.evictable_size] == theirs, case
+
+
+def test_in_place_pause_is_sglangs(sglang_answers):
+    """`/pause_generation {"mode": "in_place"}` against SGLang's own `Scheduler.pause_generation`:
+    it only sets `_engine_paused` (the running batch, the chunked request, the pool and the cache
+    stay as they were; `event_loop_normal` runs no batch while it is set, pinned in
+    test_pause_modes_follow_sglangs_source). Ours: with the step loop's `resumed` cleared (what
+    the engine's in_place pause does) no step runs and nothing moves, until it is set again.
+    Mutation caught: `BatchScheduler._loop` without its paused branch (`if not
+    self.resumed.is_set(): ...` deleted)."""
+    for case, theirs in zip(_cases()["pause"], sglang_answers["in_place"]):
+        assert asyncio.run(_paused_then_resumed(_pause_state(case))) == theirs, case
+
+
+def _pause_state(case: dict[str, Any]) -> BatchScheduler:
+    """A running batch (as `_decode_state`), and a request mid-chunk whose first chunk's KV is its own."""
+    sch = _decode_state({"running": [[n, 1, 50] for n in case["running"]], "free": case["free"],
+                         "cached": case["cached"]})
+    if case["chunked"]:
+        req = SimReq("chunked", _ids(99, case["chunked"] * 2), [7], 1)
+        req.filled = req.private = case["chunked"]
+        req.node = sch.cache.root  # nothing cached matched
+        sch.chunked = req
+        sch.config.kv_pool_tokens += case["chunked"]
+    return sch
+
+
+async def _paused_then_resumed(sch: BatchScheduler) -> list[Any]:
+    """The step loop with `resumed` cleared (an in_place pause), a request arriving meanwhile:
+    the state while paused; then it must step once resumed."""
+    assert not sch.resumed.is_set()
+    sch.submit(SimReq("late", _ids(98, 3), [7], 1))
+    await asyncio.sleep(0.05)
+    assert sch.stats["steps"] == 0
+    state = [[r.rid for r in sch.waiting if r.rid != "late"], [r.rid for r in sch.running],
+             sch.chunked.rid if sch.chunked else None, sch.kv_free, sch.cache.evictable_size]
+    sch.resumed.set()
+    await asyncio.sleep(0.05)
+    assert sch.stats["steps"] > 0 and sch._task is not None
+    sch._task.cancel()
+    return state
 
 
 def test_pause_modes_follow_sglangs_source():
@@ -435,8 +469,9 @@ def _probe(workdir: Path) -> None:
     chunks = [_sglang_chunks(policy, case) for case in cases["chunks"]]
     scheduler = _import_with_stubs("sglang.srt.managers.scheduler", ("torchvision",))
     pause = [_sglang_pause(scheduler, case) for case in cases["pause"]]
+    in_place = [_sglang_pause(scheduler, case, "in_place") for case in cases["pause"]]
     print(json.dumps({"sort": sort, "preempt": preempt, "admit": admit, "decode": decode, "radix": radix,
-                      "chunks": chunks, "pause": pause}))
+                      "chunks": chunks, "pause": pause, "in_place": in_place}))
 
 
 class _Pool:
@@ -613,9 +648,9 @@ def _sglang_chunks(policy: Any, case: dict[str, Any]) -> list[list[list[Any]]]:
     return passes
 
 
-def _sglang_pause(scheduler: Any, case: dict[str, Any]) -> list[Any]:
-    """Scheduler.pause_generation(mode="retract") on a scheduler with these fields; its
-    `retract_all` -> `release_req` are SGLang's (the KV release inside stands in for the pools)."""
+def _sglang_pause(scheduler: Any, case: dict[str, Any], mode: str = "retract") -> list[Any]:
+    """Scheduler.pause_generation(mode) on a scheduler with these fields; its `retract_all` ->
+    `release_req` are SGLang's (the KV release inside stands in for the pools)."""
     from sglang.srt.managers import schedule_batch
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
@@ -642,8 +677,12 @@ def _sglang_pause(scheduler: Any, case: dict[str, Any]) -> list[Any]:
         _add_request_to_queue=queue.append,
         metrics_reporter=SimpleNamespace(last_gen_throughput=0.0, current_scheduler_metrics_enabled=False),
         kv_events_publisher=SimpleNamespace(publish_kv_events=lambda: None))
-    scheduler.Scheduler.pause_generation(fake, PauseGenerationReqInput(mode="retract"))
-    assert fake._engine_paused and fake.chunked_req is None and not fake.running_batch.reqs
+    scheduler.Scheduler.pause_generation(fake, PauseGenerationReqInput(mode=mode))
+    assert fake._engine_paused
+    if mode == "in_place":  # what stays where it was
+        return [[r.rid for r in queue], [r.rid for r in fake.running_batch.reqs],
+                fake.chunked_req.rid if fake.chunked_req else None, pool.free, tree.evictable_size()]
+    assert fake.chunked_req is None and not fake.running_batch.reqs
     return [[r.rid for r in queue], pool.free, tree.evictable_size()]
 
 

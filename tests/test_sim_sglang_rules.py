@@ -320,12 +320,12 @@ async def _paused_then_resumed(sch: BatchScheduler) -> list[Any]:
     the state while paused; then it must step once resumed."""
     assert not sch.resumed.is_set()
     sch.submit(SimReq("late", _ids(98, 3), [7], 1))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.02)
     assert sch.stats["steps"] == 0
     state = [[r.rid for r in sch.waiting if r.rid != "late"], [r.rid for r in sch.running],
              sch.chunked.rid if sch.chunked else None, sch.kv_free, sch.cache.evictable_size]
     sch.resumed.set()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.02)
     assert sch.stats["steps"] > 0 and sch._task is not None
     sch._task.cancel()
     return state

@@ -9,7 +9,9 @@ tries, backoff up to 30 s), then raised. So this server answers:
 - `POST /<token>/<env>`: the environment `<env>` of the config; `POST /<token>` when the config
   has exactly one. slime's `remote_rm` sends no headers and its body has no field for either,
   so both live in the URL: `--rm-url http://host:port/<token>/<env>`. The token (`--token` or
-  `$ROLLOUT_RM_TOKEN`) is compared in constant time and is in no log line or answer; whoever
+  `$ROLLOUT_RM_TOKEN`) is compared in constant time and is in no log line (aiohttp's own error
+  lines for a malformed request, which carry the raw request line, are replaced: `RequestLog`;
+  aiohttp's 400 echoes that line to its sender alone) or answer of ours; whoever
   reaches the port without it drives no sandbox, judge or billed session (401). Without a token
   the paths are `/<env>` and `/`, and the server listens on a loopback address only.
 - 200 and a JSON number: the environment's verification of the response as the one assistant
@@ -17,13 +19,22 @@ tries, backoff up to 30 s), then raised. So this server answers:
   (`final_reward`: nonterminal reward, clamps), as a worker would score it.
 - 400 `{"error": ...}` naming the field for a body that is not slime's or does not make a task
   of the environment (no `response`, a `prompt` that is neither text nor chat messages, no
-  `label` where the environment grades against one); 404 for an unknown environment.
-- 503 only for an outage: the environment could not score (its server down, a judge that
-  failed, a masked NeMo Gym verification, a timeout). 422 when the verifier ran and could not
-  decide (`MeasurementFailed`: math-verify's timeout or recursion limit). 500 for a bug of ours
-  or of an in-process environment. Never a 0 that would be trained. slime's `remote_rm` retries
-  every error status alike (`except Exception`, 10 tries, about 2.5 minutes) and then raises:
-  the status and the `error` text tell its log which of these it met.
+  `label` where the environment grades against one; for `math`, `arithmetic`, `calculator` a
+  label that is an object, a list, true/false or NaN: the label is the gold answer); a body that
+  is not JSON or is nested too deeply (`'[' * 100000`); and, with `"task_error": true`, a label
+  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it). 404
+  for an unknown environment. Each is counted (`Scorer.answered`).
+- 503 for an outage: the environment could not score (its server down, a judge that failed, a
+  masked NeMo Gym verification, a timeout); and, with `Retry-After`, when `--max-pending`
+  verifications are in flight (`ServerLimits`). 408 for a body that did not arrive within
+  `--body-timeout-s`; a connection that sent no whole request head within `--header-timeout-s`
+  is closed. 422 for a failed measurement (`MeasurementFailed`: a checker process that died,
+  an answer the verifier gave up on under `on_undecided: remove`). 500 for a bug of ours or of
+  an in-process environment. Never a 0 that would be trained. An answer the verifier gave up on
+  is a 200 0.0 under the default `on_undecided: zero`, counted in `Scorer.undecided` per
+  environment. slime's `remote_rm` retries every error status alike (`except Exception`, 10
+  tries, about 2.5 minutes) and then raises, which ends the slime run; `workers.rm_client.reward`
+  (`--custom-rm-path`) removes the sample of a 422 or a long outage instead.
 
 The task: `prompt` (a string or chat messages) and `label`; a label that is a JSON object
 (or a string holding one) is the task's data row as well, `metadata` (a NeMo Gym row with
@@ -258,6 +269,7 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
         except ConfigError as exc:
             return web.json_response({"error": str(exc)}, status=404)
         limits = scorer.limits
+        # a request holds its place from its body's read (bounded by body_timeout_s) to its answer
         if scorer.in_flight >= limits.max_pending:  # before the body: a flood costs no memory
             scorer.busy += 1
             return web.json_response({"error": f"busy: {scorer.in_flight} verifications in flight (--max-pending "
@@ -273,8 +285,10 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
         try:
             raw = await asyncio.wait_for(request.read(), scorer.limits.body_timeout_s)
         except asyncio.TimeoutError:
-            return web.json_response({"error": f"the body did not arrive within {scorer.limits.body_timeout_s:g}s"},
-                                     status=408, headers={"Connection": "close"})
+            late = web.json_response({"error": f"the body did not arrive within {scorer.limits.body_timeout_s:g}s"},
+                                     status=408)
+            late.force_close()  # the rest of that body would be read as the next request
+            return late
         try:
             body = json.loads(raw)
         except ValueError as exc:  # UnicodeDecodeError included
@@ -288,8 +302,9 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
         except BadRequest as exc:
             return web.json_response({"error": f"bad request: {exc}"[:600]}, status=400)
         except TaskUngradable as exc:  # the caller's label: no answer could score against it
+            scorer.measurements_failed[name] += 1
             return web.json_response({"error": f"bad request: {name}: the label is no gold answer the verifier "
-                                               f"can read: {exc}"[:600]}, status=400)
+                                               f"can read: {exc}"[:600], "task_error": True}, status=400)
         except MeasurementFailed as exc:  # the verifier could not decide: no outage, no 0 either
             scorer.measurements_failed[name] += 1
             return _failed(name, exc, 422)
@@ -393,8 +408,9 @@ async def serve(
     (`RequestLog`): the path holds the token. `limits` (or the scorer's): `ServerLimits`."""
     check_listen(host, token)
     scorer = scorer or Scorer(config, limits)
+    # lingering_time: how long aiohttp reads the unread rest of a refused body before closing (10 s by default)
     runner = web.AppRunner(app_for(scorer, token), access_log=None, logger=RequestLog(),
-                           keepalive_timeout=scorer.limits.header_timeout_s)
+                           keepalive_timeout=scorer.limits.header_timeout_s, lingering_time=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:

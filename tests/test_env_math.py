@@ -209,30 +209,48 @@ async def test_a_gold_math_verify_cannot_read_is_a_task_error_at_prepare_and_in_
         assert task_problem(Task(id="t", env="m", prompt="?", label=gold), config, checks) is None, gold
 
 
-async def test_an_undecided_answer_through_the_checker_pool_and_runner_is_a_trained_zero():
-    """Through the worker's episode runner, the check in its process pool: the episode completes
-    with reward 0, `undecided` and math-verify's reason in its components (not removed)."""
+async def test_undecided_and_failed_measurements_through_the_runner_and_the_trainers_batch_metrics():
+    """Through the worker's episode runner (the check in its process pool): an answer math-verify
+    gives up on completes with reward 0, `undecided` and its reason (not removed); under
+    `on_undecided: remove` it fails with the measurement flagged. The trainer's batch metrics
+    (`pipeline.slime.BatchStats`) count both apart per environment, and `reward_mean/<env>` is over
+    the samples not failed: a failed sample's 0 is no reward (issue 39 item 17)."""
     from pipeline.config import PipelineConfig
-    from pipeline.schema import SamplingParams
+    from pipeline.schema import MEASUREMENT_FAILED, SampleGroup, SamplingParams
+    from pipeline.slime import METRIC_PREFIX, BatchStats
     from tests.env_helpers import chat_tokens
     from workers.engine import EngineClient
     from workers.episode import EpisodeRunner, EpisodeSettings
     from workers.sim.engine import SimConfig, serve_sim_engine
 
-    question = "How large is it?"
-    sim = SimConfig(accuracy=1.0, length_mu=1.0, answers={question: "\\boxed{10^{10^{10}}}"})
+    big, easy = "How large is it?", "What is 2 + 2?"
+    sim = SimConfig(accuracy=1.0, length_mu=1.0, answers={big: "\\boxed{10^{10^{10}}}", easy: "\\boxed{4}"})
     env = MathEnvironment("m", EnvConfig(kind="math", options={"processes": 1, "parse_timeout_s": 1}))
-    task = Task(id="big", env="m", prompt=question, label="5")
+    removing = MathEnvironment("m", EnvConfig(kind="math", on_undecided="remove",
+                                              options={"check_in": "inline", "parse_timeout_s": 1}))
+    tasks = [Task(id="big", env="m", prompt=big, label="5"), Task(id="easy", env="m", prompt=easy, label="4")]
     try:
         async with serve_sim_engine(sim) as engine, EngineClient(engine.url, max_retries=1) as client:
             settings = EpisodeSettings.from_config(PipelineConfig(), env.config, SamplingParams(max_new_tokens=256))
-            sample = await EpisodeRunner(client, chat_tokens(), env, settings, run="t").run(task, "big/0", 0)
+            undecided = await EpisodeRunner(client, chat_tokens(), env, settings, run="t").run(tasks[0], "big/0", 0)
+            right = await EpisodeRunner(client, chat_tokens(), env, settings, run="t").run(tasks[1], "easy/0", 0)
+            removed = await EpisodeRunner(client, chat_tokens(), removing, settings, run="t").run(tasks[0], "big/1", 1)
     finally:
         await env.aclose()
-    assert sample.status is Status.COMPLETED and sample.reward == 0.0, sample.metadata
-    assert sample.reward_components["undecided"] is True
-    assert "math-verify gave up: timed out after 1s" in sample.reward_components["reason"]
-    assert "10^{10^{10}}" in sample.response
+    assert undecided.status is Status.COMPLETED and undecided.reward == 0.0, undecided.metadata
+    assert undecided.reward_components["undecided"] is True
+    assert "math-verify gave up: timed out after 1s" in undecided.reward_components["reason"]
+    assert "10^{10^{10}}" in undecided.response and right.reward == 1.0
+    assert removed.status is Status.FAILED and removed.reward_components == {MEASUREMENT_FAILED: True}
+    assert "math-verify gave up: timed out after 1s" in removed.metadata["error"]
+
+    stats = BatchStats()
+    stats.add_group(SampleGroup(group_id="big:0", task=tasks[0], admission_version=0, n_samples=3,
+                                samples=[undecided, right, removed]))
+    metrics = stats.metrics(0, 0, {})
+    assert metrics[f"{METRIC_PREFIX}/reward_mean/m"] == 0.5  # (0 + 1) / 2: the failed sample's 0 is out
+    assert metrics[f"{METRIC_PREFIX}/undecided/m"] == 1 and metrics[f"{METRIC_PREFIX}/measurements_failed/m"] == 1
+    assert metrics[f"{METRIC_PREFIX}/samples_failed"] == 1
 
 
 async def test_nemo_skills_grading_follows_the_same_rule():

@@ -339,7 +339,10 @@ class RequestLog:
         if exc_info is True:
             exc_info = sys.exc_info()[1]
         what = f": {type(exc_info).__name__}" if isinstance(exc_info, BaseException) else ""
-        text = str(msg) % args if args else str(msg)  # aiohttp's arguments: the peer's address
+        try:
+            text = str(msg) % args if args else str(msg)  # aiohttp's arguments: the peer's address
+        except (TypeError, ValueError):
+            text = str(msg)
         log.log(max(level, logging.WARNING) if what else level, "rm-server: %s%s (the request is not shown: its "
                 "path may hold the token)", text, what)
 

@@ -124,6 +124,8 @@ def read_gold(gold: str, timeout_s: Union[int, None]) -> list[Any]:
     try:
         with watching() as watch:
             parsed = parse(as_latex(gold), parsing_timeout=timeout_s, raise_on_error=True)
+            if not any(not isinstance(p, str) for p in parsed) and as_latex(gold) != gold:  # as plain text
+                parsed = parse(gold, parsing_timeout=timeout_s, raise_on_error=True) or parsed
     except TimeoutException:
         raise TaskUngradable(f"math-verify cannot read the gold answer {shown!r}: timed out after {timeout_s}s") from None
     except Exception as exc:  # noqa: BLE001 - RecursionError, MemoryError, an error inside it

@@ -143,6 +143,11 @@ def job_id_for(task_id: str, epoch: int, attempt: int = 0) -> str:
     return f"{task_id}:{epoch}" if attempt == 0 else f"{task_id}:{epoch}r{attempt}"
 
 
+# A failed sample's reward component saying its verifier could not measure it (a checker that died,
+# an answer given up on under on_undecided: remove, a gold it cannot read): counted apart from outages.
+MEASUREMENT_FAILED = "measurement_failed"
+
+
 # gc=False on the high-volume wire types: a decoded batch is tens of thousands of structs,
 # and tracking them made the cyclic GC re-walk every live group on each full collection
 # (the buffer benchmark's read side ran 2-3x slower with them tracked). They never form

@@ -98,7 +98,22 @@ def _cases(seed: int = 31) -> dict[str, list[Any]]:
     pause = [{"running": [rng.randint(1, 40) for _ in range(rng.randint(0, 5))], "chunked": rng.randint(0, 60),
               "free": rng.randint(0, 50), "cached": _token_seqs(rng, rng.randint(0, 4), 10, 80)} for _ in range(30)]
     return {"sort": sort, "preempt": preempt, "admit": admit, "decode": decode, "radix": radix,
-            "chunks": chunks, "pause": pause}
+            "chunks": chunks, "pause": pause, "spans": _span_cases(rng)}
+
+
+def _span_cases(rng: random.Random) -> list[Any]:
+    """Weight updates a request lived through: (old label, its output tokens then) each, with
+    output (the sim records none without: SGLang's `record_weight_version_events`), the label at
+    its end, and its output tokens (more than at the last update, or as many: an abort)."""
+    cases = []
+    for _ in range(80):
+        events, produced = [], 0
+        for _ in range(rng.randint(0, 4)):
+            produced += rng.randint(0, 5)
+            if produced:
+                events.append([rng.choice("abc"), produced])
+        cases.append({"events": events, "current": rng.choice("abc"), "produced": produced + rng.randint(0, 5)})
+    return cases
 
 
 def _token_seqs(rng: random.Random, count: int, low: int, high: int) -> list[list[int]]:
@@ -154,6 +169,17 @@ def sglang_answers(tmp_path_factory) -> dict[str, list[Any]]:
 def _scheduler(**limits: Any) -> BatchScheduler:
     return BatchScheduler(SchedulerConfig(kv_pool_tokens=10**9, max_running_requests=64, **limits),
                           FlatSteps(0.01), asyncio.Event())
+
+
+def test_weight_version_spans_are_sglangs(sglang_answers):
+    """The simulator's spans (workers/sim/engine.py `_spans`, its own: it runs without sglang)
+    are SGLang's `compute_weight_version_spans` of the same events (issue 39 item 5)."""
+    from workers.sim.engine import SimEngine
+
+    for case, theirs in zip(_cases()["spans"], sglang_answers["spans"]):
+        running = SimpleNamespace(version_events=[tuple(event) for event in case["events"]])
+        spans = SimEngine._spans(SimpleNamespace(weight_version=case["current"]), running, case["produced"])  # type: ignore[arg-type]
+        assert [[s["version"], s["start"], s["end"]] for s in spans] == theirs, case
 
 
 def test_queue_order_is_sglangs(sglang_answers):
@@ -470,8 +496,13 @@ def _probe(workdir: Path) -> None:
     scheduler = _import_with_stubs("sglang.srt.managers.scheduler", ("torchvision",))
     pause = [_sglang_pause(scheduler, case) for case in cases["pause"]]
     in_place = [_sglang_pause(scheduler, case, "in_place") for case in cases["pause"]]
+    from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans
+
+    spans = [[[s.version, s.start, s.end] for s in compute_weight_version_spans(
+        [WeightVersionEvent(old_version=v, num_output_tokens=n) for v, n in case["events"]],
+        current_version=case["current"], num_output_tokens=case["produced"])] for case in cases["spans"]]
     print(json.dumps({"sort": sort, "preempt": preempt, "admit": admit, "decode": decode, "radix": radix,
-                      "chunks": chunks, "pause": pause, "in_place": in_place}))
+                      "chunks": chunks, "pause": pause, "in_place": in_place, "spans": spans}))
 
 
 class _Pool:

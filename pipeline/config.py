@@ -169,6 +169,10 @@ class EnvConfig(_Section, frozen=True):
     # the same, but a group whose every episode failed (an outage) is retried, not pushed;
     # drop_group: any failed episode fails the group (retried, then handed back)
     on_failure: Literal["zero", "retry_all_failed", "drop_group"] = "zero"
+    # an answer whose own size exhausts the verifier's budget (math-verify's timeout or recursion
+    # limit; math and nemo_skills): zero scores it 0 with its reason, counted as undecided;
+    # remove fails the episode (no loss), which rewards a pathological answer with nothing worse
+    on_undecided: Literal["zero", "remove"] = "zero"
     timeouts: EnvTimeouts = EnvTimeouts()
     options: dict[str, Any] = {}  # kind-specific settings, validated by the kind
     dataset: dict[str, Any] = {}  # where `rollout prepare` reads this env's tasks (producers/sources.py)

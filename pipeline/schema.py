@@ -143,10 +143,20 @@ def job_id_for(task_id: str, epoch: int, attempt: int = 0) -> str:
     return f"{task_id}:{epoch}" if attempt == 0 else f"{task_id}:{epoch}r{attempt}"
 
 
+# A failed sample's reward component saying its verifier could not measure it (a checker that died,
+# an answer given up on under on_undecided: remove, a gold it cannot read): counted apart from outages.
+MEASUREMENT_FAILED = "measurement_failed"
+
+
 # gc=False on the high-volume wire types: a decoded batch is tens of thousands of structs,
 # and tracking them made the cyclic GC re-walk every live group on each full collection
 # (the buffer benchmark's read side ran 2-3x slower with them tracked). They never form
 # reference cycles: a struct holds strings, numbers, views and plain containers of those.
+def _runs_cover(runs: list[tuple[int, int]], response_length: int) -> bool:
+    """`Sample.token_version_runs` is empty, or its counts are non-negative and sum to the response."""
+    return not runs or (all(count >= 0 for _, count in runs) and sum(count for _, count in runs) == response_length)
+
+
 class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
     """One episode, in wire form. Build with `Sample.build(...)` from lists or arrays."""
 
@@ -244,6 +254,10 @@ class Sample(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False)
             raise SchemaError(f"{where}: field 'rollout_log_probs' has {n_lp} entries, response_length is {n}")
         if self.reward != self.reward:  # NaN would poison the group's advantage
             raise SchemaError(f"{where}: field 'reward' is NaN")
+        if not _runs_cover(self.token_version_runs, n):
+            counts = [count for _, count in self.token_version_runs]
+            raise SchemaError(f"{where}: field 'token_version_runs' covers {sum(counts)} tokens with counts {counts[:8]}, "
+                              f"response_length is {n} (runs must be non-negative and cover it, or be empty)")
 
 
 class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=False):
@@ -273,6 +287,7 @@ class SampleGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, gc=F
             if (
                 t & 3 or n < 0 or 4 * n > t or len(sample.loss_mask) != n
                 or len(sample.rollout_log_probs) != 4 * n or sample.reward != sample.reward
+                or (sample.token_version_runs and not _runs_cover(sample.token_version_runs, n))
             ):
                 break
         else:

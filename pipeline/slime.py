@@ -30,7 +30,7 @@ from pipeline.buffer import Entry, GroupBuffer
 from pipeline.config import ConfigError, EvalMode, TrainerSettings
 from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, new_op_id, redact, run_once
-from pipeline.schema import Requeue, RequeueReason, SampleGroup, Status, encode
+from pipeline.schema import MEASUREMENT_FAILED, Requeue, RequeueReason, SampleGroup, Status, encode
 from pipeline.slime_samples import (  # noqa: F401  (re-exported: slime and tests name them here)
     LocalRolloutOutput,
     LocalSample,
@@ -73,7 +73,10 @@ class BatchStats:
     replayed: bool = False
     staleness: list[int] = field(default_factory=list)
     token_lags: dict[int, int] = field(default_factory=dict)  # lag -> trained tokens generated at that lag
-    rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))  # env -> rewards of samples not failed
+    # env -> samples whose measurement failed (the verifier could not measure: removed, their 0 no reward)
+    measurements_failed: Tally[str] = field(default_factory=Tally)
+    undecided: Tally[str] = field(default_factory=Tally)  # env -> answers the verifier gave up on, scored 0
     stale: int = 0
     requeued: int = 0
     dropped: int = 0
@@ -86,9 +89,14 @@ class BatchStats:
     env_metrics: dict[str, dict[str, list[float]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
 
     def add_group(self, group: SampleGroup) -> None:
-        self.rewards[group.env].extend(group.rewards())
+        # a failed sample's 0 is no reward (it gets no loss): the mean is over the measured ones
+        self.rewards[group.env].extend(s.reward for s in group.samples if s.status is not Status.FAILED)
         self.samples_failed += sum(s.status is Status.FAILED for s in group.samples)
         for sample in group.samples:
+            if sample.status is Status.FAILED and sample.reward_components.get(MEASUREMENT_FAILED):
+                self.measurements_failed[group.env] += 1
+            if sample.reward_components.get("undecided") is True:
+                self.undecided[group.env] += 1
             for name, value in sample.reward_components.items():
                 if "/" in name and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.env_metrics[group.env][name].append(float(value))
@@ -123,7 +131,12 @@ class BatchStats:
             m[f"{METRIC_PREFIX}/token_staleness_mean"] = sum(lag * n for lag, n in self.token_lags.items()) / tokens
             m[f"{METRIC_PREFIX}/token_staleness_max"] = max(self.token_lags)
         for env, rewards in self.rewards.items():
-            m[f"{METRIC_PREFIX}/reward_mean/{env}"] = sum(rewards) / len(rewards)
+            if rewards:
+                m[f"{METRIC_PREFIX}/reward_mean/{env}"] = sum(rewards) / len(rewards)
+        for env, count in self.measurements_failed.items():
+            m[f"{METRIC_PREFIX}/measurements_failed/{env}"] = count
+        for env, count in self.undecided.items():
+            m[f"{METRIC_PREFIX}/undecided/{env}"] = count
         for env, named in self.env_metrics.items():
             for name, values in named.items():
                 m[f"{METRIC_PREFIX}/env/{env}/{name}"] = sum(values) / len(values)

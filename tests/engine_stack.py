@@ -12,8 +12,8 @@ the project's simulator as the scheduler.
   `tokenizer_ipc_name`) and answers as SGLang's scheduler + detokenizer do
   (`BatchStrOutput`, `AbortReq` prefix matching, the input-length check with SGLang's own
   `validate_input_length` at the `max_req_input_len` its own `TpModelWorker.get_worker_info`
-  computes, `max_new_tokens` clipped to
-  `max_req_len`, weight-version spans, `cached_tokens` from its prefix cache; a weight-version
+  computes, `max_new_tokens` by its own `Scheduler.init_req_max_new_tokens`, weight-version spans
+  by its own `compute_weight_version_spans` for every finished request, `cached_tokens` from its prefix cache; a weight-version
   update is the simulator's push: its GPU time, the cache flushed; a `retract` pause frees KV).
   Tokens, log-probs, latency and aborts come from
   `workers.sim.engine.SimEngine`, the project's simulator.
@@ -194,6 +194,7 @@ class EngineStack:
                 resp.read()
 
     _stats_ports: list[int] = field(default_factory=list)
+    spare_urls: list[str] = field(default_factory=list)  # engines behind no router (`start_engine_stack`'s spares)
 
     def tail(self) -> str:
         return "\n".join(f"--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in self.logs if p.exists())
@@ -223,6 +224,7 @@ def start_engine_stack(
     sim: dict[str, Any] | None = None,
     engines_per_process: int | None = None,
     timeout_s: float = START_TIMEOUT_S,
+    spares: tuple[int, ...] = (),
 ) -> EngineStack:
     """Start `n_engines` SGLang fronts over simulators and `router` (one name or several, each
     its own process in front of all the engines; `router_url` is the first's) in front of them.
@@ -233,7 +235,9 @@ def start_engine_stack(
     engine's simulator (accuracy, slots, token_latency_s, ...; seeds count up from 0 unless
     given). One front process serves `engines_per_process` engines (None: all of them; SGLang's
     import costs ~20 s of CPU per process; 1 to kill engines one by one:
-    `stack.engine_processes[i]`). Returns when every router lists every engine as healthy.
+    `stack.engine_processes[i]`). `spares`: the `--context-length` of more engines in the first
+    front process, behind no router (`stack.spare_urls`: a test registers one with a router itself).
+    Returns when every router lists every engine as healthy.
     """
     routers = (router,) if isinstance(router, str) else tuple(router)
     if not routers or set(routers) - set(ROUTERS):
@@ -248,12 +252,15 @@ def start_engine_stack(
     for first in range(0, n_engines, per_process):
         group = range(first, min(n_engines, first + per_process))
         ports, stats_ports = [free_port() for _ in group], [free_port() for _ in group]
+        extra = spares if first == 0 else ()
+        extra_ports = [free_port() for _ in extra]
         log = tmp / f"front-{first}-{ports[0]}.log"
-        cmd = [sys.executable, str(Path(__file__)), "front", "--port", *map(str, ports),
-               "--stats-port", *map(str, stats_ports), "--first-seed", str(first), "--sim", json.dumps(sim or {}),
-               "--workdir", str(tmp / f"front-{first}"), "--model-context", str(model_context)]
-        if context_length is not None:
-            cmd += ["--context-length", str(context_length)]
+        cmd = [sys.executable, str(Path(__file__)), "front", "--port", *map(str, extra_ports + ports),
+               "--stats-port", *[str(free_port()) for _ in extra], *map(str, stats_ports), "--spares", str(len(extra)),
+               "--first-seed", str(first), "--sim", json.dumps(sim or {}),
+               "--workdir", str(tmp / f"front-{first}"), "--model-context", str(model_context),
+               "--context-length", *map(str, extra), *[str(context_length)] * len(ports)]
+        stack.spare_urls += [f"http://127.0.0.1:{port}" for port in extra_ports]
         proc = _spawn(cmd, log, env)
         stack.processes.append(proc)
         stack.logs.append(log)
@@ -261,7 +268,7 @@ def start_engine_stack(
         stack._stats_ports += stats_ports
         stack.engine_processes += [proc] * len(ports)
     try:
-        _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls),
+        _wait("SGLang fronts", lambda: all(_get(f"{u}/model_info")[0] == 200 for u in stack.engine_urls + stack.spare_urls),
               list(stack.processes), stack, timeout_s)
         for name in routers:
             stack.router_urls[name] = start_router(stack, name, tmp)
@@ -315,13 +322,15 @@ async def async_engine_stack(tmp: Path | str, n_engines: int = 1, **kwargs: Any)
 
 _SHARED: list[EngineStack] = []
 SHARED_MODEL_CONTEXT = 4096  # a Qwen2.5-Math-sized model; the engines get no --context-length, as slime's
+SPARE_CONTEXT = 2048  # the shared stack's spare engine's --context-length
 
 
 def shared_stack() -> EngineStack:
     """The test session's stack, started on first use and stopped at exit: two engines (SGLang
     fronts over simulators, seeds 0 and 1) at a 4096-token model context without
     --context-length, with --enable-priority-scheduling (larger values first, SGLang's default), behind smg (`router_url`) and sglang-router 0.3.2
-    (`router_urls["sglang-router"]`). A test starts with `configure(...)` (the simulator's
+    (`router_urls["sglang-router"]`), and a spare engine at --context-length SPARE_CONTEXT behind
+    neither (`spare_urls[0]`, in the same process). A test starts with `configure(...)` (the simulator's
     behaviour, a clean slate of counters); one stack start per session keeps CI fast."""
     if _SHARED and all(p.poll() is None for p in _SHARED[0].processes):
         return _SHARED[0]
@@ -331,7 +340,7 @@ def shared_stack() -> EngineStack:
 
     tmp = Path(tempfile.mkdtemp(prefix="engine-stack-"))
     stack = start_engine_stack(tmp, 2, model_context=SHARED_MODEL_CONTEXT, router=("smg", "sglang-router"),
-                               sim={"priority_scheduling": True})
+                               sim={"priority_scheduling": True}, spares=(SPARE_CONTEXT,))
     print(f"\nengine stack (2 SGLang fronts, smg, sglang-router) started in {stack.startup_s:.1f}s ({tmp})")
     _SHARED[:] = [stack]
     atexit.register(_stop_and_remove, stack, tmp)
@@ -506,9 +515,11 @@ class SimScheduler:
                                              "err_type": "BadRequestError"}, None)
             return
         input_ids = checked.origin_input_ids
-        # scheduler.py init_req_max_new_tokens: clipped to what the KV budget of one request allows
-        max_new = max(0, min(params.max_new_tokens if params.max_new_tokens is not None else 128,
-                             self.max_req_len - len(input_ids) - 1))
+        max_new, refused = self.max_new_tokens(req, input_ids)
+        if refused is not None:
+            await self._output(req, [], [], {"type": "abort", "message": refused, "status_code": 400,
+                                             "err_type": "BadRequestError"}, None)
+            return
         stops = params.stop_strs
         sim_params = {"max_new_tokens": max_new, "stop": list(stops) if stops else None}
         routing_key = req.routing_key or req.rid
@@ -520,24 +531,52 @@ class SimScheduler:
         try:
             await engine._resumed.wait()
             async with engine._slot(engine._note_priority(req.rid, req.priority)):  # the scheduler's waiting queue (workers/sim/scheduler.py)
-                ids, lps, finish, spans = await engine._run(running, input_ids, routing_key, sim_params)
+                ids, lps, finish, _spans = await engine._run(running, input_ids, routing_key, sim_params)
         finally:
             engine._running.pop(req.rid, None)
             self.publish_load()
         engine.stats["output_tokens"] += len(ids)
         if finish.get("type") == "abort":
             finish = {**finish, "status_code": None, "err_type": None}
-        await self._output(req, ids, lps, finish, spans, cached_tokens=running.cached_tokens)
+        await self._output(req, ids, lps, finish, running.version_events, cached_tokens=running.cached_tokens)
+
+    def max_new_tokens(self, req: Any, input_ids: list[int]) -> tuple[int, str | None]:
+        """What SGLang's scheduler lets the request generate, by its own `Scheduler.init_req_max_new_tokens`
+        (max_new_tokens null: 1 << 30; SGLANG_MAX_NEW_TOKENS_LIMIT; clipped to max_req_len and to the
+        KV budget of this engine's pool, page size 1), and its abort message where the prompt does
+        not fit that budget."""
+        import copy
+        import types
+
+        from sglang.srt.environ import envs
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+        allocator = SimpleNamespace(page_size=1)
+        allocator.max_new_tokens_for_memory = types.MethodType(BaseTokenToKVPoolAllocator.max_new_tokens_for_memory,
+                                                               allocator)
+        limits = SimpleNamespace(max_new_tokens_limit=envs.SGLANG_MAX_NEW_TOKENS_LIMIT.get(), max_req_len=self.max_req_len,
+                                 max_total_num_tokens=self.max_total_num_tokens, kv_shard_widening=1, page_size=1,
+                                 token_to_kv_pool_allocator=allocator, sliding_window_size=None,
+                                 chunked_prefill_size=None)
+        refused: list[str] = []
+        scheduled = SimpleNamespace(rid=req.rid, origin_input_ids=input_ids, sampling_params=copy.copy(req.sampling_params),
+                                    set_finish_with_abort=refused.append)  # the fields of Req it reads
+        Scheduler.init_req_max_new_tokens(limits, scheduled)
+        return int(scheduled.sampling_params.max_new_tokens), refused[0] if refused else None
 
     async def _output(self, req: Any, ids: list[int], lps: list[float], finish: dict[str, Any],
-                      spans: list[dict[str, Any]] | None, *, cached_tokens: int = 0) -> None:
+                      events: list[tuple[str, int]] | None, *, cached_tokens: int = 0) -> None:
+        """`events`: the simulator's (old label, output tokens then) per weight update the request
+        lived through; the spans are SGLang's own `compute_weight_version_spans` of them, sent for
+        every finished request as SGLang's output streamer sends them."""
         io = self.io
-        from sglang.srt.utils.weight_versions import WeightVersionSpan
+        from sglang.srt.utils.weight_versions import WeightVersionEvent, compute_weight_version_spans
 
         text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
-        version_spans = None
-        if spans is not None and len(spans) > 1:
-            version_spans = [[WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"]) for s in spans]]
+        changes = [WeightVersionEvent(old_version=old, num_output_tokens=n) for old, n in events or ()]
+        version_spans = [compute_weight_version_spans(changes, current_version=self.engine.weight_version,
+                                                      num_output_tokens=len(ids))]
         out = io.BatchStrOutput(
             rids=[req.rid], http_worker_ipcs=[req.http_worker_ipc], finished_reasons=[finish], output_strs=[text],
             output_ids=[ids], prompt_tokens=[len(req.input_ids)], completion_tokens=[len(ids)],
@@ -633,18 +672,22 @@ async def _serve_front(args: argparse.Namespace) -> None:
     model = str(_model_dir(Path(args.workdir), args.model_context))
     sim_fields = json.loads(args.sim)
     servers, schedulers = [], []
+    contexts = [None if c == "None" else int(c) for c in args.context_length]
     for i, (port, stats_port) in enumerate(zip(args.port, args.stats_port)):
         # the simulator's priority_scheduling is SGLang's --enable-priority-scheduling: the front
         # says so in /server_info and its TokenizerManager handles `priority` as it would
-        server_args = ServerArgs(model_path=model, context_length=args.context_length, device="cpu",
+        context = contexts[i] if len(contexts) > 1 else contexts[0]
+        server_args = ServerArgs(model_path=model, context_length=context, device="cpu",
                                  skip_server_warmup=True, host="127.0.0.1", port=port, log_level="warning",
                                  enable_priority_scheduling=bool(sim_fields.get("priority_scheduling")),
                                  schedule_low_priority_values_first=bool(sim_fields.get("low_priority_values_first")))
-        # process-wide config, last publish wins: the engines differ only in their port
+        # process-wide config, last publish wins: the engines differ only in their port (the
+        # spares, first, also in their --context-length, read from their own ServerArgs)
         publish(server_args, role="tokenizer")
         port_args = PortArgs.init_new(server_args)
         manager = TokenizerManager(server_args, port_args)
-        config = SimConfig(**{"seed": args.first_seed + i, **sim_fields, "context_length": manager.context_len})
+        seed = args.first_seed + i - args.spares if i >= args.spares else 1000 + i
+        config = SimConfig(**{"seed": seed, **sim_fields, "context_length": manager.context_len})
         scheduler = SimScheduler(SimEngine(config), port_args, manager.context_len, io_struct,
                                  allow_auto_truncate=server_args.allow_auto_truncate)
         manager.max_req_input_len = scheduler.scheduler_info()["max_req_input_len"]
@@ -724,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
     front.add_argument("--port", type=int, nargs="+", required=True)
     front.add_argument("--stats-port", type=int, nargs="+", required=True)
     front.add_argument("--first-seed", type=int, default=0, help="the simulators' seeds count up from it")
-    front.add_argument("--context-length", type=int, default=None)
+    front.add_argument("--context-length", nargs="+", default=["None"],
+                       help="SGLang's --context-length, one for all ports or one per port (None: the model's)")
+    front.add_argument("--spares", type=int, default=0, help="the first N ports are spare engines (seeds 1000 + i)")
     front.add_argument("--model-context", type=int, default=32768, help="the model's max_position_embeddings")
     front.add_argument("--sim", default="{}", help="SimConfig fields as JSON")
     front.add_argument("--workdir", required=True)

@@ -6,7 +6,8 @@ each on a free port, with short failure detection so a failover takes a few seco
         url = cluster.url()                      # redis+sentinel://127.0.0.1:p1,.../mymaster/0
         cluster.kill_primary()                   # SIGKILL; the sentinels promote the replica
         cluster.wait_failover(old)               # until they name another primary
-        cluster.restart_killed_as_replica()      # the old one comes back as the new one's replica
+        cluster.restart_as_replica(old)          # the old one comes back as the new one's replica
+        cluster.cut_replication(replica)         # the replica falls behind (its link cut for good)
 """
 
 from __future__ import annotations
@@ -186,6 +187,22 @@ class SentinelCluster:
                 return self.node(port)
             time.sleep(0.05)
         raise TimeoutError(f"no failover from port {old.port} in {timeout}s:\n{self.sentinels[0].log_tail()}")
+
+    def cut_replication(self, replica: Node) -> None:
+        """Cut the replica's link to the primary for good: its handshake's AUTH fails (a user that
+        does not exist), so it falls behind while alive and answering the sentinels, which may still
+        promote it (a link down for less than 10 x down-after). SIGSTOP would not do this: what the
+        primary sent sits in the stopped replica's socket buffer and is applied when it resumes,
+        after the primary's kill too. `mend_replication` undoes the settings."""
+        command(replica.port, "CONFIG", "SET", "masteruser", "no-such-user", "masterauth", "cut")
+        command(replica.port, "CLIENT", "KILL", "TYPE", "master")
+        deadline = time.monotonic() + 5
+        while "master_link_status:down" not in command(replica.port, "INFO", "replication"):
+            assert time.monotonic() < deadline, "the replica's link did not go down"
+            time.sleep(0.02)
+
+    def mend_replication(self, node: Node) -> None:
+        command(node.port, "CONFIG", "SET", "masteruser", "", "masterauth", "")
 
     def restart_as_replica(self, node: Node) -> None:
         """Start `node` again (empty: no persistence) as the replica of the current primary, as an

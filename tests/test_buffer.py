@@ -73,6 +73,25 @@ async def test_garbage_entry_dead_lettered_while_good_ones_flow(redis, keys):
     assert await buf.depth() == (0, 2)  # the bad ones were acknowledged and removed
 
 
+async def test_version_runs_that_do_not_cover_the_response_are_dead_lettered_at_decode(redis, keys):
+    """Issue 39 item 5 (fails on e13e9eb: such runs decoded fine, and `token_version_counts`
+    raised SchemaError inside the trainer's get_samples after the entries were read)."""
+    buf = GroupBuffer(redis, keys)
+    await buf.ensure_group()
+    for group_id, runs in (("short:0", [[3, 200]]), ("negative:0", [[3, 300], [4, -44]])):
+        raw = msgspec.msgpack.decode(msgspec.msgpack.encode(make_group(group_id)))  # 256 response tokens
+        raw["samples"][1]["token_version_runs"] = runs
+        await redis.xadd(keys.groups, {"g": msgspec.msgpack.encode(raw), "id": group_id})
+    await buf.push(make_group("good:0"))
+    entries = await buf.read("c", 10, block_ms=100)
+    assert [e.group.group_id for e in entries] == ["good:0"]
+    entries[0].group.token_version_counts()  # what the trainer computes per group read
+    reasons = [fields[b"reason"].decode() for _id, fields in await redis.xrange(keys.dead)]
+    assert len(reasons) == 2
+    assert "group 'short:0' sample 1: field 'token_version_runs' covers 200 tokens" in reasons[0]
+    assert "group 'negative:0' sample 1: field 'token_version_runs' covers 256 tokens with counts [300, -44]" in reasons[1]
+
+
 async def test_blocking_read_times_out_empty(redis, keys):
     buf = GroupBuffer(redis, keys)
     await buf.ensure_group()

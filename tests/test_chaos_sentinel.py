@@ -13,20 +13,28 @@ the counters equal it. Without acks, the same run counts what each failover lost
 and stream entries read from the primary just before the kill, against what the promoted
 replica has (docs/reliability.md "Redis Sentinel failover").
 
+On loopback the replica is not behind at a kill, so those two runs cannot tell acks on from off.
+The third test makes it fall behind (its link cut 1 s before the kill) under one writer of
+groups: acks 0 lose every push that returned in that second, acks 1 none, and with one replica
+the writes wait after the failover until the dead node is back and synced.
+
 Run alone: `python -m pytest tests/test_chaos_sentinel.py -s -p no:warnings` (prints the reports).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import time
 
 import pytest
 
+from pipeline.buffer import GroupBuffer
 from pipeline.keys import Counter, Keys
-from pipeline.redis_conn import connect
+from pipeline.redis_conn import ReplicaAckTimeout, connect
+from pipeline.synthetic import make_group
 from tests.chaos_helpers import counters
 from tests.sentinel_helpers import SentinelCluster
 from tests.test_chaos_run import Run, assert_exactly_once
@@ -125,3 +133,111 @@ async def test_primary_sigkilled_twice_without_replica_acks_measures_what_each_f
     verdict = result["verdict"]
     assert verdict.lost == [] and verdict.twice == {} and verdict.in_two_steps == [], result["report"]
 
+
+CUT_S = 1.0  # how long the replica is behind before the primary's kill
+RESTART_AFTER_S = 2.0  # from the promotion to the dead node's restart (the operator's delay)
+
+
+async def _pushes_across_a_failover(cluster: SentinelCluster, namespace: str, *, acks: int) -> dict:
+    """One writer pushes groups (`GroupBuffer.push`, one at a time) through the sentinels; the
+    replica's link is cut, CUT_S later the primary is SIGKILLed, the sentinels promote the replica
+    that is behind, RESTART_AFTER_S later the dead node comes back empty as its replica. A second
+    writer with a 1 s outage budget pushes once between the promotion and the restart. Returns
+    what returned when, and which returned groups the promoted primary does not have."""
+    keys = Keys(namespace)
+    url = cluster.url(min_replica_acks=acks)
+    client = connect(url, outage_s=30)
+    buffer = GroupBuffer(client, keys)
+    await buffer.ensure_group()
+    returned: list[tuple[float, str]] = []
+    done = asyncio.Event()
+
+    async def writer() -> None:
+        for i in itertools.count():
+            if done.is_set():
+                return
+            group_id = f"{namespace}-t{i}:0"
+            if await buffer.push(make_group(group_id, n=2, prompt_len=8, response_len=8, seed=i)) is not None:
+                returned.append((time.monotonic(), group_id))
+
+    await asyncio.to_thread(cluster.wait_synced)
+    writing = asyncio.create_task(writer())
+    t: dict[str, float] = {}
+    probe = connect(url, outage_s=1.0)
+    try:
+        await asyncio.sleep(0.3)
+        old = cluster.primary()
+        t["cutting"] = time.monotonic()
+        await asyncio.to_thread(cluster.cut_replication, cluster.replica_of(old))
+        t["cut"] = time.monotonic()  # the link is down: what returns from here on is not on the replica
+        await asyncio.sleep(CUT_S)
+        t["kill"] = time.monotonic()  # (pushes the old primary answered until its death return after it)
+        await asyncio.to_thread(cluster.kill_primary)
+        new = await asyncio.to_thread(cluster.wait_failover, old)
+        t["promoted"] = time.monotonic()
+        await asyncio.to_thread(cluster.mend_replication, new)
+        started = time.monotonic()
+        try:
+            await GroupBuffer(probe, keys).push(make_group(f"{namespace}-probe:0", n=2, prompt_len=8, response_len=8))
+            probe_outcome = "returned"
+        except ReplicaAckTimeout:
+            probe_outcome = "ReplicaAckTimeout"
+        probe_s = time.monotonic() - started
+        await asyncio.sleep(max(0.0, t["promoted"] + RESTART_AFTER_S - time.monotonic()))
+        t["restarted"] = time.monotonic()
+        await asyncio.to_thread(cluster.restart_as_replica, old)
+        await asyncio.to_thread(cluster.wait_synced)
+        t["synced"] = time.monotonic()
+        deadline = time.monotonic() + 10
+        while not any(at > t["synced"] for at, _ in returned) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        done.set()
+        await writing
+        present = {fields[b"id"].decode() for _, fields in await client.xrange(keys.groups)}
+    finally:
+        done.set()
+        writing.cancel()
+        await probe.aclose()
+        await client.aclose()
+
+    def between(start: str | None, end: str | None) -> set[str]:
+        lo, hi = t[start] if start else 0.0, t[end] if end else float("inf")
+        return {g for at, g in returned if lo <= at < hi}
+
+    lost = {g for _, g in returned} - present
+    windows = ("cutting", "cut", "kill", "promoted", "restarted", "synced")
+    return {
+        "acks": acks,
+        "returned": {f"{a or 'start'} to {b or 'end'}": len(between(a, b))
+                     for a, b in zip((None, *windows), (*windows, None))},
+        "lost": len(lost),
+        "lost_before_the_cut": len(lost & between(None, "cutting")),
+        "not_lost_after_the_link_went_down": len(between("cut", "kill") - lost),
+        "first_return_after_kill_s": round(min((at for at, _ in returned if at > t["kill"]), default=-1.0) - t["kill"], 2),
+        "promoted_after_kill_s": round(t["promoted"] - t["kill"], 2),
+        "synced_after_restart_s": round(t["synced"] - t["restarted"], 2),
+        "probe": probe_outcome, "probe_s": round(probe_s, 2),
+    }
+
+
+async def test_a_failover_to_a_replica_that_fell_behind_loses_returned_writes_without_acks_and_none_with(
+        namespace, tmp_path):
+    """Issue 39 items 8 and 9: the replica's link cut CUT_S before the primary's SIGKILL, so the
+    promoted replica lacks the last second of writes. With acks 0 the pushes that returned in it
+    are lost; with acks 1 none returned in it (each waits for a replica), none is lost, and writes
+    wait until the dead node is back and synced: a writer whose budget runs out first raises
+    ReplicaAckTimeout (docs/operations.md, docs/reliability.md)."""
+    runs = []
+    with SentinelCluster(tmp_path / "redis") as cluster:
+        for acks in (0, 1):
+            runs.append(await _pushes_across_a_failover(cluster, f"{namespace}-acks{acks}", acks=acks))
+    print("\nCHAOS replica behind at the failover:", json.dumps(runs))
+    off, on = runs
+    # acks off: every push that returned after the link went down is gone, nothing else is
+    assert off["lost"] > 0 and off["not_lost_after_the_link_went_down"] == 0, off
+    assert off["lost_before_the_cut"] == 0 and off["probe"] == "returned", off
+    # acks on: nothing lost; from the cut until the restarted node took the stream no push returned
+    assert on["lost"] == 0 and on["returned"]["synced to end"] > 0, on
+    assert on["returned"]["kill to promoted"] == on["returned"]["promoted to restarted"] == 0, on
+    assert on["returned"]["cut to kill"] <= 1, on  # (one confirmed as the link went down)
+    assert on["probe"] == "ReplicaAckTimeout" and on["probe_s"] >= 1.0, on

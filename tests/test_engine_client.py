@@ -1,13 +1,17 @@
 """SGLang client over real HTTP: through slime's router (smg) -> SGLang 0.5.23's own HTTP front ->
-the simulator as scheduler (tests/engine_stack.py), and against the simulator alone where a test
-injects faults the front cannot (5xx, garbage 200s, a closed port)."""
+the simulator as scheduler (tests/engine_stack.py; 5xx and 400s are the scheduler's aborts, which
+SGLang's front answers), and against the simulator alone where a test needs what the front cannot
+be (garbage 200s, a proxy's HTML page, an engine replaced at the same port, a closed port, a frozen one)."""
 
 import asyncio
+import contextlib
 import dataclasses
+import socket
 import time
+from types import SimpleNamespace
 
 import pytest
-from engine_stack import SHARED_MODEL_CONTEXT, START_TIMEOUT_S, shared_stack
+from engine_stack import SHARED_MODEL_CONTEXT, SPARE_CONTEXT, START_TIMEOUT_S, shared_stack
 
 from pipeline.config import EnvConfig, parse_config
 from pipeline.jobqueue import RemoteJobError, job_deserializer, job_serializer
@@ -15,7 +19,7 @@ from pipeline.local_redis import free_port
 from pipeline.schema import SamplingParams, Status, Task
 from pipeline.state import PipelineState
 from workers.chat import ChatTokens
-from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineLocator
+from workers.engine import BadRequest, ContextOverflow, EngineClient, EngineError, EngineFacts, EngineLocator
 from workers.envs.registry import build_environment
 from workers.episode import EpisodeRunner, EpisodeSettings
 from workers.sim.engine import SimConfig, serve_sim_engine
@@ -144,28 +148,31 @@ async def test_a_long_episode_behind_the_router_ends_truncated_by_length_never_b
     assert sample.response_length > 2048 + 1000  # both turns' tokens are in the sample
 
 
-async def test_5xx_is_retried_then_succeeds(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=3, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 503, "count": 2})
+async def test_5xx_is_retried_then_succeeds(stack, tokenizer):
+    """SGLang's front answers a request its scheduler aborted with status 503 as it answers a real
+    one; the client retries it."""
+    stack.sim("fail_next", {"status": 503, "count": 2}, 0)
+    async with EngineClient(stack.engine_urls[0], max_retries=3, backoff_s=0.01) as client:
         gen = await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
         assert gen.output_ids
-        assert (await stats(client))["requests"] == 3
+    assert stack.stats(0)["requests"] == 3
 
 
-async def test_5xx_retries_are_bounded(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=2, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 500, "count": 10, "message": "engine on fire"})
+async def test_5xx_retries_are_bounded(stack, tokenizer):
+    stack.sim("fail_next", {"status": 500, "count": 10, "message": "engine on fire"}, 0)
+    async with EngineClient(stack.engine_urls[0], max_retries=2, backoff_s=0.01) as client:
         with pytest.raises(EngineError, match="gave up after 3 attempts.*engine on fire"):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
-        assert (await stats(client))["requests"] == 3
+    assert stack.stats(0)["requests"] == 3
 
 
-async def test_400_bad_params_is_not_retried_and_keeps_the_message(tokenizer):
-    async with serve_sim_engine() as sim, EngineClient(sim.url, max_retries=3, backoff_s=0.01) as client:
-        await post(client, "/sim/fail_next", {"status": 400, "message": "unknown field `foo`"})
+async def test_400_bad_params_is_not_retried_and_keeps_the_message(stack, tokenizer):
+    """A 400 SGLang's scheduler answers, as its front passes it on: not retried, the message kept."""
+    async with EngineClient(stack.engine_urls[0], max_retries=3, backoff_s=0.01) as client:
+        stack.sim("fail_next", {"status": 400, "message": "unknown field `foo`"}, 0)
         with pytest.raises(BadRequest, match="unknown field `foo`"):
             await client.generate(prompt_ids(tokenizer), SAMPLING, rid="r", routing_key="k")
-        assert (await stats(client))["requests"] == 1
+    assert stack.stats(0)["requests"] == 1
 
 
 async def test_400_context_overflow_is_its_own_error(stack, tokenizer):
@@ -256,13 +263,15 @@ def test_job_serializer_round_trips_results_and_exceptions():
 
 
 async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_others_are_not(stack):
-    """A smaller engine registered with smg at run time (POST /workers, as slime registers its
+    """A smaller engine (SGLang's front at --context-length 2048: it refuses an input of 2042
+    tokens or more) registered with smg at run time (POST /workers, as slime registers its
     engines) lowers the limit at the next read of the list, and is asked once."""
     import aiohttp
 
     router = stack.router_url
     asked: list[str] = []
-    async with serve_sim_engine(SimConfig(context_length=2048)) as small, EngineClient(router) as client:
+    small = SimpleNamespace(url=stack.spare_urls[0])
+    async with EngineClient(router) as client:
         get_json = client.get_json
 
         async def counting(url: str):
@@ -284,7 +293,7 @@ async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_ot
                         break
                     await asyncio.sleep(0.2)
                 client.directory.invalidate()  # what the next 30 s refresh, a connection error or an overflow does
-                assert await client.context_length() == 2048
+                assert await client.context_length() == SPARE_CONTEXT - 6  # max_req_input_len: 2048 - 1 - 5
             finally:
                 ids = [w["id"] for w in workers if w["url"] == small.url]
                 for worker_id in ids:
@@ -297,3 +306,164 @@ async def test_an_engine_that_joins_the_router_is_asked_for_its_limit_and_the_ot
     info_reads = [url for url in asked if url.endswith("server_info")]
     # each engine asked once per read of the fleet (invalidate() drops every fact: issue 32)
     assert sorted(info_reads) == sorted([f"{u}/server_info" for u in stack.engine_urls] * 2 + [f"{small.url}/server_info"])
+
+
+# ------------------------------------------------------------ facts that were not read (issue 39, items 1-4)
+
+
+@contextlib.asynccontextmanager
+async def frozen_engine():
+    """What a frozen engine (SIGSTOPped, or a /server_info that waits on a stuck scheduler) is on
+    the wire: the kernel completes the TCP handshake and queues the request; nothing answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def proxy_to(upstream: str):
+    """A reverse proxy in front of `upstream` that, while `broken` holds, answers every GET with
+    200 and its HTML error page (a misconfigured proxy, a captive portal)."""
+    import aiohttp
+    from aiohttp import web
+
+    state = {"broken": True}
+    async with aiohttp.ClientSession() as session:
+
+        async def forward(request: web.Request) -> web.Response:
+            if state["broken"]:
+                return web.Response(status=200, text="<html><body>upstream error</body></html>", content_type="text/html")
+            async with session.get(f"{upstream}{request.path}") as resp:
+                return web.Response(status=resp.status, body=await resp.read(), content_type=resp.content_type)
+
+        app = web.Application()
+        app.router.add_get("/{path:.*}", forward)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}", state
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_200_that_is_not_json_is_no_fact_and_no_engine(monkeypatch):
+    """Issue 39 item 1 (fails on e13e9eb: a /server_info 200 with an HTML body was kept as
+    EngineFacts(None, None) for 30 s, and the same page from /workers made the URL an engine)."""
+    monkeypatch.setattr("workers.engine._FACTS_RETRY_S", 0.05, raising=False)  # the backoffs after a failed read
+    monkeypatch.setattr("workers.engine._LIST_RETRY_S", 0.05)
+    async with serve_sim_engine(SimConfig(context_length=8000)) as sim, proxy_to(sim.url) as (url, proxy), \
+            EngineClient(url) as client:
+        assert await client.directory.engines() == []  # an HTML page at /workers names no engine
+        assert await client.directory.facts_of(url) == EngineFacts()  # and says no context
+        assert url not in client.directory._facts
+        proxy["broken"] = False  # the proxy heals: the next read after the backoff is the engine's
+        await asyncio.sleep(0.1)
+        assert await client.directory.facts_of(url) == EngineFacts(limit=8000)
+        assert await client.directory.engines() == [sim.url]  # the sim lists itself (as slime's router would)
+
+
+async def test_a_read_under_way_at_invalidate_is_neither_joined_nor_kept():
+    """Issue 39 item 2 (fails on e13e9eb: callers after `invalidate()` joined the read started
+    before it, keyed by URL only, and its answer was kept with a fresh time: the engine replaced
+    at the same URL by one with a 2048 context stayed at 8000)."""
+    port = free_port()
+    held, release = asyncio.Event(), asyncio.Event()
+    async with EngineClient(f"http://127.0.0.1:{port}") as client:
+        get_json = client.get_json
+
+        async def late(url: str):  # the old engine's answer arrives after the fleet changed
+            answer = await get_json(url)
+            if not held.is_set():
+                held.set()
+                await release.wait()
+            return answer
+
+        client.get_json = late  # type: ignore[method-assign]
+        async with serve_sim_engine(SimConfig(context_length=8000), port=port):
+            before = asyncio.create_task(client.directory.limit_of(client.locator._fixed))
+            await held.wait()
+        async with serve_sim_engine(SimConfig(context_length=2048), port=port):
+            client.directory.invalidate()  # the engine was replaced: what a connection error calls
+            after = asyncio.create_task(client.directory.limit_of(client.locator._fixed))
+            done, _ = await asyncio.wait({after}, timeout=5)
+            assert done, "the read after invalidate() waited for the one before it"
+            release.set()
+            assert await before == 8000  # its own caller gets what it asked for
+            assert await after == 2048
+            assert await client.context_length() == 2048  # the old answer was not kept
+
+
+async def test_a_hung_server_info_is_not_waited_for_at_every_request(monkeypatch):
+    """Issue 39 item 3 (fails on e13e9eb: no backoff after a failed read, so every request's
+    `priority()` waited `control_timeout_s` on an engine whose /server_info hangs, or on a router
+    whose /workers does)."""
+    async with frozen_engine() as url, EngineClient(url, control_timeout_s=0.3) as client:
+        for read in (lambda: client.directory.facts_of(url), lambda: client.priority(5)):
+            started = time.monotonic()
+            assert await read() in (EngineFacts(), None)  # the one read: no answer within 0.3 s
+            assert 0.3 <= time.monotonic() - started < 1.0
+            started = time.monotonic()
+            for _ in range(5):  # the next requests go without the facts instead of waiting again
+                assert await read() in (EngineFacts(), None)
+            assert time.monotonic() - started < 0.1
+
+
+async def test_close_with_an_abort_pending_leaves_no_session_open():
+    """Issue 39 item 4 (fails on e13e9eb: close() closed the session while an abort was still
+    reading the engine list; the abort then opened a new ClientSession through `session` that
+    nobody closed)."""
+    async with frozen_engine() as url:
+        client = EngineClient(url, control_timeout_s=0.2)
+        client._hold(asyncio.create_task(client.abort("rid-1")))
+        await client.close()
+        first = client._session
+        assert not client._control_tasks  # nothing of the client runs past close()
+        await asyncio.sleep(0.5)  # past where the abort would read the list again
+        assert client._session is first and (first is None or first.closed)
+
+
+# ------------------------------------------------------------ SGLang's own rules in the front (issue 39, item 5)
+
+
+async def test_max_new_tokens_null_is_sglangs_unset(stack, tokenizer):
+    """Issue 39 item 5: `max_new_tokens: null` is SGLang's scheduler's 1 << 30, clipped to what the
+    engine allows (`Scheduler.init_req_max_new_tokens`, run by the stack); fails on e13e9eb, where
+    the stack's copy took 128 and cut a 300-token answer at 128 with a length finish."""
+    stack.configure(length_mu=5.7, length_sigma=0.01)  # ~300 filler tokens
+    async with EngineClient(stack.engine_urls[0]) as client:
+        answer = await post(client, "/generate", {"input_ids": prompt_ids(tokenizer), "rid": "unset",
+                                                   "sampling_params": {"max_new_tokens": None}})
+    meta = answer["meta_info"]
+    assert meta["finish_reason"]["type"] == "stop" and meta["completion_tokens"] > 128, meta
+
+
+async def test_every_finished_request_carries_sglangs_version_spans(stack, tokenizer):
+    """Issue 39 item 5: SGLang sends `meta_info.weight_versions` for every finished request, and
+    records a weight update only for a request that has output (`record_weight_version_events`).
+    Fails on e13e9eb: spans only when there were two or more, and a request still queued at an
+    in_place update got a zero-token span of the old label."""
+    stack.configure(slots=1, token_latency_s=0.005, length_mu=4.5, length_sigma=0.01)  # ~90 tokens, ~0.5 s
+    engine = stack.engine_urls[0]
+    async with EngineClient(engine) as client:
+        plain = await client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=3), rid="plain", routing_key="k")
+        assert plain.version_spans == (("default", 0, 3),)
+        answer = await post(client, "/generate", {"input_ids": prompt_ids(tokenizer), "rid": "raw",
+                                                   "sampling_params": {"max_new_tokens": 3}})
+        assert answer["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 3}]
+        running = asyncio.create_task(client.generate(prompt_ids(tokenizer), SamplingParams(max_new_tokens=200),
+                                                      rid="running", routing_key="a"))
+        await asyncio.sleep(0.2)  # it runs; the next one waits for the engine's one slot
+        queued = asyncio.create_task(client.generate(prompt_ids(tokenizer, "What is 2 + 2?"),
+                                                     SamplingParams(max_new_tokens=200), rid="queued", routing_key="b"))
+        await asyncio.sleep(0.1)
+        try:
+            await post(client, "/pause_generation", {"mode": "in_place"})
+            await post(client, "/update_weight_version", {"new_version": "2", "abort_all_requests": False})
+        finally:
+            await post(client, "/continue_generation", {})
+        first, second = await running, await queued
+    assert [label for label, _, _ in first.version_spans] == ["default", "2"], first.version_spans
+    assert second.version_spans == (("2", 0, len(second.output_ids)),)  # no output under "default"

@@ -1,5 +1,6 @@
 """Multi-turn evaluation through the pipeline (pipeline/evaluation.py, workers/eval_jobs.py):
-a real redis-server, the simulated engine and real arq workers; slime's own eval logging on
+a real redis-server, the engine path a cluster runs (the session's stack: smg -> SGLang's own
+front -> the simulator, tests/engine_stack.py) and real arq workers; slime's own eval logging on
 the output (conformance)."""
 
 from __future__ import annotations
@@ -12,16 +13,22 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from engine_stack import START_TIMEOUT_S, EngineStack, shared_stack
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.evaluation import load_eval_datasets, pass_at_k
 from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job
 from pipeline.schema import PromptJob, Task, encode_task_json
-from tests.test_worker_jobs import config_dict, wait_for
+from tests.test_worker_jobs import config_dict, stack_engine, wait_for
 from workers.settings import build_worker, stop_worker
-from workers.sim.engine import serve_sim_engine
 
 N_TASKS = 3
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 120)  # a test's timeout includes the session stack's start
+
+
+@pytest.fixture
+def stack() -> EngineStack:
+    return shared_stack()
 
 
 def _write_datasets(tmp_path, datasets):
@@ -72,11 +79,11 @@ async def _evaluate(slime_mod, args, rid, ds):
     return await asyncio.to_thread(slime_mod.generate_rollout, args, rid, ds, True)
 
 
-async def test_multi_turn_eval_round_pinned_and_apart_from_training(redis, redis_url, keys, namespace, tmp_path):
+async def test_multi_turn_eval_round_pinned_and_apart_from_training(stack, redis, redis_url, keys, namespace, tmp_path):
     import pipeline.slime as ps
 
     args = _args(redis_url, namespace, _write_datasets(tmp_path, [*DATASETS, {"env": "ghost", "tasks": "eval_tasks.jsonl"}]))
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         ds = ps.RedisDataSource(args)
         try:
@@ -127,11 +134,11 @@ async def test_multi_turn_eval_round_pinned_and_apart_from_training(redis, redis
     assert out.metrics["eval/pipeline/policy_version_min"] == out.metrics["eval/pipeline/policy_version_max"] == pinned
 
 
-async def test_eval_jobs_run_before_queued_training_jobs(redis, redis_url, keys, namespace, tmp_path):
+async def test_eval_jobs_run_before_queued_training_jobs(stack, redis, redis_url, keys, namespace, tmp_path):
     import pipeline.slime as ps
 
     args = _args(redis_url, namespace, _write_datasets(tmp_path, DATASETS[:1]))
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         ds = ps.RedisDataSource(args)
         arq = await create_arq_pool(redis_url, keys)
@@ -219,7 +226,7 @@ def slime_side():
 
 
 @pytest.mark.conformance
-async def test_eval_output_is_slimes_and_slimes_eval_logger_takes_it(slime_side, redis, redis_url, keys, namespace,
+async def test_eval_output_is_slimes_and_slimes_eval_logger_takes_it(stack, slime_side, redis, redis_url, keys, namespace,
                                                                       tmp_path):
     from slime.rollout.base_types import RolloutFnEvalOutput, call_rollout_fn
 
@@ -230,7 +237,7 @@ async def test_eval_output_is_slimes_and_slimes_eval_logger_takes_it(slime_side,
                  custom_eval_rollout_log_function_path=None, advantage_estimator="grpo", reward_key=None,
                  log_reward_category=None, log_passrate=True, n_samples_per_eval_prompt=4,
                  wandb_always_use_train_step=False, use_wandb=False, use_tensorboard=False)
-    async with serve_sim_engine() as sim:
+    async with stack_engine(stack) as sim:
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         ds = ps.RedisDataSource(args)
         try:

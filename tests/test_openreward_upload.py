@@ -47,6 +47,7 @@ class FakeApi:
     """POST /v1/rollouts as OpenReward's API takes it: `{"events": [...]}`; records each body."""
 
     delay_s: float = 0.0
+    delay_messages_s: float = 0.0  # only batches of message events are slow (rollouts are created at once)
     refuse_messages: bool = False  # answer 400 to batches of message events (rollouts are created)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
@@ -56,6 +57,8 @@ class FakeApi:
         self.keys.append(request.headers.get("x-api-key", ""))
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
+        if self.delay_messages_s and any(e.get("eventType") == "message" for e in body["events"]):
+            await asyncio.sleep(self.delay_messages_s)
         if self.refuse_messages and any(e.get("eventType") == "message" for e in body["events"]):
             return web.json_response({"error": "refused"}, status=400)
         self.bodies.append(body)
@@ -118,6 +121,7 @@ async def test_every_episode_is_uploaded_once_with_its_messages_in_order_and_rew
         finally:
             await env.aclose()  # flushes the SDK's sender
     assert env.uploader is not None and env.uploader.stats()["uploaded"] == 6
+    assert env.uploader.stats()["unsent_at_close"] == 0  # every message delivered before close returned
 
     rollouts = api.events("rollout")
     assert sorted(r["rolloutName"] for r in rollouts) == sorted(e for e, _ in episodes)  # each once
@@ -325,6 +329,26 @@ async def test_episodes_still_queued_at_close_are_counted_as_dropped_and_logged_
     assert [line for line in lines if "still queued" in line] == [
         "openreward upload (env 'slow'): closed with 5 episode(s) still queued after 0.5s: dropped, not uploaded "
         "(episodes are not affected)"], lines
+
+
+async def test_messages_still_in_the_sdks_sender_at_close_are_counted_and_logged_once(caplog):
+    """3 episodes whose rollouts are created at once and whose message POSTs take 2 s: when
+    `close(1.0)` returns, the SDK's sender still holds their 6 messages (lost when the process
+    ends). They are counted and one line says so; before, stats said uploaded 3, dropped 0."""
+    caplog.set_level(logging.WARNING, logger="workers.upload")
+    api = FakeApi(delay_messages_s=2.0)
+    async with serve_api(api) as api_url:
+        uploader = _uploader(api_url, "openreward upload (env 'slow-messages')")
+        assert all(uploader.submit(_trajectory(i)) for i in range(3))
+        await asyncio.to_thread(uploader.close, 1.0)
+        stats = uploader.stats()
+        await asyncio.sleep(1.5)  # the POST answers; the SDK's sender ends
+    assert stats["uploaded"] == 3 and stats["dropped"] == 0 and stats["messages"] == 6, stats
+    assert stats["unsent_at_close"] == 6 and stats["messages_sent"] == 0, stats
+    lines = [r.getMessage() for r in caplog.records if r.name == "workers.upload"]
+    assert [line for line in lines if "still in the SDK's sender" in line] == [
+        "openreward upload (env 'slow-messages'): closed with 6 message(s) still in the SDK's sender after 1.0s: "
+        "not uploaded (episodes are not affected)"], lines
 
 
 async def test_sdk_failures_are_counted_by_the_uploader_that_sent_them(monkeypatch):

@@ -1,8 +1,10 @@
 """Staleness in policy versions on the real pipeline, driven in slime's own order (issue 10).
 
-redis-server, the simulated engine, real arq workers, the producer and `RedisDataSource`,
-with a trainer that calls them exactly as slime's train_async.py does (read from the
-pinned snapshot, ../shared/third_party/slime/train_async.py):
+redis-server, the engine path a cluster runs (the session's stack: smg -> SGLang's own front ->
+the simulator, tests/engine_stack.py; the labels and version spans are SGLang's TokenizerManager's
+and scheduler's), real arq workers, the producer and `RedisDataSource`, with a trainer that calls
+them exactly as slime's train_async.py does (read from the pinned snapshot,
+../shared/third_party/slime/train_async.py):
 
     source = DataSource(args)            # RolloutManager.__init__
     source.load(start - 1)               # resume (checkpoint start - 1), or start = 0
@@ -29,6 +31,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from engine_stack import START_TIMEOUT_S, shared_stack
 
 from pipeline.config import parse_config
 from pipeline.keys import Counter
@@ -36,9 +39,16 @@ from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
 from workers.settings import build_worker, stop_worker
-from workers.sim.engine import SimConfig, serve_sim_engine
 
 B, N = 3, 2
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 180)  # a test's timeout includes the session stack's start
+
+
+@pytest.fixture
+def stack():
+    running = shared_stack()
+    running.configure()
+    return running
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> None:
@@ -50,10 +60,10 @@ def _post(url: str, path: str, body: dict[str, Any]) -> None:
 class SlimeAsyncTrainer(threading.Thread):
     """train_async.py's call sequence against the pipeline; records the oracle's facts."""
 
-    def __init__(self, args: SimpleNamespace, engine_url: str, *, run: int, start: int, steps: int, interval: int,
+    def __init__(self, args: SimpleNamespace, engine_urls: list[str], *, run: int, start: int, steps: int, interval: int,
                  truth: dict[tuple[int, str], int], actor_init_s: float = 0.0):
         super().__init__(daemon=True)
-        self.args, self.engine_url, self.run_no = args, engine_url, run
+        self.args, self.engine_urls, self.run_no = args, engine_urls, run
         self.start_id, self.steps, self.interval, self.truth = start, steps, interval, truth
         self.actor_init_s = actor_init_s
         self.trained: dict[int, list[list[Any]]] = {}
@@ -62,12 +72,14 @@ class SlimeAsyncTrainer(threading.Thread):
         self.error: BaseException | None = None
 
     def update_weights(self, version: int) -> None:
-        """slime's updater: pause (aborts running requests), push, label str(push count), continue."""
+        """slime's updater, on every engine: pause (aborts running requests), push, label
+        str(push count), continue."""
         self.pushes += 1
         self.truth[(self.run_no, str(self.pushes))] = version
-        _post(self.engine_url, "/pause_generation", {})
-        _post(self.engine_url, "/update_weight_version", {"new_version": str(self.pushes)})
-        _post(self.engine_url, "/continue_generation", {})
+        for path, body in (("/pause_generation", {}), ("/update_weight_version", {"new_version": str(self.pushes)}),
+                           ("/continue_generation", {})):
+            for url in self.engine_urls:
+                _post(url, path, body)
 
     def run(self) -> None:
         source = RedisDataSource(self.args)
@@ -144,71 +156,72 @@ def _check_lags(trainer: SlimeAsyncTrainer, eta: int) -> int:
 
 
 @pytest.mark.parametrize("interval, eta", [(1, 1), (2, 2)])
-async def test_resume_from_a_checkpoint_trains_on_with_bounded_lag(tmp_path, redis, redis_url, keys, namespace,
+async def test_resume_from_a_checkpoint_trains_on_with_bounded_lag(stack, tmp_path, redis, redis_url, keys, namespace,
                                                                    interval, eta):
     """Run 1 trains rollouts 0-3; the trainer dies; run 2 resumes from checkpoint 3 with the engines'
     labels back at "1" (slime's counter restarts) and trains 4-7: no stale storm, every lag <= eta."""
     _write_tasks(tmp_path / "tasks.jsonl", 60)
     truth: dict[tuple[int, str], int] = {}
-    async with serve_sim_engine(SimConfig(accuracy=0.6)) as sim:
-        config = parse_config(_config(redis_url, namespace, eta=eta, engine=sim.url))
-        workers = [build_worker(config, handle_signals=False) for _ in range(2)]
-        runs = [asyncio.create_task(w.async_run()) for w in workers]
-        producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
-                                                    redis=redis, options=ProducerOptions(poll_s=0.02)))
-        port = int(sim.url.rsplit(":", 1)[1])
-        try:
-            for run, start in ((1, 0), (2, 4)):
-                args = _args(redis_url, namespace, eta=eta, interval=interval)
-                args.sglang_router_port = port
-                trainer = SlimeAsyncTrainer(args, sim.url, run=run, start=start, steps=4, interval=interval, truth=truth)
-                trainer.start()
-                while trainer.is_alive():
-                    await asyncio.sleep(0.05)
-                if trainer.error is not None:
-                    raise trainer.error
-                assert _check_lags(trainer, eta) > 0
-                stale = sum(s.stale for s in trainer.stats.values())
-                assert stale <= B, f"run {run}: {stale} groups rejected stale"
-                assert max(max(s.staleness, default=0) for s in trainer.stats.values()) <= eta
-                await asyncio.to_thread(_post, sim.url, "/update_weight_version", {"new_version": "default"})  # engines restart too
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-            for worker, task in zip(workers, runs):
-                await stop_worker(worker, task)
-    counters = await PipelineState(redis, keys).counters()
-    assert counters.get(Counter.ACCEPTED, 0) == 8 * B
-
-
-async def test_workers_and_producer_started_before_the_trainer_train_no_startup_failures(
-        tmp_path, redis, redis_url, keys, namespace):
-    """Workers on `engine: auto` and the producer start well before slime: the producer waits for the
-    trainer's settings, the workers for its engine URL and first policy version; nothing fails."""
-    _write_tasks(tmp_path / "tasks.jsonl", 30)
-    truth: dict[tuple[int, str], int] = {}
-    async with serve_sim_engine() as sim:
-        config = parse_config(_config(redis_url, namespace, eta=1, engine="auto"))
-        worker = build_worker(config, handle_signals=False)
-        run = asyncio.create_task(worker.async_run())
-        producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True,
-                                                    redis=redis, options=ProducerOptions(poll_s=0.02)))
-        try:
-            await asyncio.sleep(2.0)  # the startup window: slime is still launching
-            assert await redis.xlen(keys.groups) == 0
-            args = _args(redis_url, namespace, eta=1, interval=1)
-            args.sglang_router_port = int(sim.url.rsplit(":", 1)[1])
-            trainer = SlimeAsyncTrainer(args, sim.url, run=1, start=0, steps=3, interval=1, truth=truth,
-                                        actor_init_s=1.5)
+    stack.configure(accuracy=0.6)
+    config = parse_config(_config(redis_url, namespace, eta=eta, engine=stack.router_url))
+    workers = [build_worker(config, handle_signals=False) for _ in range(2)]
+    runs = [asyncio.create_task(w.async_run()) for w in workers]
+    producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True, epochs=5,
+                                                redis=redis, options=ProducerOptions(poll_s=0.02)))
+    port = int(stack.router_url.rsplit(":", 1)[1])
+    try:
+        for run, start in ((1, 0), (2, 4)):
+            args = _args(redis_url, namespace, eta=eta, interval=interval)
+            args.sglang_router_port = port
+            trainer = SlimeAsyncTrainer(args, stack.engine_urls, run=run, start=start, steps=4, interval=interval,
+                                        truth=truth)
             trainer.start()
             while trainer.is_alive():
                 await asyncio.sleep(0.05)
             if trainer.error is not None:
                 raise trainer.error
-        finally:
-            producer.cancel()
-            await asyncio.gather(producer, return_exceptions=True)
-            await stop_worker(worker, run)
+            assert _check_lags(trainer, eta) > 0
+            stale = sum(s.stale for s in trainer.stats.values())
+            assert stale <= B, f"run {run}: {stale} groups rejected stale"
+            assert max(max(s.staleness, default=0) for s in trainer.stats.values()) <= eta
+            for url in stack.engine_urls:  # engines restart too
+                await asyncio.to_thread(_post, url, "/update_weight_version", {"new_version": "default"})
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        for worker, task in zip(workers, runs):
+            await stop_worker(worker, task)
+    counters = await PipelineState(redis, keys).counters()
+    assert counters.get(Counter.ACCEPTED, 0) == 8 * B
+
+
+async def test_workers_and_producer_started_before_the_trainer_train_no_startup_failures(
+        stack, tmp_path, redis, redis_url, keys, namespace):
+    """Workers on `engine: auto` and the producer start well before slime: the producer waits for the
+    trainer's settings, the workers for its engine URL and first policy version; nothing fails."""
+    _write_tasks(tmp_path / "tasks.jsonl", 30)
+    truth: dict[tuple[int, str], int] = {}
+    config = parse_config(_config(redis_url, namespace, eta=1, engine="auto"))
+    worker = build_worker(config, handle_signals=False)
+    run = asyncio.create_task(worker.async_run())
+    producer = asyncio.create_task(run_producer(config, tmp_path / "tasks.jsonl", follow=True,
+                                                redis=redis, options=ProducerOptions(poll_s=0.02)))
+    try:
+        await asyncio.sleep(2.0)  # the startup window: slime is still launching
+        assert await redis.xlen(keys.groups) == 0
+        args = _args(redis_url, namespace, eta=1, interval=1)
+        args.sglang_router_port = int(stack.router_url.rsplit(":", 1)[1])
+        trainer = SlimeAsyncTrainer(args, stack.engine_urls, run=1, start=0, steps=3, interval=1, truth=truth,
+                                    actor_init_s=1.5)
+        trainer.start()
+        while trainer.is_alive():
+            await asyncio.sleep(0.05)
+        if trainer.error is not None:
+            raise trainer.error
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await stop_worker(worker, run)
     trained = [s for groups in trainer.trained.values() for g in groups for s in g]
     assert len(trained) == 3 * B * N and not any(s.remove_sample for s in trained)
     counters = await PipelineState(redis, keys).counters()

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timedelta, timezone
 
+import pytest
 from arq import Retry
 from arq.constants import in_progress_key_prefix
 from arq.worker import func
 
+from pipeline.evaluation import EVAL_SCORE
 from pipeline.jobqueue import redis_settings
+from pipeline.keys import Keys
 from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
 from tests.test_worker_jobs import wait_for
@@ -30,6 +34,13 @@ async def note(ctx, tag: str, seconds: float = 0.0) -> str:
     return tag
 
 
+async def hangs_on_its_first_try(ctx, tag: str) -> str:
+    RAN.setdefault(tag, []).append(time.time())
+    if ctx["job_try"] == 1:
+        await asyncio.sleep(60)  # the worker that took it first is reaped (or loses it) meanwhile
+    return tag
+
+
 async def retry_once(ctx, tag: str, defer_s: float) -> str:
     RAN.setdefault(tag, []).append(time.time())
     if ctx["job_try"] == 1:
@@ -38,7 +49,8 @@ async def retry_once(ctx, tag: str, defer_s: float) -> str:
 
 
 def _worker(url: str, queue: str, slots: int) -> RolloutWorker:
-    return RolloutWorker(functions=[func(note, name="note"), func(retry_once, name="retry_once")], queue_name=queue,
+    return RolloutWorker(functions=[func(note, name="note"), func(retry_once, name="retry_once"),
+                                    func(hangs_on_its_first_try, name="hangs")], queue_name=queue,
                          redis_settings=redis_settings(url), max_jobs=slots, poll_delay=0.02, job_timeout=60,
                          handle_signals=False, allow_abort_jobs=True, keep_result=60)
 
@@ -144,7 +156,7 @@ async def test_arqs_semantics_are_kept(namespace):
             worker.tasks[f"{queue}:h"].cancel()  # what a drain does to a job past its grace: arq re-runs it
             await wait_for(lambda: asyncio.sleep(0, len(RAN[handed]) == 2), 10, "the re-run of the handed-back job")
             assert RAN[handed][1] - RAN[handed][0] < IN_PROGRESS_RECHECK_S
-            assert enqueued_score is not None
+            assert worker._scores[f"{queue}:h"] == int(enqueued_score)  # the re-run was taken at its own place
             await stop_worker(worker, task)
         finally:
             await redis.aclose()
@@ -175,3 +187,59 @@ async def test_a_job_released_by_the_reaper_or_the_orphan_sweep_is_due_at_once(r
         await asyncio.sleep(0.11)
     assert released == 1
     assert await redis.zscore(keys.queue, orphan) <= time.time() * 1000
+
+
+@pytest.mark.parametrize("release", ["reaper", "orphan sweep", "reconcile"])
+async def test_a_released_job_is_due_at_its_own_place_ahead_of_jobs_enqueued_after_it(namespace, release):
+    """Issue 39 item 7: the take moves a job's score to now + recheck; a release (the reaper's, the
+    orphan sweep's, a reconcile's) put it back at *now*, so an eval job (score 1) or the oldest
+    training group queued behind every job enqueued after it. The take keeps the place in Redis
+    (the in-progress key) and every release restores it: the next worker takes them first."""
+    from workers.liveness import Liveness
+
+    with LocalRedis() as server:
+        redis = connect(server.url)
+        keys = Keys(namespace)
+        first, second = _worker(server.url, keys.queue, slots=2), _worker(server.url, keys.queue, slots=1)
+        tasks = []
+        try:
+            tasks.append(asyncio.create_task(first.async_run()))
+            await wait_for(lambda: asyncio.sleep(0, first._pool is not None), 10, "the first worker's pool")
+            pool = first.pool
+            eval_job, oldest, later = (keys.arq_job_id(f"{release}-{name}") for name in ("eval", "oldest", "later"))
+            await pool.enqueue_job("hangs", eval_job, _job_id=eval_job, _queue_name=keys.queue,
+                                   _defer_until=datetime.fromtimestamp(EVAL_SCORE / 1000, tz=timezone.utc),
+                                   _expires=timedelta(hours=1))  # as pipeline/evaluation.py enqueues it
+            await pool.enqueue_job("hangs", oldest, _job_id=oldest, _queue_name=keys.queue)
+            await wait_for(lambda: asyncio.sleep(0, eval_job in RAN and oldest in RAN), 10, "the first takes")
+            await asyncio.sleep(0.01)
+            await pool.enqueue_job("hangs", later, _job_id=later, _queue_name=keys.queue)  # no free slot takes it
+
+            sweeper = Liveness(redis, keys, "sweeper", heartbeat_s=0.2, dead_after_s=1.0)
+            holder = Liveness(redis, keys, "holder", heartbeat_s=0.2, dead_after_s=1.0)
+            if release != "orphan sweep":  # the orphan sweep's case: taken, never recorded by its worker
+                await holder.beat()
+                for job in (eval_job, oldest):
+                    await holder.job_started(job)
+            if release == "reaper":
+                await redis.zadd(keys.workers, {"holder": 1.0})  # silent since 1970
+                await sweeper.beat()
+                assert await sweeper.reap() == (1, 2)
+            elif release == "orphan sweep":
+                released = 0
+                for _ in range(3):
+                    released += await sweeper.release_orphans()
+                    await asyncio.sleep(0.11)
+                assert released == 2
+            else:
+                holder._running.clear()  # Redis kept the jobs in its set after the process lost them
+                assert await holder.reconcile() == 2
+
+            tasks.append(asyncio.create_task(second.async_run()))  # one slot: takes the due jobs in order
+            await wait_for(lambda: asyncio.sleep(0, later in RAN), 10, "the second worker's takes")
+            assert len(RAN[eval_job]) == len(RAN[oldest]) == 2
+            assert RAN[eval_job][1] < RAN[oldest][1] < RAN[later][0]
+        finally:
+            for worker, task in zip((first, second), tasks):
+                await stop_worker(worker, task)
+            await redis.aclose()

@@ -247,7 +247,10 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
     """slime's own `remote_rm` on bodies that are the caller's fault: each answered 400 (404 for an
     unknown environment) at once, with the field named, no environment built. slime retries every
     error status alike (its `except Exception`): the server receives exactly one request per try
-    of slime's and adds none; 503 stays for outages, 422 for a verifier that could not decide."""
+    of slime's and adds none; 503 stays for outages. A label that is no gold (an object, NaN, text
+    math-verify reads nothing from) is the caller's 400, never a 0 (issue 39 item 12); a body nested
+    too deeply is a counted 400, not a 500 RecursionError (item 11); an answer math-verify gives up
+    on is a 0 counted as undecided (item 13)."""
     environments = {
         "math": {"kind": "math", "options": {"check_in": "inline", "parse_timeout_s": 1}},
         "code": {"kind": "code", "options": {"require_isolation": False}},
@@ -268,8 +271,10 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
         assert await slime_status(f"{base}/code", _sample(rm_hub, "```python\nprint(1)\n```", "1")) == 400
         assert await slime_status(f"{base}/maths", _sample(rm_hub, "\\boxed{2}", "2")) == 404
         assert scorer.environments == {}  # none was built for a caller's mistake
-        undecided = await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{10^{10^{10}}}", "5"))
+        undecided = await rm_hub.remote_rm(_args(f"{base}/math"), _sample(rm_hub, "\\boxed{10^{10^{10}}}", "5"))
         right = await rm_hub.remote_rm(_args(f"{base}/math"), _sample(rm_hub, "\\boxed{2}", "2"))
+        deep = b"[" * 100_000
+        raw = {"deep body": deep, "deep label": b'{"prompt": "q", "response": "r", "label": ' + deep + b"]" * 100_000 + b"}"}
         errors = {}
         async with aiohttp.ClientSession() as http:
             for case, body in {
@@ -278,14 +283,140 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
                 "no prompt": {"response": "\\boxed{2}", "label": "2"},
                 "response": {"prompt": QUESTION, "response": None, "label": "2"},
                 "tests": {"prompt": "Print 1.", "response": "```python\nprint(1)\n```", "label": {"tests": []}},
+                "object label": {"prompt": QUESTION, "response": "\\boxed{2}", "label": {"expected_answer": "2"}},
+                "nan label": {"prompt": QUESTION, "response": "\\boxed{2}", "label": float("nan")},
+                "no gold": {"prompt": QUESTION, "response": "\\boxed{2}", "label": "[[["},
             }.items():
                 async with http.post(f"{base}/{'code' if case == 'tests' else 'math'}", json=body) as resp:
                     errors[case] = (resp.status, (await resp.json())["error"])
+            for case, data in raw.items():
+                async with http.post(f"{base}/math", data=data) as resp:
+                    errors[case] = (resp.status, (await resp.json())["error"])
         await rm_hub._shared_session.close()
-    assert undecided == 422 and right == 1.0
+    assert undecided == 0.0 and scorer.undecided == {"math": 1} and right == 1.0
     assert all(status == 400 for status, _ in errors.values()), errors
+    assert "'label' is an object: the math environment's label is the gold answer" in errors["object label"][1]
+    assert "'label' is NaN" in errors["nan label"][1]
+    assert "the label is no gold answer the verifier can read" in errors["no gold"][1]
+    assert errors["deep body"][1] == errors["deep label"][1] == "bad request: the body is nested too deeply (JSON's recursion limit)"
     assert "no label" in errors["label"][1]
     assert "'prompt' is a number: it must be a string or a list of chat messages" in errors["prompt"][1]
     assert "has no 'prompt'" in errors["no prompt"][1] and "'response' is null, not a string" in errors["response"][1]
     assert "no usable tests: metadata.tests must be a non-empty list" in errors["tests"][1]
-    assert scorer.answered == {400: 3 + 2 + 5, 404: 1, 422: 1, 200: 1}
+    assert scorer.answered == {400: 3 + 2 + 5 + 3 + 2, 404: 1, 200: 2}
+
+
+# ------------------------------------------------------------------ a hostile client (issue 39 items 10, 14, 15)
+
+async def _raw(port: int, data: bytes, wait_s: float = 5.0) -> bytes:
+    """`data` sent as is on a fresh connection; what came back before the server closed it (or `wait_s`)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        chunks = []
+        with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(65536), wait_s):
+                chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        writer.close()
+
+
+async def test_malformed_requests_put_the_token_in_no_log_line(caplog, capsys):
+    """aiohttp's own error logger writes a malformed request's raw request line (its parser's
+    exception text): a control byte in the path, a bad HTTP version, a path that is not ASCII, a
+    garbled method. Each is answered 400 and logged by the rm-server in one line without it."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    config = parse_config({"environments": {"math": {"kind": "math", "options": {"check_in": "inline"}}}})
+    port = free_port()
+    ready = asyncio.Event()
+    server = asyncio.ensure_future(serve(config, "127.0.0.1", port, ready, token=TOKEN))
+    await asyncio.wait_for(ready.wait(), 30)
+    try:
+        answers = [await _raw(port, line + b"\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}") for line in (
+            f"POST /{TOKEN}/math\x01 HTTP/1.1".encode(),
+            f"POST /{TOKEN}/math HTTP/9.x".encode(),
+            f"POST /{TOKEN}/m\u00e4th HTTP/1.1".encode(),
+            f"POST /{TOKEN}/\xff HTTP/1.1".encode("latin-1"),
+            f"P\x01ST /{TOKEN}/math HTTP/1.1".encode(),
+        )]
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+    assert all(answer.split(b" ", 2)[1] == b"400" for answer in answers), answers  # (echoed to its sender alone)
+    printed = capsys.readouterr()
+    logged = caplog.text + "".join(f"{r.getMessage()} {r.exc_text or ''}" for r in caplog.records)
+    assert TOKEN not in logged + printed.out + printed.err
+    ours = [r.getMessage() for r in caplog.records if r.name == "workers.rm_server"]
+    assert len(ours) >= 4 and all("the request is not shown" in line for line in ours), ours
+
+
+async def test_past_max_pending_a_request_is_503_with_retry_after_and_slow_heads_and_bodies_time_out():
+    """One request in flight at most (from its body's read to its answer): a second is refused at
+    once with Retry-After (not queued without bound) while the first's body trickles in; that body
+    never completes and is answered 408 after the body timeout, which frees the place; a request
+    head that never ends closes the connection. Each refusal is counted."""
+    from workers.rm_server import ServerLimits
+
+    environments = {"math": {"kind": "math", "options": {"check_in": "inline"}}}
+    limits = ServerLimits(max_pending=1, header_timeout_s=0.5, body_timeout_s=1.0)
+    scorer = Scorer(parse_config({"environments": environments}), limits)
+    body = {"prompt": QUESTION, "response": "\\boxed{2}", "label": "2"}
+    async with rm_server(environments, scorer=scorer) as base:
+        port = int(base.rsplit(":", 1)[1])
+        started = time.monotonic()
+        trickle = asyncio.ensure_future(_raw(port, b"POST /math HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\""))
+        while scorer.in_flight == 0:
+            await asyncio.sleep(0.01)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{base}/math", json=body) as resp:
+                busy = (resp.status, resp.headers.get("Retry-After"), (await resp.json())["error"])
+            late = await trickle
+            late_s = time.monotonic() - started
+            async with http.post(f"{base}/math", json=body) as resp:
+                after = (resp.status, await resp.json())
+        started = time.monotonic()
+        head = await _raw(port, b"POST /math HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        head_s = time.monotonic() - started
+    assert busy == (503, "1", "busy: 1 verifications in flight (--max-pending 1); retry after 1s"), busy
+    assert late.startswith(b"HTTP/1.1 408") and b"did not arrive within 1s" in late and late_s < 4.0, (late, late_s)
+    assert after == (200, 1.0)  # the place is free again
+    assert head == b"" and head_s < 3.0, (head, head_s)  # closed after the header timeout, nothing answered
+    assert scorer.busy == 1 and scorer.answered == {503: 1, 408: 1, 200: 1}
+
+
+async def test_slimes_custom_rm_path_through_the_rm_server_removes_a_failed_measurement(rm_hub, monkeypatch):
+    """slime's own `async_rm` / `batched_async_rm` with `--custom-rm-path workers.rm_client.reward`
+    and `--rm-url` at the rm-server: a failed measurement (422: `on_undecided: remove`), a label
+    the verifier cannot read and an outage past the tries are removed samples (`remove_sample`,
+    status failed, the reason kept), not the end of the run; a decided answer is its reward; a
+    wrong token is raised at once (the run's configuration)."""
+    from workers import rm_client
+
+    monkeypatch.setattr(rm_client, "MAX_TRIES", 2)
+    environments = {"math": {"kind": "math", "on_undecided": "remove", "options": {"check_in": "inline", "parse_timeout_s": 1}}}
+
+    def args(url: str) -> argparse.Namespace:
+        return argparse.Namespace(rm_url=url, rm_type=None, custom_rm_path="workers.rm_client.reward")
+
+    async with rm_server(environments, token=TOKEN) as base:
+        url = f"{base}/{TOKEN}/math"
+        right = _sample(rm_hub, "\\boxed{2}", "2")
+        failed = _sample(rm_hub, "\\boxed{10^{10^{10}}}", "5")
+        rewards = await rm_hub.batched_async_rm(args(url), [right, failed])
+        no_gold = _sample(rm_hub, "\\boxed{2}", "[[[")
+        assert await rm_hub.async_rm(args(url), no_gold) == 0.0
+        with pytest.raises(rm_client.RewardServerError, match="rm-server answered 401"):
+            await rm_hub.async_rm(args(f"{base}/not-the-token/math"), _sample(rm_hub, "\\boxed{2}", "2"))
+        outage = _sample(rm_hub, "\\boxed{2}", "2")
+        assert await rm_hub.async_rm(args(f"http://127.0.0.1:{free_port()}/math"), outage) == 0.0  # nothing listens
+        await rm_client.close()
+    assert rewards == [1.0, 0.0] and not right.remove_sample and right.status != right.Status.FAILED
+    assert failed.remove_sample and failed.status == failed.Status.FAILED
+    assert "rm-server 422: math: failed measurement: math-verify gave up: timed out after 1s" in failed.metadata["error"]
+    assert no_gold.remove_sample and "reads no expression from the gold answer" in no_gold.metadata["error"]
+    assert outage.remove_sample and "rm-server unavailable after 2 tries" in outage.metadata["error"]

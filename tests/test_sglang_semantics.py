@@ -209,6 +209,16 @@ async def test_in_place_pause_keeps_requests_and_reports_version_spans(tokenizer
     assert gen.weight_versions == ("default", "2") and gen.weight_version == "2"
 
 
+async def test_every_finished_request_carries_its_version_spans(tokenizer):
+    """SGLang sends `meta_info.weight_versions` for every finished request (issue 39 item 5; fails
+    on e13e9eb: the simulator sent them only when there were two or more)."""
+    async with serve_sim_engine() as sim, aiohttp.ClientSession() as http:
+        body = {"input_ids": prompt(tokenizer), "sampling_params": {"max_new_tokens": 4}}
+        async with http.post(f"{sim.url}/generate", json=body) as r:
+            meta = (await r.json())["meta_info"]
+    assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": meta["completion_tokens"]}]
+
+
 async def test_health_is_503_while_the_engine_starts(tokenizer):
     async with serve_sim_engine(SimConfig(startup_s=0.5)) as sim, aiohttp.ClientSession() as http:
         async with http.get(f"{sim.url}/health") as r:

@@ -393,31 +393,37 @@ async def test_a_group_past_its_soft_deadline_is_dead_lettered_handed_back_and_t
 
 
 async def test_an_aborted_job_is_dead_lettered_and_handed_back(stack, redis, redis_url, keys, namespace):
+    """Job.abort() while the group's episodes generate: each one's request is aborted on the engine
+    that runs it (SGLang's /abort_request through the router's list) at once, not at the front's
+    disconnect poll or the generation's end (issue 39 item 6)."""
     from arq.jobs import Job
 
-    async with stack_engine(stack) as sim:
-        config = config_dict(redis_url, namespace, sim.url, job_timeout_s=4.0)  # the next attempt ends at 2 s
-        config["environments"]["hang"] = {"kind": f"{__name__}.HangingEnvironment"}
-        config["rollout"]["max_requeues"] = 1
-        config = parse_config(config)
-        arq = await create_arq_pool(redis_url, keys)
-        stuck = job(namespace, 1, env="hang")
-        await enqueue_prompt_job(arq, stuck, keys)
-        worker = build_worker(config, handle_signals=False)
-        task = asyncio.create_task(worker.async_run())
-        try:
-            await wait_for(lambda: _has_running_jobs(redis, keys), 20, "the job to start")
-            from pipeline.jobqueue import job_deserializer
+    stack.configure(token_latency_s=0.5, tool_use=0.0, length_mu=4.6, length_sigma=0.01)  # ~100 tokens: ~50 s a request
+    config = config_dict(redis_url, namespace, stack.router_url, job_timeout_s=4.0)  # the next attempt ends at 2 s
+    config["rollout"]["max_requeues"] = 1
+    config = parse_config(config)
+    arq = await create_arq_pool(redis_url, keys)
+    stuck = job(namespace, 1)
+    await enqueue_prompt_job(arq, stuck, keys)
+    worker = build_worker(config, handle_signals=False)
+    task = asyncio.create_task(worker.async_run())
+    try:
+        await wait_for(lambda: asyncio.sleep(0, stack.total_stats()["running"] == stuck.n_samples), 20,
+                       "the group's requests on the engines")
+        from pipeline.jobqueue import job_deserializer
 
-            handle = Job(keys.arq_job_id(stuck.job_id), arq, _queue_name=keys.queue, _deserializer=job_deserializer)
-            await handle.abort(timeout=10)
-            await wait_for(lambda: _dead_and_finished(redis, keys, 2), 20, "both attempts' dead letters")
-        finally:
-            await stop_worker(worker, task)
-        await arq.aclose()
+        handle = Job(keys.arq_job_id(stuck.job_id), arq, _queue_name=keys.queue, _deserializer=job_deserializer)
+        await handle.abort(timeout=10)
+        await wait_for(lambda: asyncio.sleep(0, stack.total_stats()["aborted"] == stuck.n_samples), 2,
+                       "the engines to abort the group's requests")
+        await wait_for(lambda: _dead_and_finished(redis, keys, 2), 20, "both attempts' dead letters")
+    finally:
+        await stop_worker(worker, task)
+    await arq.aclose()
     dead = await _handed_back_in_place(redis, keys, stuck)
     assert b"aborted (Job.abort)" in dead[b"reason"]
     assert await _running_jobs(redis, keys) == 0
+    assert stack.total_stats()["running"] == 0  # the next attempt's requests were aborted at its deadline too
 
 
 async def _handed_back_in_place(redis, keys, failed: PromptJob) -> dict:

@@ -83,6 +83,7 @@ _WAIT_LOG_S = 10.0
 _MAX_BACKOFF_S = 10.0
 _ENGINES_REFRESH_S = 30.0  # re-read the router's engine list this often (and after a connection error)
 _LIST_RETRY_S = 2.0  # after a failed read of the list, the last one stands this long
+_FACTS_RETRY_S = 2.0  # after a failed /server_info read, no new read of that engine for this long
 _CONTROL_TIMEOUT_S = 10.0
 _ABORT_LIST_TRIES = 3  # an abort with no engine known reads the list again this often, 0.25 s apart
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1  # smg parses a body's `priority` as an i32
@@ -293,8 +294,9 @@ class EngineFacts:
 
 
 # `GET /workers` answers that say "no such list here, I am an engine" (SGLang's front: 404); any
-# other failure (no answer, a timeout, 5xx, 429) says nothing about what the URL is
-_NOT_A_ROUTER = frozenset({200, 400, 404, 405, 422})
+# other failure (no answer, a timeout, 5xx, 429, a 200 that is not a worker list: a proxy's HTML
+# error page) says nothing about what the URL is
+_NOT_A_ROUTER = frozenset({400, 404, 405, 422})
 
 
 class EngineDirectory:
@@ -304,14 +306,21 @@ class EngineDirectory:
     - the engine list: the router's `GET /workers`, kept `refresh_s`, read again after that, after
       `invalidate()`, when the URL changes and while the list is empty; a URL that answers without
       such a list (SGLang's front: 404) is one engine. A read that fails (no answer, a timeout, a
-      5xx) changes nothing: the last list stands and the next call reads again; with no list yet
-      there is no engine to name ([]), never the router itself;
-    - each engine's facts (`EngineFacts`): only from a /server_info that answered, kept `refresh_s`
-      (an engine restarted at the same URL may be another model, another --context-length), dropped
-      when the engine leaves the list and by `invalidate()`; a failed read is no fact: the next
-      call reads again (meanwhile the last good facts, if any, stand).
+      5xx, a 200 that is not a worker list) changes nothing: the last list stands, and the list is
+      read again `_LIST_RETRY_S` later (or after `invalidate()`); with no list yet there is no
+      engine to name ([]), never the router itself;
+    - each engine's facts (`EngineFacts`): only from a /server_info that answered 200 with a JSON
+      object, kept `refresh_s` (an engine restarted at the same URL may be another model, another
+      --context-length), dropped when the engine leaves the list and by `invalidate()`. A failed
+      read (no answer, a timeout, an error status, a body that is not a JSON object) is no fact:
+      the last good facts, if any, stand, else none is made up; that engine is not read again for
+      a backoff (`_FACTS_RETRY_S`, doubling per failure up to `refresh_s`), so a /server_info that
+      hangs (SGLang's waits on its scheduler) costs one `control_timeout_s` per backoff, not one
+      per request.
     Concurrent callers share one read per URL (single flight): a worker starting `concurrency x n`
-    episodes asks each engine once, not once per episode.
+    episodes asks each engine once, not once per episode. A read under way when `invalidate()` is
+    called is not joined by later callers, and its answer is not kept (it may describe the fleet
+    before the change).
     """
 
     def __init__(self, client: EngineClient, *, refresh_s: float = _ENGINES_REFRESH_S):
@@ -321,20 +330,27 @@ class EngineDirectory:
         self._for_url = ""
         self._read_at = 0.0
         self._facts: dict[str, tuple[EngineFacts, float]] = {}  # engine -> (facts, monotonic time read)
-        self._reads: dict[str, asyncio.Future[Any]] = {}  # reads under way, by URL (single flight)
+        self._failed: dict[str, tuple[int, float]] = {}  # engine -> (failed reads in a row, no read before)
+        self._reads: dict[str, asyncio.Future[Any]] = {}  # reads under way, by URL and epoch (single flight)
+        self._epoch = 0  # `invalidate()` count: a read keeps its answer only if none came since it started
+        self._list_failed: tuple[str, int] | None = None  # (URL, epoch) of the last list read, if it failed
+        self._list_retry_at = 0.0  # ... and when to read it again
 
     def invalidate(self) -> None:
         """Read the list and every engine's facts again at the next use (a connection error, an
-        overflow: the fleet may have changed)."""
+        overflow: the fleet may have changed); reads under way then are neither joined nor kept."""
+        self._epoch += 1
         self._read_at = 0.0
         self._facts.clear()
+        self._failed.clear()
 
     def _fresh(self, read_at: float) -> bool:
         return time.monotonic() - read_at <= self._refresh_s
 
     async def _once(self, key: str, read: Callable[[], Awaitable[Any]]) -> Any:
-        """`read()`, or the same read already under way for `key` (a cancelled caller leaves it
-        running for the others)."""
+        """`read()`, or the same read already under way for `key` since the last `invalidate()`
+        (a cancelled caller leaves it running for the others)."""
+        key = f"{key}#{self._epoch}"
         pending = self._reads.get(key)
         if pending is None:
             pending = self._reads[key] = asyncio.ensure_future(read())
@@ -346,47 +362,70 @@ class EngineDirectory:
         url = await self._client.locator.get()
         if url == self._for_url and self._engines and self._fresh(self._read_at):
             return self._engines
+        if self._list_failed == (url, self._epoch) and time.monotonic() < self._list_retry_at:
+            return list(self._engines) if url == self._for_url else []  # a failed read, moments ago
         return list(await self._once(f"{url}/workers", lambda: self._read_engines(url)))
 
     async def _read_engines(self, url: str) -> list[str]:
+        epoch = self._epoch
         status, listing = await self._client.get_json(f"{url}/workers")
         urls = _engine_urls(listing) if status == 200 else None
         if urls is None and status not in _NOT_A_ROUTER:
-            log.warning("GET %s/workers failed (%s): keeping the engines known so far", url, status or "no answer")
-            if url != self._for_url:
-                return []
-            self._read_at = time.monotonic() - self._refresh_s + _LIST_RETRY_S  # the old list, read again soon
-            return self._engines
+            what = status or "no answer"
+            if status == 200:
+                what = "200 without a worker list"
+            log.warning("GET %s/workers failed (%s): keeping the engines known so far", url, what)
+            # not read again for _LIST_RETRY_S: a router that hangs costs one control_timeout_s per
+            # retry, not one per request
+            self._list_failed, self._list_retry_at = (url, epoch), time.monotonic() + _LIST_RETRY_S
+            return list(self._engines) if url == self._for_url else []
         engines = [url] if urls is None else urls  # answered without a list: the URL is an engine
+        if epoch != self._epoch:  # invalidated while reading: the answer is for the caller, not kept
+            return engines
         if engines != self._engines or url != self._for_url:
             log.info("engines behind %s: %s", url, ", ".join(engines) or "none")
         for gone in set(self._facts) - set(engines):
             del self._facts[gone]
+        for gone in set(self._failed) - set(engines):
+            del self._failed[gone]
         self._engines, self._for_url, self._read_at = engines, url, time.monotonic()
+        self._list_failed = None
         return engines
 
     async def facts_of(self, engine: str) -> EngineFacts:
         known = self._facts.get(engine)
         if known is not None and self._fresh(known[1]):
             return known[0]
+        failed = self._failed.get(engine)
+        if failed is not None and time.monotonic() < failed[1]:  # backing off after a failed read
+            return known[0] if known is not None else EngineFacts()
         facts = await self._once(f"{engine}/server_info", lambda: self._read_facts(engine))
         if facts is None:  # no answer: the last good facts stand, none is made up
             return known[0] if known is not None else EngineFacts()
         return facts
 
     async def _read_facts(self, engine: str) -> EngineFacts | None:
+        epoch = self._epoch
+        what: Any = "no answer"
         for path in ("/server_info", "/get_server_info"):  # the deprecated alias where the first is absent
             status, info = await self._client.get_json(f"{engine}{path}")
-            if status == 200:
+            if status == 200 and isinstance(info, dict):
                 facts = EngineFacts(context_limit(info), priority_order(info))
                 if facts.limit is None:
                     log.warning("%s does not say its context (no context_length or max_req_input_len in %s)",
                                 engine, path)
-                self._facts[engine] = (facts, time.monotonic())
+                if epoch == self._epoch:  # else invalidated while reading: for the caller, not kept
+                    self._facts[engine] = (facts, time.monotonic())
+                    self._failed.pop(engine, None)
                 return facts
+            what = "200 without a JSON object" if status == 200 else status or "no answer"
             if status != 404:
                 break
-        log.warning("%s/server_info did not answer (%s): asking again at the next use", engine, status or "no answer")
+        if epoch == self._epoch:
+            failures = self._failed.get(engine, (0, 0.0))[0] + 1
+            backoff = min(self._refresh_s, _FACTS_RETRY_S * 2 ** (failures - 1))
+            self._failed[engine] = (failures, time.monotonic() + backoff)
+            log.warning("%s/server_info did not answer (%s): asking again in %.0f s", engine, what, backoff)
         return None
 
     async def limit_of(self, engine: str) -> int | None:
@@ -440,8 +479,18 @@ class EngineClient:
         return self._session
 
     async def close(self) -> None:
-        if self._control_tasks:  # aborts under way still reach their engines before the session goes
+        """Aborts under way get `control_timeout_s` to reach their engines; those still pending
+        then are cancelled before the session closes (else one would open a new session, through
+        `session`, that nobody closes)."""
+        if self._control_tasks:
             await asyncio.wait(set(self._control_tasks), timeout=self.control_timeout_s)
+        pending = set(self._control_tasks)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            log.warning("closed with %d abort(s) that had not reached their engines in %.0f s",
+                        len(pending), self.control_timeout_s)
         if self._session is not None:
             await self._session.close()
 

@@ -28,10 +28,10 @@ from typing import Any
 import msgspec
 
 from pipeline.config import EnvConfig, PipelineConfig
-from pipeline.schema import Sample, SamplingParams, Status, Task
+from pipeline.schema import MEASUREMENT_FAILED, Sample, SamplingParams, Status, Task
 from workers.chat import ChatTokens
 from workers.engine import ContextOverflow, EngineClient, EngineError, Generation
-from workers.envs.base import Environment, EnvSession, EpisodeRecord, Message, ToolCall
+from workers.envs.base import Environment, EnvSession, EpisodeRecord, MeasurementFailed, Message, ToolCall
 from workers.envs.rewards import final_reward
 from workers.errors import is_bug
 from workers.tools import ParsedTurn, ToolParser, get_parser, run_parser
@@ -194,7 +194,8 @@ class EpisodeRunner:
             if is_bug(exc):
                 raise
             log.warning("episode %s: verify failed: %r", episode_id, exc)
-            return self._sample(task, trace, Status.FAILED, 0.0, {}, started, error=f"verify: {exc!r}")
+            measured = {MEASUREMENT_FAILED: True} if isinstance(exc, MeasurementFailed) else {}  # counted apart
+            return self._sample(task, trace, Status.FAILED, 0.0, measured, started, error=f"verify: {exc!r}")
         reward = final_reward(self.env.config, verification, finished=trace.finished)
         return self._sample(task, trace, status, reward, verification.components, started)
 

@@ -9,8 +9,8 @@ heartbeat): the one worker that takes it sweeps for everyone, so the cluster run
 per interval whatever its size (workers are W, the sweep costs O(dead workers' jobs +
 ORPHAN_SCAN), not the O(W x W x J) of every worker walking every job set).
 The sweep's reaper: a worker silent for `dead_after_s` is reaped by one Lua script that
-deletes the in-progress keys of its jobs (they are still in arq's queue: due again within the
-poll's recheck interval, workers/settings.py, and started with job_try + 1), notes the cause as the jobs'
+deletes the in-progress keys of its jobs (they are still in arq's queue: due again at once, at
+the place each had when it was taken, `PLACE_PREFIX`, and started with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
 The sweep's orphan check releases jobs in progress that no live worker owns (`_ORPHANS_LUA`); in a
@@ -45,9 +45,32 @@ from pipeline.keys import Counter, Keys
 
 log = logging.getLogger(__name__)
 
+# A job's place in the queue (its score when it was taken), kept where the take marks it in
+# progress: the poll (workers/settings.py `_CLAIM_LUA`) sets arq's in-progress key to PLACE_PREFIX +
+# the score it took the job at, in the script that moves the entry out of the due range (now + the
+# recheck interval). arq reads only whether that key exists; it lives exactly as long as the take
+# (arq's finish deletes it). Every release below (reaper, orphan sweep, reconcile) deletes the
+# key in the same script that puts the job back at its place: an eval job (score 1 + i) or the
+# oldest training group is due again ahead of every job enqueued after it, not behind them. A key
+# without a place (set by a worker of the version before, or by arq itself) releases the job due now.
+PLACE_PREFIX = "place:"
+_RELEASE_PLACE_LUA = f"""
+local function release_place(queue, in_progress_prefix, job, now)
+  local held = redis.call('GET', in_progress_prefix .. job)
+  redis.call('DEL', in_progress_prefix .. job)
+  local place = held and string.match(held, '^{PLACE_PREFIX}(.+)$')
+  if place and tonumber(place) then
+    redis.call('ZADD', queue, 'XX', place, job)
+    return
+  end
+  local score = redis.call('ZSCORE', queue, job)  -- due now, not at the poll's next recheck
+  if score and tonumber(score) > tonumber(now) then redis.call('ZADD', queue, 'XX', now, job) end
+end
+"""
+
 # Worker job-set keys are derived inside the script (their ids are only known there),
 # which is fine on a single Redis; a Redis Cluster would need hash tags.
-_REAP_LUA = """
+_REAP_LUA = _RELEASE_PLACE_LUA + """
 -- KEYS: workers zset, counters hash, job_errors hash, job owners hash, owner recorders set, queue zset
 -- ARGV: dead after (s), job-set key prefix, job-set key suffix, arq in-progress prefix, running counter,
 --       now (ms, the queue's clock)
@@ -59,9 +82,7 @@ for _, worker in ipairs(dead) do
   local set_key = ARGV[2] .. worker .. ARGV[3]
   local jobs = redis.call('SMEMBERS', set_key)
   for _, job in ipairs(jobs) do
-    redis.call('DEL', ARGV[4] .. job)
-    local score = redis.call('ZSCORE', KEYS[6], job)  -- due now, not at the poll's next recheck
-    if score and tonumber(score) > tonumber(ARGV[6]) then redis.call('ZADD', KEYS[6], 'XX', ARGV[6], job) end
+    release_place(KEYS[6], ARGV[4], job, ARGV[6])
     redis.call('HSET', KEYS[3], job, 'worker ' .. worker .. ' stopped heart-beating')
     if redis.call('HGET', KEYS[4], job) == worker then redis.call('HDEL', KEYS[4], job) end
   end
@@ -95,7 +116,7 @@ return {#dead, released}
 # ORPHAN_SCAN a sweep, before the counts are compared), an owner entry of a worker that is gone is
 # no owner (its job in progress is an orphan) and is deleted once its job is not in progress (an
 # HSCAN cursor over the owners hash, ORPHAN_SCAN a sweep).
-_ORPHANS_LUA = """
+_ORPHANS_LUA = _RELEASE_PLACE_LUA + """
 -- KEYS: queue zset, job owners hash, suspects hash, queue cursor, job_errors hash, workers zset,
 --       owner recorders set, cursors hash (owners, recorders)
 -- ARGV: entries to look at, arq in-progress prefix, min age (s) of a suspect before it is released,
@@ -138,9 +159,7 @@ for i = 1, #suspects, 2 do
   if not unowned(job) then
     redis.call('HDEL', KEYS[3], job)
   elseif now - since >= tonumber(ARGV[3]) then
-    redis.call('DEL', ARGV[2] .. job)
-    local score = redis.call('ZSCORE', KEYS[1], job)  -- due now, not at the poll's next recheck
-    if score and tonumber(score) > tonumber(ARGV[7]) then redis.call('ZADD', KEYS[1], 'XX', ARGV[7], job) end
+    release_place(KEYS[1], ARGV[2], job, ARGV[7])
     redis.call('HSET', KEYS[5], job, ARGV[4])
     redis.call('HDEL', KEYS[3], job)
     redis.call('HDEL', KEYS[2], job)
@@ -206,16 +225,15 @@ return #jobs
 
 # KEYS: our job set, counters hash, job_errors hash, job owners hash, queue zset; ARGV: running
 # counter, arq in-progress prefix, reason, worker id, now (ms, the queue's clock), then job ids in our
-# Redis set that this process does not run (each made due now, not at the poll's next recheck). Each is released only if it is still there (SREM == 1): a job that ended meanwhile was
-# removed by its own job_ended.
-_RECONCILE_LUA = """
+# Redis set that this process does not run (each put back at its place, due at once). Each is
+# released only if it is still there (SREM == 1): a job that ended meanwhile was removed by its
+# own job_ended.
+_RECONCILE_LUA = _RELEASE_PLACE_LUA + """
 local released = 0
 for i = 6, #ARGV do
   if redis.call('SREM', KEYS[1], ARGV[i]) == 1 then
     redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
-    redis.call('DEL', ARGV[2] .. ARGV[i])
-    local score = redis.call('ZSCORE', KEYS[5], ARGV[i])
-    if score and tonumber(score) > tonumber(ARGV[5]) then redis.call('ZADD', KEYS[5], 'XX', ARGV[5], ARGV[i]) end
+    release_place(KEYS[5], ARGV[2], ARGV[i], ARGV[5])
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[3])
     if redis.call('HGET', KEYS[4], ARGV[i]) == ARGV[4] then redis.call('HDEL', KEYS[4], ARGV[i]) end
     released = released + 1

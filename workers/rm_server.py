@@ -9,7 +9,9 @@ tries, backoff up to 30 s), then raised. So this server answers:
 - `POST /<token>/<env>`: the environment `<env>` of the config; `POST /<token>` when the config
   has exactly one. slime's `remote_rm` sends no headers and its body has no field for either,
   so both live in the URL: `--rm-url http://host:port/<token>/<env>`. The token (`--token` or
-  `$ROLLOUT_RM_TOKEN`) is compared in constant time and is in no log line or answer; whoever
+  `$ROLLOUT_RM_TOKEN`) is compared in constant time and is in no log line (aiohttp's own error
+  lines for a malformed request, which carry the raw request line, are replaced: `RequestLog`;
+  aiohttp's 400 echoes that line to its sender alone) or answer of ours; whoever
   reaches the port without it drives no sandbox, judge or billed session (401). Without a token
   the paths are `/<env>` and `/`, and the server listens on a loopback address only.
 - 200 and a JSON number: the environment's verification of the response as the one assistant
@@ -17,13 +19,22 @@ tries, backoff up to 30 s), then raised. So this server answers:
   (`final_reward`: nonterminal reward, clamps), as a worker would score it.
 - 400 `{"error": ...}` naming the field for a body that is not slime's or does not make a task
   of the environment (no `response`, a `prompt` that is neither text nor chat messages, no
-  `label` where the environment grades against one); 404 for an unknown environment.
-- 503 only for an outage: the environment could not score (its server down, a judge that
-  failed, a masked NeMo Gym verification, a timeout). 422 when the verifier ran and could not
-  decide (`MeasurementFailed`: math-verify's timeout or recursion limit). 500 for a bug of ours
-  or of an in-process environment. Never a 0 that would be trained. slime's `remote_rm` retries
-  every error status alike (`except Exception`, 10 tries, about 2.5 minutes) and then raises:
-  the status and the `error` text tell its log which of these it met.
+  `label` where the environment grades against one; for `math`, `arithmetic`, `calculator` a
+  label that is an object, a list, true/false or NaN: the label is the gold answer); a body that
+  is not JSON or is nested too deeply (`'[' * 100000`); and, with `"task_error": true`, a label
+  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it). 404
+  for an unknown environment. Each is counted (`Scorer.answered`).
+- 503 for an outage: the environment could not score (its server down, a judge that failed, a
+  masked NeMo Gym verification, a timeout); and, with `Retry-After`, when `--max-pending`
+  verifications are in flight (`ServerLimits`). 408 for a body that did not arrive within
+  `--body-timeout-s`; a connection that sent no whole request head within `--header-timeout-s`
+  is closed. 422 for a failed measurement (`MeasurementFailed`: a checker process that died,
+  an answer the verifier gave up on under `on_undecided: remove`). 500 for a bug of ours or of
+  an in-process environment. Never a 0 that would be trained. An answer the verifier gave up on
+  is a 200 0.0 under the default `on_undecided: zero`, counted in `Scorer.undecided` per
+  environment. slime's `remote_rm` retries every error status alike (`except Exception`, 10
+  tries, about 2.5 minutes) and then raises, which ends the slime run; `workers.rm_client.reward`
+  (`--custom-rm-path`) removes the sample of a 422 or a long outage instead.
 
 The task: `prompt` (a string or chat messages) and `label`; a label that is a JSON object
 (or a string holding one) is the task's data row as well, `metadata` (a NeMo Gym row with
@@ -41,16 +52,20 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import signal
+import sys
+import traceback
+from dataclasses import dataclass
 from typing import Any, Union
 
 from aiohttp import web
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Status, Task
-from workers.envs.base import Environment, EpisodeRecord, MeasurementFailed
+from workers.envs.base import Environment, EpisodeRecord, MeasurementFailed, TaskUngradable
 from workers.envs.registry import build_environment
 from workers.envs.rewards import final_reward
 from workers.errors import is_bug
@@ -62,19 +77,42 @@ TOKEN_ENV = "ROLLOUT_RM_TOKEN"
 _TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~-]{16,}")  # one URL path segment, long enough to guess at no rate
 
 
+NESTED = "the body is nested too deeply (JSON's recursion limit)"
+
+
 class BadRequest(ValueError):
     """The body is not slime's remote-RM request."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client (or many) can hold of the server. Past `max_pending` verifications in
+    flight (waiting for a checker included) a request is answered 503 with `Retry-After` at once
+    instead of queueing without bound (slime gives up on a request after 120 s and sends it
+    again, adding to the queue). A connection that has not sent a whole request head within
+    `header_timeout_s` (aiohttp's keep-alive timer, armed from the connection's start) is
+    closed; a body that has not arrived within `body_timeout_s` is answered 408."""
+
+    max_pending: int = 64
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 30.0
+    retry_after_s: int = 1
 
 
 class Scorer:
     """The configured environments, built on first use, scoring one response at a time."""
 
-    def __init__(self, config: PipelineConfig):
+    def __init__(self, config: PipelineConfig, limits: Union[ServerLimits, None] = None):
         self.config = config
+        self.limits = limits or ServerLimits()
         self.environments: dict[str, Environment] = {}
         self.scored = 0
         self.failed = 0
+        self.busy = 0  # requests refused with 503 because `limits.max_pending` verifications were in flight
+        self.in_flight = 0
         self.answered: collections.Counter[int] = collections.Counter()  # HTTP status -> requests answered
+        self.undecided: collections.Counter[str] = collections.Counter()  # env -> answers scored 0 undecided
+        self.measurements_failed: collections.Counter[str] = collections.Counter()  # env -> 422s
         self._task_checks: dict[str, Any] = {}
 
     def env_name(self, path: str) -> str:
@@ -95,8 +133,11 @@ class Scorer:
 
     async def score(self, name: str, body: dict[str, Any]) -> float:
         # the body first: a caller's mistake builds no environment and starts no session or sandbox
-        task = task_of(body, name, self.config.env(name).kind)
-        problem = task_problem(task, self.config, self._task_checks)
+        try:
+            task = task_of(body, name, self.config.env(name).kind)
+        except RecursionError:  # a label nested too deeply to encode or decode
+            raise BadRequest(NESTED) from None
+        problem = task_problem(task, self.config, self._task_checks, gold=False)  # the gold: TaskUngradable
         if problem:  # what the environment's `start` needs of the task (a math task's label)
             raise BadRequest(f"{problem} (the body's 'label' is the task's label; a JSON object there is its data row)")
         env = self.environment(name)
@@ -108,6 +149,8 @@ class Scorer:
             verification = await session.verify(record)
         finally:
             await asyncio.shield(session.close())
+        if verification.components.get("undecided"):
+            self.undecided[name] += 1
         return final_reward(env.config, verification, finished=False)
 
     async def aclose(self) -> None:
@@ -125,7 +168,7 @@ def task_of(body: dict[str, Any], env: str, kind: str) -> Task:
         what = "has no 'response'" if "response" not in body else f"'response' is {_kind(body['response'])}, not a string"
         raise BadRequest(f"the body {what} (slime's remote_rm sends prompt, response, label)")
     prompt = _prompt(body)
-    label = body.get("label")
+    label = _gold_label(body.get("label"), kind)
     row = _row(label)
     extra = body.get("metadata")
     if extra is not None and not isinstance(extra, dict):
@@ -134,6 +177,8 @@ def task_of(body: dict[str, Any], env: str, kind: str) -> Task:
     if kind == "nemo_gym" and "responses_create_params" not in metadata:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         metadata["responses_create_params"] = {"input": messages}
+    if kind == "nemo_skills" and row:
+        label = None  # the row's expected_answer is the gold (NeMo-Skills' own field)
     if label is not None and not isinstance(label, str):
         label = json.dumps(label)
     task_id = str(metadata.get("task_id") or metadata.get("id") or "rm-server")
@@ -167,6 +212,27 @@ def _kind(value: Any) -> str:
     return next((name for t, name in _JSON_KINDS if isinstance(value, t)), type(value).__name__)
 
 
+# kinds whose label is the gold answer itself: a JSON object there is the caller's mistake, not a gold
+_GOLD_LABEL_KINDS = ("math", "arithmetic", "calculator")
+
+
+def _gold_label(label: Any, kind: str) -> Any:
+    """The label as the gold answer for the kinds that grade against one: a number becomes its
+    text; NaN, infinities, true/false, and (for math, arithmetic, calculator) an object or a list
+    are a caller's mistake (`BadRequest`), never a gold that no answer could match."""
+    if kind not in (*_GOLD_LABEL_KINDS, "nemo_skills") or label is None or isinstance(label, str):
+        return label
+    if isinstance(label, bool) or (isinstance(label, float) and not math.isfinite(label)):
+        raise BadRequest(f"'label' is {json.dumps(label)}: the {kind} environment's label is the gold answer "
+                         "(a string, or a finite number)")
+    if isinstance(label, (int, float)):
+        return str(label)
+    if kind == "nemo_skills" and isinstance(label, dict):
+        return label  # the data row (its expected_answer is the gold)
+    raise BadRequest(f"'label' is {_kind(label)}: the {kind} environment's label is the gold answer "
+                     "(a string, or a finite number), not a data row")
+
+
 def _row(label: Any) -> dict[str, Any]:
     if isinstance(label, dict):
         return dict(label)
@@ -183,7 +249,11 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
     """The remote-RM app; with `token`, every path must begin with `/<token>` (`tokened_path`)."""
 
     async def handle(request: web.Request) -> web.Response:
-        response = await _answer(request)
+        try:
+            response = await _answer(request)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered and counted like any other
+            log.error("rm-server: bug answering a request: %s", scrub(traceback.format_exc(), token))
+            response = web.json_response({"error": f"bug: {type(exc).__name__}"}, status=500)
         scorer.answered[response.status] += 1
         return response
 
@@ -198,17 +268,45 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
             scorer.config.env(name)
         except ConfigError as exc:
             return web.json_response({"error": str(exc)}, status=404)
+        limits = scorer.limits
+        # a request holds its place from its body's read (bounded by body_timeout_s) to its answer
+        if scorer.in_flight >= limits.max_pending:  # before the body: a flood costs no memory
+            scorer.busy += 1
+            return web.json_response({"error": f"busy: {scorer.in_flight} verifications in flight (--max-pending "
+                                               f"{limits.max_pending}); retry after {limits.retry_after_s}s"},
+                                     status=503, headers={"Retry-After": str(limits.retry_after_s)})
+        scorer.in_flight += 1
         try:
-            body = await request.json()
-        except ValueError as exc:
+            return await _scored(request, name)
+        finally:
+            scorer.in_flight -= 1
+
+    async def _scored(request: web.Request, name: str) -> web.Response:
+        try:
+            raw = await asyncio.wait_for(request.read(), scorer.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            late = web.json_response({"error": f"the body did not arrive within {scorer.limits.body_timeout_s:g}s"},
+                                     status=408)
+            late.force_close()  # the rest of that body would be read as the next request
+            return late
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
             return web.json_response({"error": f"bad request: the body is not JSON: {exc}"[:600]}, status=400)
+        except RecursionError:  # '[' * 100000: json gave up on its depth
+            return web.json_response({"error": f"bad request: {NESTED}"}, status=400)
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object {prompt, response, label}")
             reward = await scorer.score(name, body)
         except BadRequest as exc:
             return web.json_response({"error": f"bad request: {exc}"[:600]}, status=400)
+        except TaskUngradable as exc:  # the caller's label: no answer could score against it
+            scorer.measurements_failed[name] += 1
+            return web.json_response({"error": f"bad request: {name}: the label is no gold answer the verifier "
+                                               f"can read: {exc}"[:600], "task_error": True}, status=400)
         except MeasurementFailed as exc:  # the verifier could not decide: no outage, no 0 either
+            scorer.measurements_failed[name] += 1
             return _failed(name, exc, 422)
         except Exception as exc:  # noqa: BLE001 - an outage is an error slime retries, never a 0
             return _failed(name, exc, 500 if is_bug(exc) else 503)
@@ -217,13 +315,51 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
 
     def _failed(name: str, exc: BaseException, status: int) -> web.Response:
         scorer.failed += 1
-        what = {500: "bug", 422: "verifier could not decide"}.get(status, "environment failed")
-        log.warning("rm-server: %s %s: %s: %r", name, what, status, exc)
+        what = {500: "bug", 422: "failed measurement"}.get(status, "environment failed")
+        log.warning("rm-server: %s %s: %s: %s", name, what, status, scrub(repr(exc), token))
         return web.json_response({"error": f"{name}: {what}: {exc}"[:600]}, status=status)
 
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_post("/{path:.*}", handle)
     return app
+
+
+def scrub(text: str, token: Union[str, None]) -> str:
+    return text.replace(token, "<token>") if token else text
+
+
+class RequestLog:
+    """Stands in for aiohttp's server logger (`aiohttp.server`, `RequestHandler(logger=...)`):
+    aiohttp logs a malformed request (a control byte in the request line, a bad HTTP version, a
+    path that is not ASCII) with its parser's exception, whose text is the raw request line, and
+    that line holds the token. Here: one line saying what happened and from where, at WARNING,
+    never the request or the exception's text."""
+
+    def _line(self, level: int, msg: Any, *args: Any, exc_info: Any = None, **_kw: Any) -> None:
+        if exc_info is True:
+            exc_info = sys.exc_info()[1]
+        what = f": {type(exc_info).__name__}" if isinstance(exc_info, BaseException) else ""
+        try:
+            text = str(msg) % args if args else str(msg)  # aiohttp's arguments: the peer's address
+        except (TypeError, ValueError):
+            text = str(msg)
+        log.log(max(level, logging.WARNING) if what else level, "rm-server: %s%s (the request is not shown: its "
+                "path may hold the token)", text, what)
+
+    def debug(self, msg: Any, *args: Any, **kw: Any) -> None:
+        self._line(logging.DEBUG, msg, *args, **kw)
+
+    def info(self, msg: Any, *args: Any, **kw: Any) -> None:
+        self._line(logging.INFO, msg, *args, **kw)
+
+    def warning(self, msg: Any, *args: Any, **kw: Any) -> None:
+        self._line(logging.WARNING, msg, *args, **kw)
+
+    def error(self, msg: Any, *args: Any, **kw: Any) -> None:
+        self._line(logging.ERROR, msg, *args, **kw)
+
+    def exception(self, msg: Any, *args: Any, exc_info: Any = True, **kw: Any) -> None:
+        self._line(logging.ERROR, msg, *args, exc_info=exc_info, **kw)
 
 
 def tokened_path(path: str, token: Union[str, None]) -> Union[str, None]:
@@ -268,12 +404,16 @@ async def serve(
     *,
     token: Union[str, None] = None,
     scorer: Union[Scorer, None] = None,
+    limits: Union[ServerLimits, None] = None,
 ) -> None:
     """Serve until cancelled (or SIGTERM/SIGINT from `main`). `ConfigError` (`check_listen`) for a
-    non-loopback host without a token. No access log: the path holds the token."""
+    non-loopback host without a token. No access log and aiohttp's own error lines replaced
+    (`RequestLog`): the path holds the token. `limits` (or the scorer's): `ServerLimits`."""
     check_listen(host, token)
-    scorer = scorer or Scorer(config)
-    runner = web.AppRunner(app_for(scorer, token), access_log=None)
+    scorer = scorer or Scorer(config, limits)
+    # lingering_time: how long aiohttp reads the unread rest of a refused body before closing (10 s by default)
+    runner = web.AppRunner(app_for(scorer, token), access_log=None, logger=RequestLog(),
+                           keepalive_timeout=scorer.limits.header_timeout_s, lingering_time=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -307,7 +447,20 @@ def main(argv: Union[list[str], None] = None) -> int:
     p.add_argument("--token", default=None,
                    help=f"the secret first segment of every path (default ${TOKEN_ENV}; prefer the variable: "
                         "a flag is visible in the process list); at least 16 URL-safe characters")
+    defaults = ServerLimits()
+    p.add_argument("--max-pending", type=int, default=defaults.max_pending,
+                   help=f"verifications in flight at most; past it a request is answered 503 with Retry-After "
+                        f"(default {defaults.max_pending})")
+    p.add_argument("--header-timeout-s", type=float, default=defaults.header_timeout_s,
+                   help=f"a connection that sent no whole request head in this time is closed; also the idle "
+                        f"keep-alive time (default {defaults.header_timeout_s:g})")
+    p.add_argument("--body-timeout-s", type=float, default=defaults.body_timeout_s,
+                   help=f"a body not received in this time is answered 408 (default {defaults.body_timeout_s:g})")
     args = p.parse_args(argv)
+    if args.max_pending < 1 or args.header_timeout_s <= 0 or args.body_timeout_s <= 0:
+        raise ConfigError("rollout rm-server: --max-pending must be >= 1 and the timeouts > 0")
+    limits = ServerLimits(max_pending=args.max_pending, header_timeout_s=args.header_timeout_s,
+                          body_timeout_s=args.body_timeout_s)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     check_listen(args.host, token)
     config = load_config(args.config)
@@ -317,12 +470,13 @@ def main(argv: Union[list[str], None] = None) -> int:
 
     check_environments(config)  # kinds and options: a typo fails here, not in every request
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    asyncio.run(_serve_until_signal(config, args.host, args.port, token))
+    asyncio.run(_serve_until_signal(config, args.host, args.port, token, limits))
     return 0
 
 
-async def _serve_until_signal(config: PipelineConfig, host: str, port: int, token: Union[str, None]) -> None:
-    task = asyncio.ensure_future(serve(config, host, port, token=token))
+async def _serve_until_signal(config: PipelineConfig, host: str, port: int, token: Union[str, None],
+                              limits: ServerLimits) -> None:
+    task = asyncio.ensure_future(serve(config, host, port, token=token, limits=limits))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)

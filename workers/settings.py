@@ -53,7 +53,7 @@ from workers.engine import EngineClient, EngineLocator
 from workers.envs.options import check_tool_parsers
 from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
-from workers.liveness import Liveness
+from workers.liveness import PLACE_PREFIX, Liveness
 from workers.worker_log import LoggingBuffer, hide_job_args, wait_for_redis
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,9 @@ def eval_slots(share: float, slots: int) -> int:
 # progress elsewhere, gets the score now + IN_PROGRESS_RECHECK_S. The due range then holds the jobs
 # nobody runs, and a poll costs O(free slots); a job in progress is looked at again once per
 # recheck interval by one poller of the cluster (J / recheck a second for all W workers), which is
-# how a job whose in-progress key went away without its score coming back (a reaped worker's, one
-# run by a worker of the version before this poll) becomes due again: within that interval.
+# how a job whose in-progress key went away without its score coming back (arq's expiry of the
+# key, one run by a worker of the version before this poll) becomes due again: within that
+# interval. A release by the liveness sweeps puts the job back at its place (`PLACE_PREFIX`).
 IN_PROGRESS_RECHECK_S = 5.0
 CLAIM_SCAN = 64  # queue entries one poll looks at, at most (a short script under any queue)
 IDLE_POLL_MAX_S = 1.0  # a poll that took nothing doubles the wait before the next, up to this
@@ -157,10 +158,11 @@ ABORT_CHECK_S = 1.0  # Job.abort() is read this often, and only while jobs run h
 _CLAIM_LUA = """
 -- KEYS: queue zset
 -- ARGV: now (ms, the enqueuers' clock), slots, in-progress key prefix, in-progress ttl (ms),
---       the score of an entry looked at (now + recheck, ms), this worker's token, entries to look at,
+--       the score of an entry looked at (now + recheck, ms), the place prefix, entries to look at,
 --       eval slots free (of slots), the eval scores' bound (ms: eval jobs below it, training above)
 -- -> {1 if it stopped at the look budget (more may be due) else 0, job id, its score, ...} for
---    the jobs taken (in-progress key set to the token)
+--    the jobs taken (in-progress key set to the place prefix + the job's score: its place in the
+--    queue, which every release restores, workers/liveness.py)
 local now, slots, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
 local taken, looked = {0}, 0
 local function scan(low, high, want)
@@ -173,7 +175,7 @@ local function scan(low, high, want)
       local job = due[i]
       looked = looked + 1
       if redis.call('EXISTS', ARGV[3] .. job) == 0 then
-        redis.call('SET', ARGV[3] .. job, ARGV[6], 'PX', ARGV[4])
+        redis.call('SET', ARGV[3] .. job, ARGV[6] .. due[i + 1], 'PX', ARGV[4])
         table.insert(taken, job)
         table.insert(taken, due[i + 1])
         got = got + 1
@@ -245,7 +247,7 @@ class RolloutWorker(Worker):
         taken = await self._claim_script(
             keys=[self.queue_name],
             args=[now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
-                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), uuid.uuid4().hex, CLAIM_SCAN,
+                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), PLACE_PREFIX, CLAIM_SCAN,
                   max(0, eval_free), EVAL_SCORE_MAX])
         more, pairs = bool(int(taken[0])), taken[1:]
         for job_id_b, score_b in zip(pairs[::2], pairs[1::2]):

@@ -21,7 +21,13 @@ sender thread), not by every uploader of the process.
 At shutdown (`close`, from the environment's `aclose`) the uploader takes no more episodes,
 uploads what is queued and flushes the SDK's sender for at most `CLOSE_TIMEOUT_S`; the
 episodes still queued then are dropped, counted (`dropped`, `dropped_at_close`) and named in
-one log line with their number.
+one log line with their number. Messages handed to the SDK that its sender has not yet
+delivered then (still in its buffer, or in a POST that has not answered: lost when the process
+ends, its sender being a daemon thread) are counted too (`unsent_at_close`, in one log line):
+the uploader counts the messages it logs and those each of the sender's POSTs delivered or
+lost (it wraps the SDK's `make_request` in `openreward.api.rollouts.background`, attributed
+by thread as the failure lines are), so the SDK's own stdout line ("shutdown timed out, some
+rollout data may not have been uploaded") is no longer the only word.
 """
 
 from __future__ import annotations
@@ -141,6 +147,10 @@ class _Counts:
         self.failed_batches = 0  # message batches the SDK's sender gave up on
         self.evicted = 0  # messages the SDK's ring buffer evicted before sending them
         self.dropped_at_close = 0  # episodes still queued when close() gave up waiting
+        self.messages = 0  # messages handed to the SDK (Rollout.log)
+        self.messages_sent = 0  # messages in POSTs the SDK's sender completed
+        self.messages_lost = 0  # messages in POSTs the sender gave up on
+        self.unsent_at_close = 0  # messages neither sent, lost nor evicted when close() returned
         self.unreported_dropped = 0
         self.unreported_failed = 0
         self.unreported_evicted = 0
@@ -187,6 +197,31 @@ class _CountingSdkLog:
         self._line("error", event, *args, **kwargs)
 
 
+class _CountingSend:
+    """Stands in for the SDK's `make_request` in its sender (`background.do_upload`): the message
+    events of each POST are counted as sent or lost by the uploader whose sender thread made it."""
+
+    def __init__(self, original: Any, uploaders: list[TrajectoryUploader]) -> None:
+        self.original = original
+        self.uploaders = uploaders
+
+    async def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        body = kwargs.get("body")
+        events = body.get("events", ()) if isinstance(body, dict) else ()
+        messages = sum(isinstance(e, dict) and e.get("eventType") == "message" for e in events)
+        here = threading.current_thread()
+        owner = next((u for u in list(self.uploaders) if u._sends_on(here)), None) if messages else None
+        try:
+            answer = await self.original(*args, **kwargs)
+        except Exception:  # the sender gave up on them (a CancelledError at shutdown: unsent)
+            if owner is not None:
+                owner._count_messages(lost=messages)
+            raise
+        if owner is not None:
+            owner._count_messages(sent=messages)
+        return answer
+
+
 _SDK_LOG: Union[_CountingSdkLog, None] = None
 _SDK_LOG_LOCK = threading.Lock()
 
@@ -201,6 +236,7 @@ def _watch_sdk_failures(uploader: TrajectoryUploader) -> None:
             rollout.logger = _SDK_LOG  # type: ignore[assignment]
             background.log = _CountingSdkLog(background.log)  # type: ignore[assignment]
             background.log.uploaders = _SDK_LOG.uploaders  # type: ignore[attr-defined]
+            background.make_request = _CountingSend(background.make_request, _SDK_LOG.uploaders)  # type: ignore[assignment]
         _SDK_LOG.uploaders.append(uploader)
 
 
@@ -246,13 +282,15 @@ class TrajectoryUploader:
         rollouts not created; failed_batches: message batches the sender gave up on; evicted:
         messages the SDK's ring buffer evicted; dropped: episodes never uploaded because the
         queue was full or still held them at close (`dropped_at_close` of them); queued:
-        waiting now."""
+        waiting now; messages: handed to the SDK, `messages_sent` of them delivered;
+        unsent_at_close: handed and neither delivered, lost nor evicted when `close` returned."""
         with self._queue.mutex:  # the stop sentinel is no episode
             queued = sum(item is not None for item in self._queue.queue)
         with self._counts.lock:
             c = self._counts
             return {"uploaded": c.uploaded, "dropped": c.dropped, "dropped_at_close": c.dropped_at_close,
-                    "failed": c.failed, "failed_batches": c.failed_batches, "evicted": c.evicted, "queued": queued}
+                    "failed": c.failed, "failed_batches": c.failed_batches, "evicted": c.evicted, "queued": queued,
+                    "messages": c.messages, "messages_sent": c.messages_sent, "unsent_at_close": c.unsent_at_close}
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Stop taking episodes, upload what is queued and flush the SDK's sender, for at most
@@ -276,7 +314,17 @@ class TrajectoryUploader:
         if left:
             log.warning("%s: closed with %d episode(s) still queued after %.1fs: dropped, not uploaded "
                         "(episodes are not affected)", self.what, left, timeout_s)
+        unsent = self._count_unsent()
+        if unsent:
+            log.warning("%s: closed with %d message(s) still in the SDK's sender after %.1fs: not uploaded "
+                        "(episodes are not affected)", self.what, unsent, timeout_s)
         self._report(force=True)
+
+    def _count_unsent(self) -> int:
+        with self._counts.lock:
+            c = self._counts
+            c.unsent_at_close = max(0, c.messages - c.messages_sent - c.messages_lost - c.evicted)
+            return c.unsent_at_close
 
     def _drop_queued(self) -> int:
         """Empty the queue at close and count what it held as dropped. The stop sentinel goes back
@@ -349,6 +397,8 @@ class TrajectoryUploader:
         for event in t.events:
             message = getattr(upload_types, event.kind)(**event.fields)
             rollout.log(message, reward=event.reward, is_finished=event.finished)
+            with self._counts.lock:
+                self._counts.messages += 1
         with self._counts.lock:
             self._counts.uploaded += 1
 
@@ -357,6 +407,11 @@ class TrajectoryUploader:
     def _sends_on(self, thread: threading.Thread) -> bool:
         """Whether `thread` is this uploader's: its upload thread or its `RolloutAPI`'s sender."""
         return thread is self._thread or (self._api is not None and thread is getattr(self._api, "_thread", None))
+
+    def _count_messages(self, *, sent: int = 0, lost: int = 0) -> None:
+        with self._counts.lock:
+            self._counts.messages_sent += sent
+            self._counts.messages_lost += lost
 
     def _count_eviction(self) -> None:
         with self._counts.lock:

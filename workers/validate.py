@@ -15,6 +15,9 @@ sandbox): a kind is resolved (imported), its options are converted with the kind
   take no options; a user class without either is checked for `tool_parser` only.
 - Per-task checks: `TASK_CHECKS` for the registered kinds; a user class may define a
   static/class method `check_task(task) -> str | None` (a reason, or None when fine).
+- Gold checks (`GOLD_CHECKS`, `rollout prepare` only: a parse per row): whether the `math` and
+  `nemo_skills` verifiers can read the task's gold at all; a gold math-verify reads nothing from
+  would score every sample of the task 0.
 """
 
 from __future__ import annotations
@@ -79,6 +82,26 @@ TASK_CHECKS: dict[str, TaskCheck] = {
     "openreward": _openreward_row,
 }
 _NO_OPTIONS_KINDS = ("arithmetic", "calculator")
+GOLD_TIMEOUT_S = 5  # math-verify's own default bound on one parse
+
+
+def _math_gold(task: Task) -> str | None:
+    from workers.envs.math import gold_answer
+    from workers.envs.mathverify import gold_problem
+
+    return gold_problem(gold_answer(str(task.label)), GOLD_TIMEOUT_S)
+
+
+def _nemo_skills_gold(task: Task) -> str | None:
+    from workers.envs.nemo_skills import gold_answer, gold_problem
+
+    gold = gold_answer(task)
+    return None if gold is None else gold_problem(gold)
+
+
+# registered kind -> whether its verifier can read the task's gold (a math-verify parse, ~20 ms a
+# LaTeX gold): a gold it cannot read would score every sample of the task 0
+GOLD_CHECKS: dict[str, TaskCheck] = {"math": _math_gold, "nemo_skills": _nemo_skills_gold}
 
 
 def resolve(name: str, env: EnvConfig) -> type:
@@ -138,8 +161,11 @@ def task_check(kind: str, cls: type) -> TaskCheck | None:
     return TASK_CHECKS.get(kind)
 
 
-def task_problem(task: Task, config: PipelineConfig, checks: dict[str, TaskCheck | None]) -> str | None:
-    """Why `task` cannot run (None when it can); `checks` caches env name -> check."""
+def task_problem(task: Task, config: PipelineConfig, checks: dict[str, TaskCheck | None], *,
+                 gold: bool = True) -> str | None:
+    """Why `task` cannot run (None when it can); `checks` caches env name -> check. `gold`: also
+    whether the verifier reads the task's gold (`GOLD_CHECKS`: `rollout prepare`; the rm-server's
+    environment tells an unreadable gold itself, off its event loop)."""
     env = config.environments.get(task.env)
     if env is None:
         known = ", ".join(sorted(config.environments)) or "none"
@@ -148,6 +174,8 @@ def task_problem(task: Task, config: PipelineConfig, checks: dict[str, TaskCheck
         checks[task.env] = task_check(env.kind, resolve(task.env, env))
     check = checks[task.env]
     reason = check(task) if check is not None else None
+    if reason is None and gold and env.kind in GOLD_CHECKS:
+        reason = GOLD_CHECKS[env.kind](task)
     return f"task {task.id!r} ({task.env}, kind {env.kind}): {reason}" if reason else None
 
 
@@ -164,7 +192,7 @@ def check_task_lines(path: str | Path, config: PipelineConfig) -> list[str]:
             except (SchemaError, UnicodeDecodeError) as exc:
                 errors.append(f"{path}:{number}: {exc}")
                 continue
-            reason = task_problem(task, config, checks)
+            reason = task_problem(task, config, checks, gold=False)  # `rollout prepare` read the golds
             if reason:
                 errors.append(f"{path}:{number}: {reason}")
     return errors

@@ -76,7 +76,25 @@ class MeasurementFailed(EnvError, OutsideFault):
     """A verifier ran and could not decide: its own timeout, recursion limit or an error inside it
     (math-verify giving up on a 200-deep fraction). Never a 0 to train on: the episode fails with
     this reason (removed from the loss, counted with the failed episodes), like an outage, but
-    retrying it does not help: the rm-server answers 422, not 503."""
+    retrying it does not help: the rm-server answers 422, not 503. A checker process that crashed
+    or was killed is one (`workers.envs.checkers`)."""
+
+
+class Undecided(MeasurementFailed):
+    """The verifier's budget ran out on the answer itself: math-verify's timeout, its parser's
+    recursion or memory limit, an error inside it on this answer (`\\boxed{9^{9^{9^{9}}}}`). Such an
+    answer is wrong or adversarial, so by default it scores 0 with its reason, counted apart as
+    `undecided` (`EnvConfig.on_undecided: zero`; `remove` makes it a failed measurement):
+    removing it would give it no negative advantage, and a policy would learn that a
+    pathological answer costs nothing (`workers.envs.rewards.settle_undecided`)."""
+
+
+class TaskUngradable(MeasurementFailed):
+    """The task's gold cannot be read by the verifier (math-verify parses nothing from the
+    label): no answer could score 1. `rollout prepare` rejects such a row where it can
+    (`workers.validate`); a task that slips through fails every episode with this reason (its
+    samples removed, the task named in the log) and the rm-server answers 400 (the caller's
+    label)."""
 
 
 class EnvSession(abc.ABC):

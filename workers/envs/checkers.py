@@ -2,8 +2,9 @@
 
 A process pool started on first use with `spawn`: the worker process has threads (event loop
 helpers, SDK pings) whose locks fork would copy, and spawn passes sys.path to the children. A
-checker that dies (OOM-killed, a parser's C stack) fails that verification as an environment
-error and the next call starts a fresh pool.
+checker that dies (OOM-killed, a parser's C stack) fails that verification as a failed
+measurement (`MeasurementFailed`: removed from the loss; the rm-server's 422) and the next call
+starts a fresh pool.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from workers.envs.base import EnvError
+from workers.envs.base import MeasurementFailed
 
 T = TypeVar("T")
 
@@ -33,7 +34,7 @@ class CheckerPool:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         except BrokenProcessPool as exc:
             self._pool = None
-            raise EnvError(f"{self.what}: checker process died") from exc
+            raise MeasurementFailed(f"{self.what}: checker process died (crashed or killed)") from exc
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,20 +1,30 @@
 """`math`: single-turn answer checking with the `math-verify` library.
 
-The answer is read from the model's last assistant message: its last `\\boxed{...}`
-first (a self-correction "first \\boxed{3}, final answer \\boxed{4}" answers 4, as
-NeMo-Skills' `extract_answer` and lighteval read it; math-verify alone would parse both
-into the set {3, 4}), then (with `answer: any`, the default) plain forms math-verify
-recognises ("the answer is 1/2", "$x = 0.5$", a last number). The task's `label` is the gold answer
-(LaTeX or plain), or a GSM8K answer (the worked solution, then `#### 72`): then the
-gold is what follows the last `####` (`gold_answer`). Reward 1.0 when math-verify finds
-them equal, else 0.0; the extracted answer and the label go into the components.
+The answer is read from the model's last assistant message: its last `\\boxed{...}` or
+`\\fbox{...}` first (a self-correction "first \\boxed{3}, final answer \\boxed{4}" answers 4;
+math-verify alone would parse both into the set {3, 4}), then (with `answer: any`, the default)
+plain forms math-verify recognises ("the answer is 1/2", "$x = 0.5$", a last number). The task's
+`label` is the gold answer (LaTeX or plain), or a GSM8K answer (the worked solution, then
+`#### 72`): then the gold is what follows the last `####` (`gold_answer`). Reward 1.0 when
+math-verify finds them equal, else 0.0; the extracted answer and the label go into the components.
+
+The box is read as NeMo-Skills' `extract_answer` reads it (the last one, braces matched; a last
+box cut off or without braces is no answer) except in three places, where this kind reads more
+(`tests/test_env_math.py` pins each against NeMo-Skills' own code):
+- `\\fbox{3}` with no `\\boxed` anywhere: 3 here; None there (it looks for `\\fbox` only
+  after finding a `\\boxed`);
+- `\\boxed {4}` (a space before the brace, valid LaTeX): 4 here; None there;
+- `\\boxed{3} hmm \\fbox{4}`: 4 here (the last box of either command); 3 there (the last
+  `\\boxed`).
 
 Only decided answers are graded. A last box that cannot be read (cut off by the length limit,
 `\\boxed 4` without braces) scores 0 with `components.reason: "unreadable final box"`: never an
-earlier box or the whole text (NeMo-Skills' `extract_answer` answers None there too). A check
-math-verify gave up on (its timeout, its LaTeX parser's recursion limit, an error inside it,
-asked with `raise_on_error`) raises `MeasurementFailed`: the episode fails with that reason
-(removed from the loss), never a trained 0.
+earlier box or the whole text. An answer math-verify gives up on (its timeout, its LaTeX parser's
+recursion or memory limit, an error inside it), boxed or not, is undecided
+(`workers/envs/mathverify.py`): by default a 0 with its reason and `undecided: true`
+(`on_undecided: zero`; `remove` fails the episode instead). A gold math-verify cannot read is
+`TaskUngradable` (the episode fails, removed; `rollout prepare` rejects the row first). A checker
+process that died is a failed measurement.
 
 math-verify bounds its own parsing with SIGALRM, which only works in a process's
 main thread, and sympy can take seconds on adversarial input. So checks run in a
@@ -30,10 +40,11 @@ from typing import Literal, NamedTuple, Union
 
 from pipeline.config import EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, MeasurementFailed, Verification
+from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, Undecided, Verification
 from workers.envs.checkers import CheckerPool
+from workers.envs.mathverify import read_gold, undecided_on_give_up
 from workers.envs.options import Options, parse_options
-from workers.envs.rewards import call_with_budget, deadline_in, shaped
+from workers.envs.rewards import call_with_budget, deadline_in, settle_undecided, shaped
 from workers.envs.toolless import ToollessSession
 
 AnswerForm = Literal["boxed", "any"]
@@ -110,58 +121,29 @@ class Grade(NamedTuple):
 def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -> Grade:
     """The response graded against `gold`, the task's label (`gold_answer` reads a GSM8K one).
     Only the final box counts when there is one: a last box that cannot be read ends the grading
-    at 0 (`UNREADABLE_BOX`), never an earlier box or the whole text. `MeasurementFailed` when
-    math-verify gave up (its timeout, its recursion limit, an error inside it): undecided, not
-    wrong. Top level so a process pool can run it."""
+    at 0 (`UNREADABLE_BOX`), never an earlier box or the whole text. `Undecided` when math-verify
+    gave up on the answer (its timeout, its recursion limit, an error inside it);
+    `TaskUngradable` when it cannot read the gold. Top level so a process pool can run it."""
     import threading
 
     from math_verify import parse, verify
-    from math_verify.errors import TimeoutException
 
-    gold = gold_answer(gold)
+    # Under a non-main thread SIGALRM is unavailable: fall back to no timeout there.
+    timeout: Union[int, None] = timeout_s if threading.current_thread() is threading.main_thread() else None
+    gold_parsed = read_gold(gold_answer(gold), timeout)
     has_box, boxed = final_box(response)
     if has_box and boxed is None:
         return Grade(0.0, None, UNREADABLE_BOX)
     if answer == "boxed" and boxed is None:
         return Grade(0.0, None, "no boxed answer")
-    # Under a non-main thread SIGALRM is unavailable: fall back to no timeout there.
-    timeout: Union[int, None] = timeout_s if threading.current_thread() is threading.main_thread() else None
-    try:
+    with undecided_on_give_up(timeout_s) as watch:
         # the last box alone: math-verify parses every box of a text into one set
         predicted = parse(f"${boxed}$" if boxed else response, parsing_timeout=timeout, raise_on_error=True)
-        if boxed and not any(not isinstance(p, str) for p in predicted):
-            raise_if_parser_gave_up(boxed[boxed.index("{") + 1 : -1], timeout)
+        watch.raise_if_gave_up()  # its parser's RecursionError, swallowed inside `parse`
         if not predicted:
             return Grade(0.0, None, "no answer found")
-        gold_text = gold if "$" in gold or "\\boxed" in gold else f"${gold}$"
-        gold_parsed = parse(gold_text, parsing_timeout=timeout, raise_on_error=True) or parse(
-            gold, parsing_timeout=timeout, raise_on_error=True)
-        correct = bool(gold_parsed) and verify(gold_parsed, predicted, timeout_seconds=timeout, raise_on_error=True)
-    except TimeoutException as exc:  # a BaseException: math-verify's SIGALRM bound
-        during = str(exc).split(":", 1)[0] or "Timeout"  # "Timeout during parsing: <the whole text>"
-        raise MeasurementFailed(f"math-verify gave up: timed out after {timeout_s}s ({during})") from None
-    except (RecursionError, MemoryError) as exc:
-        raise MeasurementFailed(f"math-verify gave up: {type(exc).__name__}") from None
-    except Exception as exc:  # noqa: BLE001 - raise_on_error: any error inside math-verify
-        raise MeasurementFailed(f"math-verify failed: {type(exc).__name__}: {exc}"[:300]) from None
+        correct = verify(gold_parsed, predicted, timeout_seconds=timeout, raise_on_error=True)
     return Grade(1.0 if correct else 0.0, str(predicted[-1]))
-
-
-def raise_if_parser_gave_up(latex: str, timeout: Union[int, None]) -> None:
-    """For an answer math-verify turned into no expression: its LaTeX parser swallows every error
-    there, `raise_on_error` or not (math_verify 0.9 `extract_latex`), so ask the parser it uses
-    why. A syntax error is the model's (a wrong answer); RecursionError, MemoryError or math-verify's
-    TimeoutException (raised) mean the parser gave up on an answer it may have read right
-    (`\\frac{1}{\\frac{1}{...}}` 200 deep)."""
-    from latex2sympy2_extended import latex2sympy  # type: ignore[import-untyped]
-    from math_verify.utils import timeout as bounded
-
-    try:
-        bounded(timeout)(latex2sympy)(latex)
-    except (RecursionError, MemoryError):
-        raise
-    except Exception:  # noqa: BLE001 - the model's LaTeX does not parse: a wrong answer
-        return
 
 
 def final_answer_text(episode: EpisodeRecord) -> str:
@@ -201,13 +183,17 @@ class MathSession(ToollessSession):
     async def verify(self, episode: EpisodeRecord) -> Verification:
         gold = self.task.label or ""
         timeouts = self.env.config.timeouts
-        grade = await call_with_budget(
-            lambda: self.env.check(final_answer_text(episode), gold),
-            timeouts.verify,
-            f"math env {self.env.name!r}: check",
-            deadline=deadline_in(timeouts.verify_deadline_s),
-        )
+        terminal = episode.status == Status.COMPLETED
+        try:
+            grade = await call_with_budget(
+                lambda: self.env.check(final_answer_text(episode), gold),
+                timeouts.verify,
+                f"math env {self.env.name!r}: check",
+                deadline=deadline_in(timeouts.verify_deadline_s),
+            )
+        except Undecided as undecided:
+            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"answer": None, "gold": gold})
         components = {"answer": grade.answer, "gold": gold, "correct": grade.reward == 1.0}
         if grade.reason:
             components["reason"] = grade.reason
-        return shaped(self.env.config, [grade.reward], terminal=episode.status == Status.COMPLETED, components=components)
+        return shaped(self.env.config, [grade.reward], terminal=terminal, components=components)

@@ -14,7 +14,11 @@ Scoring (`scoring: math`) is what NeMo-Skills' NeMo-RL math environment
 (`nemo_skills/training/nemo_rl/environments/math_environment.py`) does per sample:
 `math_equal(expected_answer, extract_answer("".join(assistant contents)))`, reward 1.0 / 0.0;
 the gold is the task's label (or `metadata.expected_answer`). Checks run in a small process pool
-(math-verify's timeouts need a main thread), as the `math` kind does.
+(math-verify's timeouts need a main thread), as the `math` kind does. The same rule as `math`
+for what math-verify does not decide (`workers/envs/mathverify.py`): an answer it gives up on is
+undecided (by default a 0 with its reason, `on_undecided`), a gold it cannot read (neither text
+`math_equal` compares literally nor LaTeX it parses) is `TaskUngradable`, a checker process that
+died is a failed measurement.
 
 nemo_skills is not a dependency: it must be importable (an installed package or a checkout on
 PYTHONPATH) when the environment is built; otherwise a ConfigError says so.
@@ -26,16 +30,25 @@ its text could change the tokens the policy sampled.
 
 from __future__ import annotations
 
-import logging
+import re
 from typing import Any, Literal, Union
 
 from pipeline.config import ConfigError, EnvConfig
 from pipeline.schema import Status, Task
-from workers.envs.base import EnvError, Environment, EnvSession, EpisodeRecord, MeasurementFailed, Message, Verification
+from workers.envs import mathverify
+from workers.envs.base import (
+    EnvError,
+    Environment,
+    EnvSession,
+    EpisodeRecord,
+    Message,
+    TaskUngradable,
+    Undecided,
+    Verification,
+)
 from workers.envs.checkers import CheckerPool
-from workers.envs.math import raise_if_parser_gave_up
 from workers.envs.options import Options, parse_options
-from workers.envs.rewards import call_with_budget, deadline_in, shaped
+from workers.envs.rewards import call_with_budget, deadline_in, settle_undecided, shaped
 from workers.envs.toolless import ToollessSession
 
 INSTALL_HINT = (
@@ -108,23 +121,23 @@ def gold_answer(task: Task) -> Union[str, None]:
     return None if value is None or not str(value).strip() else str(value)
 
 
-class _GaveUp(logging.Handler):
-    """math-verify's own word that it gave up: NeMo-Skills' `math_equal` calls `parse`/`verify`
-    without `raise_on_error`, so their timeouts come out as a False plus one warning line
-    ("Timeout during parsing: ...", "Timeout during comparison") on the `math_verify` loggers."""
+_LITERAL = re.compile(r"[a-zA-Z ,]+|[0-9 ]+")  # what `math_equal` compares as text (NeMo-Skills' math_grader)
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("Timeout during"):
-            self.lines.append(record.getMessage().split(":", 1)[0])
+def gold_problem(gold: str) -> Union[str, None]:
+    """Why NeMo-Skills' grader cannot grade against `gold` (None when it can): not text it compares
+    literally (letters or digits) and not LaTeX math-verify reads (`mathverify.read_gold`)."""
+    if _LITERAL.fullmatch(gold.strip()):
+        return None
+    return mathverify.gold_problem(gold, PARSE_TIMEOUT_S)
 
 
 def grade_math(response: str, gold: str) -> tuple[float, Union[str, None]]:
     """NeMo-Skills' math environment on one sample: (reward, extracted answer). A 0 that math-verify
-    did not decide (its timeout, its LaTeX parser's recursion limit) is `MeasurementFailed` instead.
+    did not decide (its timeout, its LaTeX parser's recursion limit, an error it logged and
+    swallowed) is `Undecided`; a gold it cannot read is `TaskUngradable`. NeMo-Skills' `math_equal`
+    calls `parse`/`verify` without `raise_on_error`, so their give-ups come out as a False plus a
+    line on the `math_verify` loggers, or nothing at all (`mathverify.watching` sees both).
     Top level for a pool."""
     import contextlib
     import io
@@ -132,25 +145,20 @@ def grade_math(response: str, gold: str) -> tuple[float, Union[str, None]]:
     from math_verify.errors import TimeoutException
     from nemo_skills.evaluation.math_grader import extract_answer, math_equal
 
-    quiet = logging.getLogger("math_verify")
-    gave_up = _GaveUp()
-    quiet.setLevel(logging.WARNING)
-    quiet.propagate = False  # counted here, never printed
-    quiet.addHandler(gave_up)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            extracted = extract_answer(response)
-            score = float(math_equal(gold, extracted))
-            if score == 0.0 and extracted is not None and not gave_up.lines:
-                raise_if_parser_gave_up(extracted, PARSE_TIMEOUT_S)
-    except TimeoutException as exc:
-        raise MeasurementFailed(f"math-verify gave up: timed out ({str(exc).split(':', 1)[0]})") from None
-    except (RecursionError, MemoryError) as exc:
-        raise MeasurementFailed(f"math-verify gave up: {type(exc).__name__}") from None
-    finally:
-        quiet.removeHandler(gave_up)
-    if score == 0.0 and gave_up.lines:
-        raise MeasurementFailed(f"math-verify gave up: {gave_up.lines[0]}")
+    problem = gold_problem(gold)
+    if problem:
+        raise TaskUngradable(problem)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        extracted = extract_answer(response)
+        with mathverify.watching() as watch:
+            try:
+                score = float(math_equal(gold, extracted))
+            except TimeoutException as exc:
+                raise Undecided(f"math-verify gave up: timed out ({str(exc).split(':', 1)[0]})") from None
+            except (RecursionError, MemoryError) as exc:
+                raise Undecided(f"math-verify gave up: {type(exc).__name__}") from None
+    if score == 0.0:
+        watch.raise_if_gave_up()
     return score, extracted
 
 
@@ -203,11 +211,15 @@ class NemoSkillsSession(ToollessSession):
 
     async def verify(self, episode: EpisodeRecord) -> Verification:
         timeouts = self.env.config.timeouts
-        reward, extracted = await call_with_budget(
-            lambda: self.env.grade(assistant_text(episode), self.gold),
-            timeouts.verify,
-            f"nemo_skills env {self.env.name!r}: math grade",
-            deadline=deadline_in(timeouts.verify_deadline_s),
-        )
+        terminal = episode.status == Status.COMPLETED
+        try:
+            reward, extracted = await call_with_budget(
+                lambda: self.env.grade(assistant_text(episode), self.gold),
+                timeouts.verify,
+                f"nemo_skills env {self.env.name!r}: math grade",
+                deadline=deadline_in(timeouts.verify_deadline_s),
+            )
+        except Undecided as undecided:
+            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"answer": None, "gold": self.gold})
         components = {"answer": extracted, "gold": self.gold, "correct": reward == 1.0}
-        return shaped(self.env.config, [reward], terminal=episode.status == Status.COMPLETED, components=components)
+        return shaped(self.env.config, [reward], terminal=terminal, components=components)

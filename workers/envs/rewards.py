@@ -31,7 +31,7 @@ import aiohttp
 
 from pipeline.aio import wait_for
 from pipeline.config import CallBudget, EnvConfig
-from workers.envs.base import EnvError, Verification
+from workers.envs.base import EnvError, Undecided, Verification
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,18 @@ def shaped(config: EnvConfig, rewards: Sequence[float], *, terminal: bool, compo
         terminal=terminal,
         components={**components, "rewards": list(rewards), "terminal": terminal},
     )
+
+
+def settle_undecided(config: EnvConfig, undecided: Undecided, *, terminal: bool, components: dict) -> Verification:
+    """An answer the verifier gave up on, per the environment's `on_undecided`: `zero` (the
+    default) scores it 0 with its reason and `undecided: True` in the components (counted apart
+    per environment); `remove` raises it back (a failed measurement: no loss). Zero, because a
+    removed sample gets no negative advantage: a policy that cannot solve a task would learn that
+    a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) costs nothing."""
+    if config.on_undecided == "remove":
+        raise undecided
+    return shaped(config, [0.0], terminal=terminal,
+                  components={**components, "correct": False, "undecided": True, "reason": str(undecided)})
 
 
 def final_reward(config: EnvConfig, verification: Union[Verification, float], *, finished: bool) -> float:

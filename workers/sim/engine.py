@@ -344,7 +344,8 @@ class SimEngine:
             self.stats["cache_flushes"] = self.stats.get("cache_flushes", 0) + 1
         old, self.weight_version = self.weight_version, new_version
         for running in self._running.values():  # survivors (paused in place) record the switch
-            running.version_events.append((old, running.produced))
+            if running.produced:  # as SGLang's record_weight_version_events: only a request with output
+                running.version_events.append((old, running.produced))
 
     def _abort_all(self, message: str) -> None:
         for running in self._running.values():
@@ -469,11 +470,10 @@ class SimEngine:
             "completion_tokens": len(ids),
             "cached_tokens": self._running[rid].cached_tokens if rid in self._running else 0,
             "weight_version": spans[-1]["version"],
+            "weight_versions": spans,  # SGLang sends them for every finished request
             "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(log_probs, ids)],
             "e2e_latency": time.monotonic() - started,
         }
-        if len(spans) > 1:
-            meta["weight_versions"] = spans
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return {"text": text, "output_ids": ids, "meta_info": meta}
 
@@ -515,7 +515,11 @@ class SimEngine:
         return ids[:produced], lps[:produced], finish, self._spans(running, produced)
 
     def _spans(self, running: _Running, produced: int) -> list[dict[str, Any]]:
-        """SGLang's weight-version spans (utils/weight_versions.py): output tokens per label."""
+        """The weight-version spans SGLang's `compute_weight_version_spans` (utils/weight_versions.py)
+        makes of the request's events: output tokens per label. The simulator runs without sglang
+        (importing it costs seconds and torch, in every process that plays an engine), so the rule
+        is its own, pinned to SGLang's function by tests/test_sim_sglang_rules.py; the engine
+        stack (tests/engine_stack.py, SGLang's front) calls SGLang's own on these events."""
         spans: list[dict[str, Any]] = []
         for version, end in [*running.version_events, (self.weight_version, produced)]:
             end = min(end, produced)

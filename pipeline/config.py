@@ -7,6 +7,7 @@ key is an error that names the key and its path, not a silently ignored setting.
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -126,6 +127,9 @@ class WorkersSection(_Section, frozen=True):
     heartbeat_s: PosFloat = 5.0
     dead_after_s: PosFloat = 20.0  # a worker silent this long has its jobs released
     drain_grace_s: NonNegFloat = 30.0  # SIGTERM: finish running groups within this, then hand back
+    # the most of a process's slots eval jobs (pipeline/evaluation.py) may hold at once: at most
+    # max(1, floor(eval_share x concurrency)); 1.0 = every free slot (eval jobs are queued first)
+    eval_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
 
     def __post_init__(self) -> None:
         if self.dead_after_s <= 2 * self.heartbeat_s:
@@ -306,7 +310,16 @@ _TRAINER_SOURCES = {
     "ledger_dir": ("pipeline_ledger_dir", "ROLLOUT_LEDGER_DIR"),
     "eval_datasets": ("pipeline_eval_datasets", "ROLLOUT_EVAL_DATASETS"),
     "eval_timeout_s": ("pipeline_eval_timeout_s", "ROLLOUT_EVAL_TIMEOUT_S"),
+    "eval_mode": ("pipeline_eval_mode", "ROLLOUT_EVAL_MODE"),
+    "eval_max_rounds": ("pipeline_eval_max_rounds", "ROLLOUT_EVAL_MAX_ROUNDS"),
 }
+
+
+class EvalMode(str, enum.Enum):
+    """What slime's `evaluation=True` call does with `pipeline_eval_datasets` (docs/architecture.md)."""
+
+    BLOCKING = "blocking"  # run the round and return its results: the step waits for it
+    BACKGROUND = "background"  # start the round, return at once with earlier rounds' results
 
 
 class TrainerSettings(_Section, frozen=True):
@@ -344,6 +357,12 @@ class TrainerSettings(_Section, frozen=True):
     # "" = slime's own eval_rollout. How long one eval round may take before it is an error.
     eval_datasets: str = ""
     eval_timeout_s: PosFloat = 3600.0
+    # blocking: slime's eval call returns the round's results (training waits, as with slime's own
+    # eval); background: it starts the round and returns what earlier rounds finished
+    # (pipeline/eval_background.py). Rounds in flight at most (background): a round due when this
+    # many are in flight is skipped, and counted; above 1, the later ones queue behind the first.
+    eval_mode: EvalMode = EvalMode.BLOCKING
+    eval_max_rounds: PosInt = 1
 
     @classmethod
     def from_args(cls, args: Any) -> TrainerSettings:

@@ -30,7 +30,7 @@ import msgspec
 import yaml
 
 from pipeline.buffer import Entry
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, EvalMode
 from pipeline.keys import Keys
 from pipeline.sampling import seed_errors
 from pipeline.schema import (
@@ -44,11 +44,15 @@ from pipeline.schema import (
     decode_task_json,
     encode,
 )
+from pipeline.staleness import TrainerLoop
 
 log = logging.getLogger(__name__)
 
 EVAL_FUNCTION = "run_eval_group"  # the arq function workers register (workers/eval_jobs.py)
 EVAL_SCORE = 1  # arq queue score of the first eval job (ms since 1970): below every training job's
+# every eval job's queue score is below this (ms since 1970: 1970-01-12), every training job's above
+# it: the workers' claim tells them apart by score to hold eval jobs to `workers.eval_share`
+EVAL_SCORE_MAX = 10**9
 PASS_REWARD = 1.0  # a sample with reward >= this passes (pass@k); slime's own pass rate counts reward == 1
 STREAM_TTL_S = 24 * 3600  # an abandoned round's stream expires
 READ_BLOCK_MS = 1000
@@ -153,9 +157,25 @@ def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
         deterministic = bool(getattr(args, "sglang_enable_deterministic_inference", False))
         datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets,
                                                                    deterministic=deterministic)
+    background = data_source.settings.eval_mode is EvalMode.BACKGROUND
     if data_source.first_rollout_id is None:
         data_source.publish(rollout_id)  # eval before the first rollout (train.py): workers wait for a version
+    elif background:
+        # slime calls eval(r) after step r and its push: the engines hold what the next generate
+        # call publishes (r + 2 under train_async.py, r + 1 under train.py). Published now, the
+        # round's labels are known: after the run's last step no generate call would publish them
+        # and the workers' stamps would stay at the version before the last push.
+        data_source.publish(rollout_id + (2 if data_source.settings.trainer_loop is TrainerLoop.ASYNC else 1))
+    if background:
+        from pipeline.eval_background import evaluate_in_background
+
+        return eval_output({}, evaluate_in_background(args, rollout_id, data_source, datasets))
     data, metrics = data_source._run(run_round(data_source, rollout_id, datasets))
+    return eval_output(data, metrics)
+
+
+def eval_output(data: dict[str, dict[str, Any]], metrics: dict[str, Any]) -> Any:
+    """slime's `RolloutFnEvalOutput`, or its local stand-in without slime."""
     try:
         from slime.rollout.base_types import RolloutFnEvalOutput
     except ImportError:
@@ -200,11 +220,12 @@ async def run_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset, 
 
 async def _enqueue(
     redis: Any, keys: Keys, round_id: str, datasets: list[tuple[EvalDataset, list[Task]]], version: int,
-    timeout_s: float, wanted: dict[str, tuple[str, int, str]],
+    timeout_s: float, wanted: dict[str, tuple[str, int, str]], score_base: int = 0,
 ) -> None:
-    """arq's own enqueue (pipeline.jobqueue's serializer), the round's jobs at scores EVAL_SCORE + i:
-    ahead of every training job (scored by enqueue time), in dataset order. Fills `wanted` as it
-    goes (what to withdraw if it fails half-way)."""
+    """arq's own enqueue (pipeline.jobqueue's serializer), the round's jobs at scores
+    EVAL_SCORE + score_base + i: ahead of every training job (scored by enqueue time), in dataset
+    order (a background round's base follows the jobs of the rounds before it: they queue in
+    order). Fills `wanted` as it goes (what to withdraw if it fails half-way)."""
     from arq.connections import ArqRedis
 
     from pipeline.jobqueue import job_deserializer, job_serializer
@@ -218,7 +239,7 @@ async def _enqueue(
             job = PromptJob(task=task, epoch=-1 - d, n_samples=ds.n_samples, sampling=ds.sampling,
                             admission_version=version, enqueued_at=now)
             gid = eval_group_id(round_id, ds.key, task.id)
-            score = datetime.fromtimestamp((EVAL_SCORE + len(wanted)) / 1000, tz=timezone.utc)
+            score = datetime.fromtimestamp((EVAL_SCORE + score_base + len(wanted)) / 1000, tz=timezone.utc)
             handle = await arq.enqueue_job(EVAL_FUNCTION, round_id, encode(job), _job_id=keys.arq_job_id(gid),
                                            _queue_name=keys.queue, _defer_until=score,
                                            _expires=timedelta(seconds=timeout_s + 3600))

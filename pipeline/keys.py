@@ -123,6 +123,23 @@ class Keys:
         return self._k(f"eval:{round_id}")
 
     @property
+    def eval_rounds(self) -> str:
+        """Hash round id -> `RoundRecord` (JSON) of every background evaluation round in flight
+        (pipeline/eval_background.py): what a restarted trainer collects; removed when reported."""
+        return self._k("eval_rounds")
+
+    @property
+    def eval_done(self) -> str:
+        """Hash round id -> the reported round's summary (JSON): state, versions, counts."""
+        return self._k("eval_done")
+
+    @property
+    def eval_stats(self) -> str:
+        """Hash of background evaluation counts: started, skipped, reported, failed, and `seq`
+        (eval jobs enqueued so far: the next round's queue scores follow the last one's)."""
+        return self._k("eval_stats")
+
+    @property
     def requeue_attempts(self) -> str:
         """Hash `{task}:{epoch}` -> the highest attempt admitted for that (task, epoch). A field
         is deleted where its task ends: trained (the step's record), or dead-lettered for good

@@ -61,6 +61,8 @@ def figures(snap: MonitorSnapshot) -> dict[str, float]:
         f[f"env/{env}/failure_rate"] = stats.failure_rate
     for name, value in snap.counters.items():
         f[f"counters/{name}"] = value
+    for name, value in snap.eval_rounds.items():  # background evaluation rounds
+        f[f"eval_rounds/{name}"] = value
     return f
 
 
@@ -104,6 +106,8 @@ def prometheus_families(snap: MonitorSnapshot) -> list[Metric]:
                {"ready": snap.buffer_ready, "pending": snap.buffer_pending})
     m.gauge("dead_letters", "entries in the dead-letter stream", snap.dead_letters)
     m.gauge("requeue_waiting", "tasks handed back by the trainer, not yet re-admitted", snap.requeue_waiting)
+    m.labelled("eval_rounds", "background evaluation rounds: running, queued (in flight); skipped, reported, failed, "
+               "started (so far)", "state", snap.eval_rounds)
     m.gauge("stale_share", "share of groups the trainer read that were rejected as stale (all time)", snap.stale_share)
     m.labelled("workers", "workers by liveness", "state",
                {"live": snap.workers_live, "dead": len(snap.workers) - snap.workers_live})

@@ -18,6 +18,8 @@ Where each figure comes from:
 - admission headroom: `pipeline.staleness.admission_headroom` with `{ns}:trainer`.
 - throughput, rewards: the `{ns}:recent` list of `GroupSummary`; the live view and wandb
   switch to counter deltas between refreshes.
+- eval rounds: `{ns}:eval_rounds` (in flight: the oldest running, the rest queued) and the
+  counts in `{ns}:eval_stats` (pipeline/eval_background.py).
 - staleness: of what waits (the groups after the trainer's last-delivered id, seen from the
   current version) and of what was trained recently (`{ns}:trained`, the lag of each group at
   the step that trained it, pipeline/trained_log.py); never of groups trained long ago seen
@@ -37,6 +39,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
+from pipeline.eval_background import round_counts
 from pipeline.keys import TRAINER_GROUP, Counter, Keys
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
@@ -112,6 +115,9 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     waiting_staleness_hist: dict[int, int] = {}
     waiting_staleness_max: Union[int, None] = None
     trained_steps: int = 0  # the steps staleness_hist covers (the last trained ones)
+    # background evaluation rounds (pipeline/eval_background.py): running (the oldest in flight),
+    # queued behind it, skipped (due while pipeline_eval_max_rounds were in flight), reported, failed
+    eval_rounds: dict[str, int] = {}
 
 
 async def snapshot(
@@ -177,6 +183,7 @@ async def snapshot(
         waiting_staleness_hist=dict(sorted(Tally(waiting).items())),
         waiting_staleness_max=max(waiting, default=None),
         trained_steps=len(trained_steps),
+        eval_rounds=await round_counts(redis, keys),
     )
 
 

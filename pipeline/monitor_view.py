@@ -34,6 +34,10 @@ def _overview(snap: MonitorSnapshot) -> Table:
         ("requeue waiting", snap.requeue_waiting, "workers live", f"{snap.workers_live}/{len(snap.workers)}"),
         ("stale rejected", f"{snap.stale_rejected} ({snap.stale_share:.0%} of groups read)", "", ""),
     ]
+    if snap.eval_rounds.get("started"):  # background evaluation (pipeline/eval_background.py)
+        e = snap.eval_rounds
+        rows.append(("eval rounds running", f"{e['running']} (+{e['queued']} queued)", "eval rounds skipped",
+                     f"{e['skipped']} ({e['reported']} reported, {e['failed']} failed)"))
     for row in rows:
         t.add_row(*(str(cell) for cell in row))
     return t

@@ -1,6 +1,7 @@
 """`rollout show`: one episode as a readable conversation in the terminal.
 
     rollout show --dir LEDGER [--step R] [--group ID | --position P] [--sample J | --all] [--tokenizer T]
+    rollout show --dir LEDGER --eval [--step R] ...   (a background evaluation round's group)
     rollout show --dead [STREAM_ID] [--redis-url URL] [--namespace NS] [--sample J | --all]
 
 A trained episode comes from the ledger (pipeline/ledger.py); a failed one from the dead-letter
@@ -276,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--dir", help="ledger directory (pipeline_ledger_dir)")
     where.add_argument("--dead", nargs="?", const="last", metavar="STREAM_ID",
                        help="a `{ns}:dead` entry (default: the newest)")
+    p.add_argument("--eval", action="store_true",
+                   help="an evaluation round's group (<dir>/eval; --step: the rollout of slime's eval call)")
     p.add_argument("--step", type=int, default=None, help="ledger step (default: the last, or the newest with --group)")
     p.add_argument("--group", default=None, help="group id (e.g. task-7:0)")
     p.add_argument("--position", type=int, default=0, help="the group's place in the step (default 0)")
@@ -316,7 +319,7 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
         return _dead(args, tokenizer)
     from pipeline.ledger import Ledger, LedgerError
 
-    ledger = Ledger(args.dir)
+    ledger = Ledger(os.path.join(args.dir, "eval") if args.eval else args.dir)
     if not ledger.dir.is_dir():
         raise ShowError(f"ledger {args.dir} is not a directory")
     try:
@@ -339,7 +342,30 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
     picks = list(range(group.n_samples)) if args.all else [args.sample]
     context = [("trained in step", lg.rollout_id), ("position", lg.position), ("stream id", lg.stream_id),
                ("oldest version", f"{lg.oldest_version} (staleness {lg.rollout_id - lg.oldest_version})")]
+    if args.eval:
+        context = [*_eval_context(ledger.dir, lg.rollout_id, group), ("position", lg.position),
+                   ("stream id", lg.stream_id)]
     return render_group(group, picks, context=context, tokenizer=tokenizer)
+
+
+def _eval_context(directory: Any, rollout_id: int, group: SampleGroup) -> list[tuple[str, Any]]:
+    """An eval group's header: its round, and the one version it is reported under (or why none)."""
+    from pipeline.eval_background import sample_versions, step_of_version
+
+    live = [s for s in group.samples if s.status is not Status.FAILED]
+    versions = sorted(set().union(*(sample_versions(s) for s in live))) if live else []
+    if len(versions) == 1:
+        under = f"{versions[0]} (logged at rollout step {step_of_version(versions[0])})"
+    else:
+        under = f"none: mixed, tokens of versions {versions}" if versions else "none: every episode failed"
+    rows: list[tuple[str, Any]] = [("eval round at rollout", rollout_id), ("reported under version", under)]
+    summary = os.path.join(str(directory), f"round-{rollout_id:08d}.json")
+    if os.path.exists(summary):
+        with open(summary) as fh:
+            meta = json.load(fh)
+        rows.append(("round", f"{meta['round_id']} {meta['state']}, versions {meta['versions']}, "
+                              f"{meta['groups_mixed']} mixed, {meta['groups_failed']} failed"))
+    return rows
 
 
 def _dead(args: argparse.Namespace, tokenizer: Any) -> RenderableType:

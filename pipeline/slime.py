@@ -27,7 +27,7 @@ from typing import Any
 from pipeline.advantages import post_process_rewards  # noqa: F401  (slime loads it by this path)
 from pipeline.aio import LoopThread
 from pipeline.buffer import Entry, GroupBuffer
-from pipeline.config import ConfigError, TrainerSettings
+from pipeline.config import ConfigError, EvalMode, TrainerSettings
 from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, new_op_id, redact, run_once
 from pipeline.schema import MEASUREMENT_FAILED, Requeue, RequeueReason, SampleGroup, Status, encode
@@ -629,6 +629,10 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
         )
     batch_size = int(getattr(args, "rollout_batch_size", data_source.settings.rollout_batch_size))
     data_source.publish(rollout_id)
+    if data_source.settings.eval_mode is EvalMode.BACKGROUND and data_source.settings.eval_datasets:
+        from pipeline.eval_background import report_finished
+
+        report_finished(args, data_source)  # background eval rounds that ended: logged now, never waited for
     data_source.current_rollout_id = rollout_id
     groups = data_source.get_samples(batch_size)
     metrics = data_source.batch_metrics()

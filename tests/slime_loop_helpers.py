@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
+import time
 import urllib.request
 from argparse import Namespace
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,6 +83,18 @@ class RolloutManagerActor:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-manager")
         get_data, save, load = (getattr(cls, n).__get__(self.state) for n in ("_get_rollout_data", "save", "load"))
         self.batches: dict[int, list[Any]] = {}  # rollout id -> the samples generate() returned
+        # slime's RolloutManager.eval (its own eval function: --eval-function-path, else the
+        # rollout function); the engines' health monitors it resumes are GPU-side: none here
+        self.state.eval_generate_rollout = load_function(getattr(args, "eval_function_path", None)
+                                                         or args.rollout_function_path)
+        self.state.health_monitoring_resume = lambda: None
+        slime_eval = cls.eval.__get__(self.state)
+        self.eval_calls: list[tuple[int, float]] = []  # (rollout id, seconds the loop waited for the call)
+
+        def evaluate(rollout_id: int) -> None:
+            started = time.monotonic()
+            slime_eval(rollout_id)
+            self.eval_calls.append((rollout_id, time.monotonic() - started))
 
         def generate(rollout_id: int) -> list[Any]:
             self.batches[rollout_id] = get_data(rollout_id=rollout_id)[0]
@@ -90,6 +103,7 @@ class RolloutManagerActor:
         self.generate = _Remote(self.executor, generate)
         self.save = _Remote(self.executor, save)
         self.load = _Remote(self.executor, load)
+        self.eval = _Remote(self.executor, evaluate)
         self.dispose = _Remote(self.executor, lambda: None)
 
     @property
@@ -109,8 +123,11 @@ class RolloutManagerActor:
 class Cluster:
     """The engines, the checkpoints and the truth, across trainer processes (runs)."""
 
-    def __init__(self, engine_urls: list[str]):
+    def __init__(self, engine_urls: list[str], *, train_s: float = 0.0):
         self.engine_urls = engine_urls  # slime's updater pushes to each engine, not to the router
+        self.train_s = train_s  # how long a training step takes (0: at once)
+        self.steps_at: list[tuple[int, float, float]] = []  # (rollout id, wall-clock start, end) of each step
+        self.pushed_at: list[float] = []  # monotonic time of each weight push
         self.truth: dict[tuple[int, str], int] = {}  # (run, engine label) -> the policy version it was
         self.checkpoint: int | None = None  # the last rollout id saved
         self.trained: dict[int, dict[int, list[Any]]] = {}  # run -> rollout id -> samples trained
@@ -137,12 +154,16 @@ class MegatronActor:
             _post(url, "/pause_generation", {})
             _post(url, "/update_weight_version", {"new_version": label})
             _post(url, "/continue_generation", {})
+        self.cluster.pushed_at.append(time.monotonic())
 
     def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
         if rollout_id == self.crash_at:
             raise Crash(f"trainer killed in step {rollout_id}")
+        started = time.time()
+        time.sleep(self.cluster.train_s)
         self.cluster.trained[self.run][rollout_id] = data
         self.steps += 1
+        self.cluster.steps_at.append((rollout_id, started, time.time()))
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
         self.cluster.checkpoint = rollout_id
@@ -152,16 +173,17 @@ class MegatronActor:
 
 
 def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int, save_interval: int) -> Namespace:
-    """The attributes slime's parser gives that train.py, train_async.py and the helpers above read."""
-    return Namespace(
+    """The attributes slime's parser gives that train.py, train_async.py and the helpers above read
+    (`pipeline_args` may set slime's too, e.g. eval_interval)."""
+    return Namespace(**{**dict(
         release_train=False, offload_rollout=False, offload_train=False, use_critic=False, colocate=False,
         check_weight_update_equal=False, num_rollout=num_rollout, num_epoch=None, eval_interval=None,
         skip_eval_before_train=True, save_interval=save_interval, rollout_global_dataset=True,
         update_weights_interval=interval, num_critic_only_steps=0, start_rollout_id=None,
         data_source_path="pipeline.slime.RedisDataSource", rollout_function_path="pipeline.slime.generate_rollout",
         load_debug_rollout_data=None, debug_rollout_only=False, debug_train_only=False,
-        **pipeline_args,
-    )
+        eval_function_path=None, save_debug_rollout_data=None,
+    ), **pipeline_args})
 
 
 def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None) -> None:

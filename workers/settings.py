@@ -5,6 +5,8 @@
 - the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
   looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
   that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
+  eval jobs (queued ahead of training, scores below EVAL_SCORE_MAX) take at most
+  `workers.eval_share` of the slots (`eval_slots`): the rest go to training jobs (issue 40);
 - arq's `max_tries` is ours + 1, so a job that comes back after its last try (its
   worker crashed) reaches `run_group`, which dead-letters it with its last error
   instead of arq failing it silently;
@@ -29,6 +31,7 @@ import contextlib
 import functools
 import gc
 import logging
+import math
 import os
 import socket
 import time
@@ -40,7 +43,7 @@ from arq.worker import Worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.config import PipelineConfig
-from pipeline.evaluation import EVAL_FUNCTION
+from pipeline.evaluation import EVAL_FUNCTION, EVAL_SCORE_MAX
 from pipeline.jobqueue import JOB_FUNCTION, fit_arq_pool, job_deserializer, job_serializer, redis_settings
 from pipeline.keys import Keys
 from pipeline.redis_conn import RedisUnavailable, connect, redact
@@ -111,6 +114,8 @@ def build_worker(
         queue_name=keys.queue,
         redis_settings=redis_settings(config.redis.resolved_url()),
         max_jobs=concurrency or wcfg.concurrency,
+        eval_slots=eval_slots(wcfg.eval_share, concurrency or wcfg.concurrency),
+        eval_prefix=keys.arq_job_id("eval:"),  # eval group ids begin "eval:" (pipeline/evaluation.py)
         poll_delay=wcfg.poll_delay_s,
         job_timeout=wcfg.job_timeout_s,
         max_tries=wcfg.max_tries + 1,
@@ -127,6 +132,11 @@ def build_worker(
     )
     worker.ctx[ARQ_WORKER_KEY] = worker  # run_group tells Job.abort() from a drain by it
     return worker
+
+
+def eval_slots(share: float, slots: int) -> int:
+    """Slots of one worker process eval jobs may hold at once: max(1, floor(share x slots))."""
+    return max(1, math.floor(share * slots + 1e-9))
 
 
 # The poll (issue 33). arq 0.28 reads up to `queue_read_limit` (5 x max_jobs) due entries every
@@ -148,27 +158,36 @@ ABORT_CHECK_S = 1.0  # Job.abort() is read this often, and only while jobs run h
 _CLAIM_LUA = """
 -- KEYS: queue zset
 -- ARGV: now (ms, the enqueuers' clock), slots, in-progress key prefix, in-progress ttl (ms),
---       the score of an entry looked at (now + recheck, ms), the place prefix, entries to look at
+--       the score of an entry looked at (now + recheck, ms), the place prefix, entries to look at,
+--       eval slots free (of slots), the eval scores' bound (ms: eval jobs below it, training above)
 -- -> {1 if it stopped at the look budget (more may be due) else 0, job id, its score, ...} for
 --    the jobs taken (in-progress key set to the place prefix + the job's score: its place in the
 --    queue, which every release restores, workers/liveness.py)
 local now, slots, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
 local taken, looked = {0}, 0
-while #taken < 1 + 2 * slots and looked < budget do
-  local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0,
-                         math.min(slots - (#taken - 1) / 2, budget - looked))
-  if #due == 0 then break end
-  for i = 1, #due, 2 do
-    local job = due[i]
-    looked = looked + 1
-    if redis.call('EXISTS', ARGV[3] .. job) == 0 then
-      redis.call('SET', ARGV[3] .. job, ARGV[6] .. due[i + 1], 'PX', ARGV[4])
-      table.insert(taken, job)
-      table.insert(taken, due[i + 1])
+local function scan(low, high, want)
+  local got = 0
+  while got < want and looked < budget do
+    local due = redis.call('ZRANGEBYSCORE', KEYS[1], low, high, 'WITHSCORES', 'LIMIT', 0,
+                           math.min(want - got, budget - looked))
+    if #due == 0 then break end
+    for i = 1, #due, 2 do
+      local job = due[i]
+      looked = looked + 1
+      if redis.call('EXISTS', ARGV[3] .. job) == 0 then
+        redis.call('SET', ARGV[3] .. job, ARGV[6] .. due[i + 1], 'PX', ARGV[4])
+        table.insert(taken, job)
+        table.insert(taken, due[i + 1])
+        got = got + 1
+      end
+      redis.call('ZADD', KEYS[1], 'XX', ARGV[5], job)
     end
-    redis.call('ZADD', KEYS[1], 'XX', ARGV[5], job)
   end
+  return got
 end
+-- eval jobs (queued first) up to their share of the slots, then training jobs for the rest
+local evals = scan('-inf', '(' .. ARGV[9], math.min(slots, tonumber(ARGV[8])))
+scan(ARGV[9], now, slots - evals)
 if looked >= budget then taken[1] = 1 end
 return taken
 """
@@ -186,8 +205,11 @@ class RolloutWorker(Worker):
     sweep releases them (as for a worker that died between taking a job and recording it).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, eval_slots: int | None = None, eval_prefix: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # slots eval jobs may hold at once (`workers.eval_share`), told apart by arq job id
+        self.eval_slots = self.max_jobs if eval_slots is None else eval_slots
+        self.eval_prefix = eval_prefix or "\0"
         self._claim_script: Any = None
         self._scores: dict[str, int] = {}  # the jobs running here -> the score each was taken at
         self._idle_delay_s = self.poll_delay_s
@@ -221,10 +243,12 @@ class RolloutWorker(Worker):
         if self._claim_script is None:
             self._claim_script = self.pool.register_script(_CLAIM_LUA)
         now_ms = timestamp_ms()
+        eval_free = self.eval_slots - sum(job_id.startswith(self.eval_prefix) for job_id in self._scores)
         taken = await self._claim_script(
             keys=[self.queue_name],
             args=[now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
-                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), PLACE_PREFIX, CLAIM_SCAN])
+                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), PLACE_PREFIX, CLAIM_SCAN,
+                  max(0, eval_free), EVAL_SCORE_MAX])
         more, pairs = bool(int(taken[0])), taken[1:]
         for job_id_b, score_b in zip(pairs[::2], pairs[1::2]):
             await self.sem.acquire()  # free: slots <= max_jobs - job_counter

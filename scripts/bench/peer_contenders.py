@@ -523,7 +523,12 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
 # ------------------------------------------------------------------ this pipeline (d)
 
 
-def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: Path, engine_pid: int = 0) -> Result:
+def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: Path, engine_pid: int = 0,
+                           evaluation: dict[str, Any] | None = None) -> Result:
+    """(d). `evaluation` (scripts/bench/peer_eval.py): {"datasets": path, "every": k, "share": s}: a
+    background eval round (pipeline_eval_mode background) after every k-th step, eval jobs held to
+    the share s of worker slots; the eval calls' waits go into `notes`, the round counts into
+    `counters` (eval_*)."""
     import redis as redis_sync
 
     from pipeline.keys import Keys
@@ -538,7 +543,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
     ns = "peer"
     per_process = wl.pipeline_groups()
     with LocalRedis() as server:
-        config = {
+        config: dict[str, Any] = {
             "redis": {"url": server.url, "namespace": ns},
             "engine": {"url": engine_url, "tokenizer": default_tokenizer_path(),
                        "request_timeout_s": wl.request_timeout_s},
@@ -551,6 +556,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                         "dead_after_s": 30.0, "drain_grace_s": 5.0, "poll_delay_s": 0.05},
             "environments": {"math": {"kind": "math", "options": {"check_in": "inline"}}},
         }
+        if evaluation:
+            config["workers"]["eval_share"] = evaluation["share"]
         config_path = write_config(config, workdir / "pipeline.yaml")
         args = SimpleNamespace(
             pipeline_redis_url=server.url, pipeline_namespace=ns, rollout_batch_size=wl.batch,
@@ -558,6 +565,13 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
             pipeline_wait_timeout_s=120.0, pipeline_wait_log_s=30.0, pipeline_publish_engine=False,
             pipeline_trainer_loop="sync",  # weights pushed after each step, before the next rollout
         )
+        if evaluation:
+            args.pipeline_eval_datasets, args.pipeline_eval_mode = str(evaluation["datasets"]), "background"
+            args.pipeline_eval_timeout_s = 600.0
+            # what slime's eval logger reads (slime's parser sets them; nothing is sent anywhere)
+            args.__dict__.update(custom_eval_rollout_log_function_path=None, log_passrate=False, reward_key=None,
+                                 n_samples_per_eval_prompt=1, wandb_always_use_train_step=False, use_wandb=False,
+                                 use_tensorboard=False, advantage_estimator="grpo", log_reward_category=None)
         workers = WorkerProcess(config_path, processes=1, concurrency=per_process, log_path=str(workdir / "workers.log"))
         # the default poll: a published version wakes the producer at once (issue 25 item 3)
         producer = ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--follow", "--quiet"],
@@ -585,6 +599,10 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                     train_step(wl, engine_url)
                     source.save(rollout_id)
                     sampler.push(engine_url, rollout_id + 1)
+                    if evaluation and (rollout_id + 1) % evaluation["every"] == 0:  # train.py's order: after the push
+                        called = time.monotonic()
+                        generate_rollout(args, rollout_id, source, evaluation=True)
+                        result.notes.append(f"eval call at {rollout_id}: {time.monotonic() - called:.3f} s")
                     result.step_overheads_s.append(time.monotonic() - trained_at)
                 result.wall_s = time.monotonic() - started
                 result.steps = wl.steps
@@ -608,6 +626,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                 carried += sum(s.response_length for s in group.samples)
             result.carried_tokens = carried
             counters = {k.decode(): int(v) for k, v in client.hgetall(Keys(ns).counters).items()}
+            counters |= {f"eval_{k.decode()}": int(v) for k, v in client.hgetall(Keys(ns).eval_stats).items()}
+            counters["eval_in_flight"] = int(client.hlen(Keys(ns).eval_rounds))
             client.close()
             result.notes.append(f"last step stats: {stats}")
             result.counters = counters

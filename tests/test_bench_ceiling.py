@@ -75,3 +75,20 @@ def test_bad_input_is_named():
         bound_ceiling(FLAT, 1, lengths=[])
     with pytest.raises(ValueError, match="step_batch"):
         bound_ceiling(replace(FLAT), 1, step_batch=0)
+
+
+def test_the_push_mode_report_pairs_runs_of_a_repeat():
+    """scripts/bench/push_modes.py: each mode over abort in the same repeat, per wall and per
+    engine-clock second (the clock's measured rate divides the wall rate)."""
+    from scripts.bench.push_modes import rederive, report
+
+    wl = WORKLOADS["areal-7b"]
+    rows = [rederive({"eta": 1, "mode": mode, "repeat": rep, "trained_tok_s": tok, "clock_p50": clock,
+                      "reprefill_tok_per_push": 0.0, "prefill_share": 0.0, "decode_batch": 1.0, "lag_max": 1}, wl)
+            for mode, rep, tok, clock in (("abort", 0, 100.0, 0.5), ("in_place", 0, 110.0, 0.25),
+                                          ("abort", 1, 100.0, 1.0), ("in_place", 1, 90.0, 1.0))]
+    assert rows[1]["engine_clock_tok_s"] == pytest.approx(110.0 / 50 / 0.25)
+    text = report(rows, wl)
+    assert "eta 1: in_place / abort trained tokens/s, same repeat: 1.10x, 0.90x per wall second, " \
+           "2.20x, 0.90x per engine-clock second" in text
+    assert "bound ceiling at eta 1" in text

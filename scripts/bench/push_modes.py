@@ -66,6 +66,10 @@ def row(r: Result, wl: Workload) -> dict[str, float | str]:
         "prefill_share": s.get("prefill_busy_s", 0.0) / s["busy_s"] if s.get("busy_s") else float("nan"),
         "decode_batch": s.get("output_tokens", 0.0) / s["decode_steps"] if s.get("decode_steps") else float("nan"),
         "lag_max": max(r.lags, default=0), "clock_p50": clock,
+        # per busy engine-second (simulated, the load of this machine out of it): what the engine
+        # made, and what of it was trained, over its whole run (the drain included, alike for all)
+        "generated_per_busy_s": s.get("output_tokens", 0.0) / s["busy_s"] if s.get("busy_s") else float("nan"),
+        "trained_per_busy_s": r.trained_tokens / s["busy_s"] if s.get("busy_s") else float("nan"),
     }
 
 
@@ -80,12 +84,14 @@ def rederive(x: dict, wl: Workload) -> dict:
 
 def report(rows: list[dict], wl: Workload, failed: Sequence[Result] = ()) -> str:
     lines = ["| eta | push mode | repeat | trained tok/s (wall) | per engine-clock s | of bound ceiling | re-prefilled tok / push "
-             "| prefill share of busy | mean decode batch | lag max | engine clock / scale p50 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prefill share of busy | mean decode batch | generated / trained tok per busy engine-s | lag max "
+             "| engine clock / scale p50 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         lines.append(f"| {x['eta']} | {x['mode']} | {x['repeat']} | {x['trained_tok_s']:,.0f} | {x['engine_clock_tok_s']:,.0f} "
                      f"| {x['of_bound_ceiling']:.2f} | {x['reprefill_tok_per_push']:,.0f} | {x['prefill_share']:.3f} "
-                     f"| {x['decode_batch']:.1f} | {x['lag_max']} | {x['clock_p50']:.2f} |")
+                     f"| {x['decode_batch']:.1f} | {x.get('generated_per_busy_s', float('nan')):,.0f} / "
+                     f"{x.get('trained_per_busy_s', float('nan')):,.0f} | {x['lag_max']} | {x['clock_p50']:.2f} |")
     lines.append("")
     for eta in sorted({x["eta"] for x in rows}):
         c = bound_ceiling(wl, int(eta))
@@ -96,8 +102,10 @@ def report(rows: list[dict], wl: Workload, failed: Sequence[Result] = ()) -> str
             if pairs:
                 wall = ", ".join(f"{float(x['trained_tok_s']) / float(b['trained_tok_s']):.2f}x" for x, b in pairs)
                 clock = ", ".join(f"{float(x['engine_clock_tok_s']) / float(b['engine_clock_tok_s']):.2f}x" for x, b in pairs)
+                busy = ", ".join(f"{float(x.get('generated_per_busy_s', 0)) / float(b.get('generated_per_busy_s', 1)):.3f}x"
+                                 for x, b in pairs)
                 lines.append(f"- eta {eta}: {mode} / abort trained tokens/s, same repeat: {wall} per wall second, "
-                             f"{clock} per engine-clock second")
+                             f"{clock} per engine-clock second; tokens generated per busy engine-second {busy}")
     for r in failed:
         lines.append(f"- {r.label}: could not run: {r.reason}")
     return "\n".join(lines)

@@ -37,6 +37,7 @@ def test_modes_parse_and_name_bad_input():
         parse_push_mode("inplace")
 
 
+@pytest.mark.conformance
 def test_the_ray_hook_installs_the_environments_mode(engine_cls, monkeypatch):
     slimes = engine_cls.pause_generation
     monkeypatch.setenv(PUSH_MODE_ENV, "retract")

@@ -37,7 +37,7 @@ def _slime_env(tmp_path: Path, redis_url: str, **extra: str) -> dict[str, str]:
 
 
 def test_check_lists_every_missing_prerequisite(tmp_path, redis_url):
-    result = _run("run_slime_grpo.sh", "--check", env=_slime_env(tmp_path, redis_url))
+    result = _run("run_slime_grpo.sh", "--check", env=_slime_env(tmp_path, redis_url, ROLLOUT_PUSH_MODE="inplace"))
     assert result.returncode == 2
     err = result.stderr
     assert "missing prerequisites" in err
@@ -48,6 +48,7 @@ def test_check_lists_every_missing_prerequisite(tmp_path, redis_url):
     assert f"REF_LOAD={tmp_path}/no-model_torch_dist missing" in err
     assert "redis" not in err.split("missing prerequisites")[1]  # the fixture's redis answers
     assert "import pipeline.slime" not in err  # this package is installed
+    assert "ROLLOUT_PUSH_MODE: unknown weight-push mode 'inplace'; one of abort, retract, in_place" in err
 
 
 def test_unreachable_redis_is_named_without_its_password(tmp_path):
@@ -60,7 +61,8 @@ def test_unreachable_redis_is_named_without_its_password(tmp_path):
 
 
 def test_written_settings_reach_the_data_source_as_slime_applies_them(tmp_path, redis_url):
-    _run("run_slime_grpo.sh", "--check", env=_slime_env(tmp_path, redis_url, ROLLOUT_FILTER_ZERO_VARIANCE="true"))
+    result = _run("run_slime_grpo.sh", "--check", env=_slime_env(tmp_path, redis_url, ROLLOUT_FILTER_ZERO_VARIANCE="true"))
+    assert "ROLLOUT_PUSH_MODE" not in result.stderr  # the default, in_place
     data = yaml.safe_load((tmp_path / "ckpt" / "pipeline_slime.yaml").read_text())
     args = SimpleNamespace(rollout_batch_size=32, n_samples_per_prompt=8)  # slime's own flags
     for key, value in data.items():  # slime_validate_args: setattr(args, k, v) for every YAML key

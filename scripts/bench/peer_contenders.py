@@ -5,8 +5,9 @@ Workload (the same for every contender): the math tasks of scripts/demo_tasks.js
 SIMULATED SGLang engine (`rollout engine`, a subprocess on a free port, the shared test
 tokenizer, a fresh one per contender) with lognormal response lengths (length_sigma 1.0) and a
 per-token latency; B = 8 groups per step, n = 4 samples per group, a trainer step simulated as
-a sleep, then a weight push as slime does it (POST /pause_generation {} - abort mode -,
-/update_weight_version {"new_version": str(step + 1)}, /continue_generation). The engine's
+a sleep, then a weight push as slime does it (POST /pause_generation in `Workload.push_mode`,
+{} - SGLang's abort - by default, /update_weight_version {"new_version": str(step + 1)},
+/continue_generation: pipeline.weight_push.push_weights). The engine's
 weight-version label is therefore the policy version, so the lag of a generate call is
 `training step - int(label)` for every contender alike. The trainer loop is train.py's order
 (generate(r), train(r), push) for all five.
@@ -101,6 +102,9 @@ class Workload:
     model: str = ""
     gpu: str = "h100_sxm"
     engine_max_running: int = 0
+    # how every contender's weight push treats running requests (pipeline/weight_push.py): abort
+    # (slime's default: answered, resumed by the client, re-prefilled), retract or in_place (kept)
+    push_mode: str = "abort"
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -144,7 +148,7 @@ class Workload:
                   f"engine: per-request speed, {self.slots} slots, {self.token_latency_s * 1e3:.1f} ms a token "
                   f"(speed draw sigma {self.latency_sigma:g}), prefill free")
         return (f"workload {self.name}: B={self.batch} groups x n={self.n} per step, {self.steps} steps, trainer step "
-                f"{self.train_step_s:g} s then a weight push (abort mode); {engine}; lognormal lengths median "
+                f"{self.train_step_s:g} s then a weight push ({self.push_mode} mode); {engine}; lognormal lengths median "
                 f"{math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at {self.max_response_len}; {scale}")
 
     def pipeline_groups(self) -> int:
@@ -229,11 +233,11 @@ def _get_json(url: str) -> Any:
         return json.loads(reply.read())
 
 
-def push_weights(engine_url: str, version: int) -> None:
-    """slime's update_weights as the engines see it: pause (abort mode), new label, continue."""
-    _post(engine_url, "/pause_generation", {})
-    _post(engine_url, "/update_weight_version", {"new_version": str(version)})
-    _post(engine_url, "/continue_generation", {})
+def push_weights(engine_url: str, version: int, mode: str = "abort") -> None:
+    """slime's update_weights as the engines see it: pause (in `mode`), new label, continue."""
+    from pipeline.weight_push import push_weights as push
+
+    push([engine_url], str(version), mode)
 
 
 def train_step(wl: Workload, engine_url: str) -> None:
@@ -306,9 +310,9 @@ class SlotSampler(threading.Thread):
             self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
         self._last_clock = (now, sim) if busy else None
 
-    def push(self, engine_url: str, version: int) -> None:
+    def push(self, engine_url: str, version: int, mode: str = "abort") -> None:
         self.pushes.append(round(time.monotonic() - self.started, 3))
-        push_weights(engine_url, version)
+        push_weights(engine_url, version, mode)
 
     def run(self) -> None:
         every = max(1, round(CLOCK_SAMPLE_S / SLOT_SAMPLE_S))
@@ -501,7 +505,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
         train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
-        sampler.push(engine_url, rollout_id + 1)
+        sampler.push(engine_url, rollout_id + 1, wl.push_mode)
     result.wall_s = time.monotonic() - started
     result.steps = wl.steps
     sampler.finish(result)
@@ -598,7 +602,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                     trained_at = time.monotonic()
                     train_step(wl, engine_url)
                     source.save(rollout_id)
-                    sampler.push(engine_url, rollout_id + 1)
+                    sampler.push(engine_url, rollout_id + 1, wl.push_mode)
                     if evaluation and (rollout_id + 1) % evaluation["every"] == 0:  # train.py's order: after the push
                         called = time.monotonic()
                         generate_rollout(args, rollout_id, source, evaluation=True)

@@ -314,7 +314,8 @@ class EngineDirectory:
       --context-length), dropped when the engine leaves the list and by `invalidate()`. A failed
       read (no answer, a timeout, an error status, a body that is not a JSON object) is no fact:
       the last good facts, if any, stand, else none is made up; that engine is not read again for
-      a backoff (`_FACTS_RETRY_S`, doubling per failure up to `refresh_s`), so a /server_info that
+      a backoff (`_FACTS_RETRY_S`, doubling per failure up to `refresh_s`; none after the first
+      error status, since a restarting engine answers 503 and then its facts), so a /server_info that
       hangs (SGLang's waits on its scheduler) costs one `control_timeout_s` per backoff, not one
       per request.
     Concurrent callers share one read per URL (single flight): a worker starting `concurrency x n`
@@ -357,12 +358,14 @@ class EngineDirectory:
             pending.add_done_callback(lambda done: self._reads.pop(key) if self._reads.get(key) is done else None)
         return await asyncio.shield(pending)
 
-    async def engines(self) -> list[str]:
-        """The engine URLs behind the URL: [] for a router with no engine yet, or while nothing is known."""
+    async def engines(self, *, now: bool = False) -> list[str]:
+        """The engine URLs behind the URL: [] for a router with no engine yet, or while nothing is known.
+        `now`: read a list that failed moments ago again at once (an abort: an engine that runs a
+        request for nobody costs more than one more read)."""
         url = await self._client.locator.get()
         if url == self._for_url and self._engines and self._fresh(self._read_at):
             return self._engines
-        if self._list_failed == (url, self._epoch) and time.monotonic() < self._list_retry_at:
+        if not now and self._list_failed == (url, self._epoch) and time.monotonic() < self._list_retry_at:
             return list(self._engines) if url == self._for_url else []  # a failed read, moments ago
         return list(await self._once(f"{url}/workers", lambda: self._read_engines(url)))
 
@@ -423,7 +426,11 @@ class EngineDirectory:
                 break
         if epoch == self._epoch:
             failures = self._failed.get(engine, (0, 0.0))[0] + 1
-            backoff = min(self._refresh_s, _FACTS_RETRY_S * 2 ** (failures - 1))
+            # An engine that answered (a 503 while it restarts) is asked again at the next use once;
+            # one that did not answer (a hang costs a control timeout) backs off from the first failure.
+            answered = isinstance(what, int)
+            backoff = 0.0 if answered and failures == 1 else min(
+                self._refresh_s, _FACTS_RETRY_S * 2 ** (failures - 1 - int(answered)))
             self._failed[engine] = (failures, time.monotonic() + backoff)
             log.warning("%s/server_info did not answer (%s): asking again in %.0f s", engine, what, backoff)
         return None
@@ -623,7 +630,7 @@ class EngineClient:
             if attempt:
                 await asyncio.sleep(0.25)
             try:
-                engines = await self.directory.engines()
+                engines = await self.directory.engines(now=attempt > 0)
             except Exception as exc:  # noqa: BLE001 - best effort by design
                 log.debug("abort of %s: no engine list: %s", rid, exc)
                 return

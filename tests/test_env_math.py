@@ -148,13 +148,14 @@ def test_an_unreadable_final_box_is_none_for_nemo_skills_too():
 
 # ------------------------------------------------------------------ what math-verify does not decide (issue 39 item 13)
 
-def _at_default_depth(fn):
+async def _at_default_depth(fn):
     """Python's default depth, as in a worker's checker process: an import elsewhere in the suite
-    raises the limit, and the 200-deep fraction then parses (and is graded right, 1.0)."""
+    raises the limit, and the 200-deep fraction then parses (and is graded right, 1.0). Awaited
+    inside: the grading runs when the coroutine does, not when it is made."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(1000)
     try:
-        return fn()
+        return await fn()
     finally:
         sys.setrecursionlimit(limit)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -388,6 +389,8 @@ async def test_messages_the_sdks_ring_buffer_evicts_are_counted(monkeypatch, cap
     stats = uploader.stats()
     assert stats["evicted"] == 2 and stats["uploaded"] == 2, stats
     assert len(api.events("message")) == 2  # what the ring kept
-    assert any("2 message(s) evicted by the SDK's buffer" in r.getMessage() for r in caplog.records), caplog.text
+    reported = [re.search(r"(\d+) message\(s\) evicted by the SDK's buffer", r.getMessage()) for r in caplog.records]
+    # one line per report: both evictions in one, or one each when a report fell between them (a loaded machine)
+    assert sum(int(m.group(1)) for m in reported if m) == 2, caplog.text
     printed = capsys.readouterr()
     assert "ring buffer full" not in printed.out + printed.err

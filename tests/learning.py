@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 WARM_STEPS = 600  # supervised steps of 64 examples
 WARM_LR = 3e-3
 WARM_BOXED = 0.25  # share of the warm start's examples that box their answer
-WARM_VERSION = "w1"  # bump when the tasks, the model shape or the warm start change
+WARM_VERSION = "w2"  # bump when the tasks, the model shape or the warm start change
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
@@ -86,6 +86,18 @@ def _prompt_ids(tokenizer: Any, question: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def prompt_tokenizers() -> list[Any]:
+    """The two ways a client tokenizes the prompt: the shared test tokenizer as its own class
+    (the simulator's /model_info names it), and as transformers' Qwen2Tokenizer (what a client
+    loads from the Qwen2 model directory SGLang's front serves in tests/engine_stack.py: it
+    splits numbers into digits). The warm start teaches the model both."""
+    from transformers import Qwen2Tokenizer
+
+    from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
+
+    return [load_test_tokenizer(default_tokenizer_path()), Qwen2Tokenizer.from_pretrained(default_tokenizer_path())]
+
+
 def sample_accuracy(policy: Any, tokenizer: Any, rows: list[tuple[str, str, bool]], *, temperature: float = 1.0,
                     repeats: int = 2, prefix: str = "") -> float:
     """Fraction of sampled answers whose box holds the answer (a quick check for the warm start;
@@ -93,9 +105,11 @@ def sample_accuracy(policy: Any, tokenizer: Any, rows: list[tuple[str, str, bool
     from workers.sim.tinylm import GenRequest
 
     start = list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
-    requests = [GenRequest(_prompt_ids(tokenizer, q) + start, 16, temperature=temperature) for q, _, _ in rows]
+    clients = prompt_tokenizers()
+    requests = [GenRequest(_prompt_ids(client, q) + start, 16, temperature=temperature)
+                for client in clients for q, _, _ in rows]
     results = policy.generate(requests * repeats)
-    answers = [a for _, a, _ in rows] * repeats
+    answers = [a for _, a, _ in rows] * 2 * repeats
     right = 0
     for result, answer in zip(results, answers):
         found = _BOXED.findall(prefix + tokenizer.decode(result.ids, skip_special_tokens=True))
@@ -125,8 +139,9 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
     rows = problems()
     eos = tokenizer.eos_token_id
     forms = []
-    for question, answer, _ in rows:
-        prompt = _prompt_ids(tokenizer, question)
+    clients = prompt_tokenizers()
+    for (question, answer, _), client in ((row, c) for row in rows for c in clients):
+        prompt = _prompt_ids(client, question)
         boxed = list(tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False)) + [eos]
         plain = list(tokenizer.encode(f"Answer: {answer}", add_special_tokens=False)) + [eos]
         forms.append((prompt, boxed, plain))
@@ -148,6 +163,29 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
             "version": WARM_VERSION}
     info_file.write_text(json.dumps(info))
     return info
+
+
+def warm_checkpoint() -> Path:
+    """The warm start, built once per machine (~45 s of one core) under
+    ~/.cache/rollout-pipeline/tiny-warm-<version> (a staging directory renamed into place, so
+    racing builders never see half a checkpoint)."""
+    import os
+    import shutil
+    import tempfile
+
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-pipeline"
+    target = root / f"tiny-warm-{WARM_VERSION}"
+    if (target / "warm_start.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="warm-build-", dir=root))
+    warm_start(staging / "ckpt")
+    try:
+        os.rename(staging / "ckpt", target)
+    except OSError:  # another process won the race; its copy is built the same way
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+    return target
 
 
 def _sft_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> Any:

@@ -31,13 +31,16 @@ MARGIN = 0.15
 def learn_setup(tmp_path_factory):
     """The task set (`rollout prepare`) and the warm-started tiny LM, once for the module."""
     pytest.importorskip("torch")
-    from learning import prepare_tasks, warm_start
+    import json
+
+    from learning import prepare_tasks, warm_checkpoint
 
     root = tmp_path_factory.mktemp("learn")
     tasks, heldout = prepare_tasks(root / "tasks")
-    info = warm_start(root / "warm")
-    assert 0.10 <= info["accuracy"] <= 0.50, info
-    return root, tasks, heldout
+    warm = warm_checkpoint()
+    info = json.loads((warm / "warm_start.json").read_text())
+    assert 0.10 <= info["accuracy"] <= 0.50, info  # at temperature 1, before RL
+    return warm, tasks, heldout
 
 
 async def _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup, **controls):  # noqa: F811
@@ -47,14 +50,14 @@ async def _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup
     from engine_stack import shared_stack
     from learning import LearnRun, run_learning
 
-    root, tasks, heldout = learn_setup
+    warm, tasks, heldout = learn_setup
     stack = await asyncio.to_thread(shared_stack)
-    await asyncio.to_thread(stack.configure, policy_path=str(root / "warm"))
+    await asyncio.to_thread(stack.configure, policy_path=str(warm))
     try:
         run = LearnRun(steps=STEPS, eval_interval=STEPS, controls=Controls(**controls))
         result = await run_learning(run, slime=slime, monkeypatch=monkeypatch, workdir=tmp_path, redis_url=redis_url,
                                     ns=namespace, engine_url=stack.router_url, engine_urls=stack.engine_urls,
-                                    warm=root / "warm", tasks=tasks, heldout=heldout)
+                                    warm=warm, tasks=tasks, heldout=heldout)
     finally:
         await asyncio.to_thread(stack.configure)  # the scripted policy back for the next test
     print(f"\nheld-out accuracy {result.accuracy} ({controls or 'no control'}; {result.wall_s:.1f}s)")

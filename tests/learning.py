@@ -31,8 +31,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 WARM_STEPS = 600  # supervised steps of 64 examples
 WARM_LR = 3e-3
+WARM_TWO_TURN = 0.25  # share of the warm start's examples in the two-turn task's layout
 WARM_BOXED = 0.25  # share of the warm start's examples that box their answer
-WARM_VERSION = "w2"  # bump when the tasks, the model shape or the warm start change
+WARM_VERSION = "w3"  # bump when the tasks, the model shape or the warm start change
+FOLLOW_UP = "\nNow add 1 to it.\n"  # the two-turn task's observation after the first answer
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
@@ -50,26 +52,33 @@ def problems() -> list[tuple[str, str, bool]]:
     return [(q, a, i in held) for i, (q, a) in enumerate(rows)]
 
 
-def math_env(dataset: str | None = None) -> dict[str, Any]:
-    env: dict[str, Any] = {"kind": "math", "options": {"answer": "boxed", "check_in": "inline"}}
-    if dataset:
-        env["dataset"] = {"source": "jsonl", "files": [dataset], "fields": {"id": "id", "prompt": "question",
-                                                                              "label": "answer"}}
-    return env
+def math_env() -> dict[str, Any]:
+    return {"kind": "math", "options": {"answer": "boxed", "check_in": "inline"}}
+
+
+def _dataset(raw: str) -> dict[str, Any]:
+    return {"source": "jsonl", "files": [raw], "fields": {"id": "id", "prompt": "question", "label": "answer"}}
 
 
 def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
-    """tasks.jsonl (train split) and heldout.jsonl, each written by `rollout prepare`."""
+    """tasks.jsonl (the train split, once as the single-turn `arith` task and once as the
+    two-turn `arith2` task) and heldout.jsonl (`arith`), each written by `rollout prepare`."""
     import yaml
 
     workdir.mkdir(parents=True, exist_ok=True)
     out = []
     for split, held in (("train", False), ("heldout", True)):
+        rows = [(i, q, a) for i, (q, a, h) in enumerate(problems()) if h == held]
         raw = workdir / f"{split}-raw.jsonl"
-        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n"
-                               for i, (q, a, h) in enumerate(problems()) if h == held))
+        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
+        envs = {"arith": {**math_env(), "dataset": _dataset(raw.name)}}
+        if not held:
+            two = workdir / f"{split}2-raw.jsonl"
+            two.write_text("".join(json.dumps({"id": f"{split}2-{i}", "question": q, "answer": a}) + "\n"
+                                   for i, q, a in rows))
+            envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
         config = workdir / f"prepare-{split}.yaml"
-        config.write_text(yaml.safe_dump({"environments": {"arith": math_env(raw.name)}}))
+        config.write_text(yaml.safe_dump({"environments": envs}))
         tasks = workdir / ("tasks.jsonl" if split == "train" else "heldout.jsonl")
         subprocess.run([sys.executable, "-m", "producers.prepare_tasks", "--config", str(config),
                         "--output", str(tasks)], check=True, cwd=REPO, capture_output=True)
@@ -138,18 +147,37 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
     model = new_model(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
     rows = problems()
     eos = tokenizer.eos_token_id
-    forms = []
     clients = prompt_tokenizers()
+    singles, doubles = [], []  # (token ids, which of them are trained) per example form
     for (question, answer, _), client in ((row, c) for row in rows for c in clients):
         prompt = _prompt_ids(client, question)
-        boxed = list(tokenizer.encode(f"\\boxed{{{answer}}}", add_special_tokens=False)) + [eos]
-        plain = list(tokenizer.encode(f"Answer: {answer}", add_special_tokens=False)) + [eos]
-        forms.append((prompt, boxed, plain))
+        follow = list(client.encode(FOLLOW_UP, add_special_tokens=False))  # raw observation tokens
+
+        def replies(value: int) -> tuple[list[int], list[int]]:
+            boxed = list(tokenizer.encode(f"\\boxed{{{value}}}", add_special_tokens=False)) + [eos]
+            return boxed, list(tokenizer.encode(f"Answer: {value}", add_special_tokens=False)) + [eos]
+
+        singles.append((prompt, replies(int(answer))))
+        doubles.append((prompt, replies(int(answer)), follow, replies(int(answer) + 1)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(seed)
     model.train()
+
+    def pick(pair: tuple[list[int], list[int]]) -> list[int]:
+        return pair[0] if rng.random() < boxed_share else pair[1]
+
     for _ in range(steps):
-        batch = [(p, b if rng.random() < boxed_share else a) for p, b, a in rng.sample(forms, 64)]
+        batch = []
+        for _ in range(64):
+            if rng.random() < WARM_TWO_TURN:  # the two-turn task's layout: answer, observation, answer
+                prompt, first, follow, second = rng.choice(doubles)
+                one, two = pick(first), pick(second)
+                batch.append((prompt + one + follow + two,
+                              [0] * len(prompt) + [1] * len(one) + [0] * len(follow) + [1] * len(two)))
+            else:
+                prompt, first = rng.choice(singles)
+                one = pick(first)
+                batch.append((prompt + one, [0] * len(prompt) + [1] * len(one)))
         loss = _sft_loss(model, batch, eos)
         optimizer.zero_grad()
         loss.backward()
@@ -189,16 +217,16 @@ def warm_checkpoint() -> Path:
 
 
 def _sft_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> Any:
+    """Cross-entropy on the tokens marked 1 in each (ids, trained) example."""
     import torch
 
-    width = max(len(p) + len(r) for p, r in batch)
+    width = max(len(ids) for ids, _ in batch)
     ids = torch.full((len(batch), width), pad, dtype=torch.long)
     labels = torch.full((len(batch), width), -100, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, (prompt, reply) in enumerate(batch):
-        row = prompt + reply
+    for i, (row, trained) in enumerate(batch):
         ids[i, : len(row)] = torch.tensor(row)
-        labels[i, len(prompt): len(row)] = torch.tensor(reply)
+        labels[i, : len(row)] = torch.where(torch.tensor(trained) == 1, torch.tensor(row), -100)
         mask[i, : len(row)] = 1
     return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
@@ -232,6 +260,7 @@ class LearnResult:
     seconds: dict[int, float]  # trainer steps done -> wall seconds since the loop started
     metrics: list[dict[str, float]]
     wall_s: float
+    two_turn_samples: int = 0  # trained samples whose loss mask has an untrained stretch between two trained ones
 
 
 def eval_file(workdir: Path, heldout: Path, samples: int) -> Path:
@@ -249,8 +278,11 @@ def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[s
         "engine": {"url": engine, "max_retries": 2, "retry_backoff_s": 0.05},
         "rollout": {"n_samples_per_prompt": run.n, "rollout_batch_size": run.batch, "eta": run.eta,
                     "max_response_tokens": 16, "sampling": run.sampling},
-        "environments": {"arith": math_env()},
-        "workers": {"concurrency": run.concurrency, "heartbeat_s": 0.5, "dead_after_s": 5.0, "poll_delay_s": 0.02},
+        # the two-turn task is a quarter of what the producer admits (its mixing weight)
+        "environments": {"arith": math_env(), "arith2": {**two_turn_env(), "weight": 1 / 3}},
+        # liveness lenient: the CPU actor shares this process, and a stalled event loop must not
+        # make a job that is starting look orphaned (it would be re-run)
+        "workers": {"concurrency": run.concurrency, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02},
     }
 
 
@@ -324,4 +356,41 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         done = 0 if (i == 0 and not args.skip_eval_before_train) else rid + 1  # train.py's eval before step 0
         accuracy[done] = float(metrics["eval/heldout/pass@1"])
         seconds[done] = when - started
-    return LearnResult(accuracy=accuracy, seconds=seconds, metrics=trainer.metrics, wall_s=wall)
+    masks = [m for steps in cluster.trained.values() for data in steps.values() for m in data["loss_masks"]]
+    return LearnResult(accuracy=accuracy, seconds=seconds, metrics=trainer.metrics, wall_s=wall,
+                       two_turn_samples=sum(_gap_between_turns(list(m)) for m in masks))
+
+
+def _gap_between_turns(mask: list[int]) -> bool:
+    """A 0 after a 1 and before another 1: an observation between two trained turns."""
+    text = "".join("1" if v else "0" for v in mask)
+    return bool(re.search("10+1", text))
+
+
+# ---------------------------------------------------------------- the two-turn task
+
+class TwoTurnArithmetic:
+    """A NeMo-RL-style environment (`kind: nemo_rl`, `multi_turn: true`): the first answer gets
+    the observation FOLLOW_UP, the second must box the label plus one (reward 1, else 0). Its
+    episodes carry a loss mask with the observation's tokens at 0 between two trained turns."""
+
+    def step(self, message_logs: list[list[dict[str, Any]]], metadata: list[dict[str, Any]]) -> tuple[Any, ...]:
+        observations, rewards, done = [], [], []
+        for log, meta in zip(message_logs, metadata):
+            turns = [m for m in log if m.get("role") == "assistant"]
+            if len(turns) < 2:
+                observations.append({"role": "environment", "content": FOLLOW_UP})
+                rewards.append(0.0)
+                done.append(False)
+                continue
+            found = _BOXED.findall(str(turns[-1].get("content") or ""))
+            right = bool(found) and found[-1] == str(int(meta["ground_truth"]) + 1)
+            observations.append({"role": "environment", "content": ""})
+            rewards.append(1.0 if right else 0.0)
+            done.append(True)
+        return observations, list(metadata), [None] * len(metadata), rewards, done
+
+
+def two_turn_env() -> dict[str, Any]:
+    return {"kind": "nemo_rl", "max_turns": 2,
+            "options": {"cls": "tests.learning:TwoTurnArithmetic", "multi_turn": True, "label_key": "ground_truth"}}

@@ -74,6 +74,7 @@ async def test_a_real_policy_learns_through_the_pipeline_and_broken_signals_do_n
     controls = {control: True} if control else {}
     gain, result = await _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup, **controls)
     assert all(m["loss"] == m["loss"] for m in result.metrics), "a NaN loss"  # noqa: PLR0124
+    assert result.two_turn_samples > 0, "no two-turn episode was trained (masks across turns not exercised)"
     if control is None:
         assert gain >= MARGIN, f"the policy did not learn: {result.accuracy}"
     else:

@@ -77,9 +77,9 @@ def _sim_time(url: str) -> float:
 
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any) -> Curve:
     import pytest
-
     from cpu_actor import Controls
     from learning import LearnRun, run_learning
+
     from pipeline.local_redis import LocalRedis
     from scripts.processes import SimEngineProcess
 
@@ -110,8 +110,9 @@ def _setup(workdir: Path) -> Any:
 
     slime = require_slime("slime.ray.rollout", "slime.backends.megatron_utils.loss",
                           "slime.observability.rollout_data_utils", "slime.ray.placement_group")
-    import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
     from learning import prepare_tasks, warm_checkpoint
+
+    import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
 
     tasks, heldout = prepare_tasks(workdir / "tasks")
     return slime, warm_checkpoint(), tasks, heldout

@@ -9,10 +9,12 @@ CPU actor running slime's advantage and loss code (tests/cpu_actor.py) -> weight
 
 Learning is counted in trainer steps, never in seconds, so a loaded machine is slower, not
 flakier. The margin: the run that learns must gain `MARGIN` held-out accuracy over its own
-start within `STEPS` steps; the held-out pass@1 of one eval round over 40 tasks x 4 samples has a
-standard error of about 3.5 points, and seed-to-seed the gain varies by a few points
-(docs/benchmarks.md "Learning"), so `MARGIN` is several noise widths. Each control runs the same
-steps and must stay below it: one that learned would fail this test.
+start within `STEPS` steps. One eval round (40 held-out tasks x 4 samples) has a standard error
+of about 0.035; the learning run gains ~0.3 in 10 steps (sync in `rollout bench --sections learn`:
++0.34 to +0.39 in 12 steps over 3 seeds, docs/benchmarks.md "Learning"), and controls (a) and
+(b) fall to ~0, so `MARGIN` (0.15) is about four noise widths from either side. Each control runs
+the same steps and must stay below it: one that learned would fail this test. The warm start is
+built once per machine (~60 s of one core; tests/learning.py `warm_checkpoint`).
 """
 
 from __future__ import annotations

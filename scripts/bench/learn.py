@@ -77,8 +77,8 @@ def _sim_time(url: str) -> float:
 
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any) -> Curve:
     import pytest
-    from cpu_actor import Controls
-    from learning import LearnRun, run_learning
+    from cpu_actor import Controls  # type: ignore[import-not-found]  # tests/, on sys.path after _setup
+    from learning import LearnRun, run_learning  # type: ignore[import-not-found]
 
     from pipeline.local_redis import LocalRedis
     from scripts.processes import SimEngineProcess
@@ -106,11 +106,11 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
 def _setup(workdir: Path) -> Any:
     """slime on sys.path with pipeline.slime bound to its classes, the task set, the warm start."""
     sys.path[:0] = [str(REPO / "tests"), str(REPO)]
-    from conformance_support import require_slime
+    from tests.conformance_support import require_slime
 
     slime = require_slime("slime.ray.rollout", "slime.backends.megatron_utils.loss",
                           "slime.observability.rollout_data_utils", "slime.ray.placement_group")
-    from learning import prepare_tasks, warm_checkpoint
+    from learning import prepare_tasks, warm_checkpoint  # type: ignore[import-not-found]
 
     import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
 
@@ -213,7 +213,7 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
         seeds, steps = 1, 8
     workdir = Path(tempfile.mkdtemp(prefix="bench-learn-"))
     setup = _setup(workdir)
-    from cpu_actor import quiet_transformers  # tests/ is on sys.path after _setup
+    from cpu_actor import quiet_transformers  # type: ignore[import-not-found]  # tests/ is on sys.path now
 
     quiet_transformers()
     started = time.monotonic()

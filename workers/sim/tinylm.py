@@ -59,7 +59,7 @@ def new_model(vocab_size: int, *, seed: int = 0, eos_id: int = 0) -> Any:
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
-                         torch_dtype="float32", **TINY_SHAPE)
+                         **TINY_SHAPE)
     model = Qwen2ForCausalLM(config)
     model.eval()
     return model

@@ -74,7 +74,7 @@ START_TIMEOUT_S = 240.0  # a loaded 2-core CI machine; ~50 s there when idle
 
 # what `EngineStack.configure` may change (not the engine's context, slots or tokenizer)
 _CONFIGURABLE = ("accuracy", "tool_use", "malformed_rate", "length_mu", "length_sigma", "max_filler_tokens",
-                 "token_latency_s", "latency_sigma", "seed", "puzzle", "slots")
+                 "token_latency_s", "latency_sigma", "seed", "puzzle", "slots", "policy_path")
 
 
 _LIVE: list[EngineStack] = []  # stopped at exit if a test run ends without their teardown
@@ -483,6 +483,10 @@ class SimScheduler:
             # the simulator's update: the push time on the step loop, the prefix cache flushed, spans
             await engine.push_weights(obj.new_version)
             await self._reply(io.UpdateWeightVersionReqOutput(rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
+        elif isinstance(obj, io.UpdateWeightFromDiskReqInput):  # the tiny policy loads the checkpoint
+            ok, message = await engine.load_weights_from_disk(obj.model_path, obj.weight_version)
+            await self._reply(io.UpdateWeightFromDiskReqOutput(success=ok, message=message, num_paused_requests=0,
+                                                               rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
         elif isinstance(obj, io.GetInternalStateReq):
             state = {"max_req_input_len": self.max_req_input_len, "weight_version": engine.weight_version,
                      "running": len(engine._running)}
@@ -521,7 +525,10 @@ class SimScheduler:
                                              "err_type": "BadRequestError"}, None)
             return
         stops = params.stop_strs
-        sim_params = {"max_new_tokens": max_new, "stop": list(stops) if stops else None}
+        sim_params = {"max_new_tokens": max_new, "stop": list(stops) if stops else None,
+                      # what a model samples with (the tiny policy; the scripted one ignores them)
+                      "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                      "stop_token_ids": sorted(params.stop_token_ids or ())}
         routing_key = req.routing_key or req.rid
         keys = engine.stats["routing_keys"]
         keys[routing_key] = keys.get(routing_key, 0) + 1
@@ -732,6 +739,8 @@ async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
     async def configure(request: web.Request) -> web.Response:
         """New SimConfig fields; the counters, the queued faults and the kept bodies start afresh."""
         fields = await request.json()
+        if fields.get("policy_path", engine.config.policy_path) != engine.config.policy_path:
+            engine.set_policy(fields["policy_path"])
         engine.config = dataclasses.replace(engine.config, **fields)
         engine.set_slots(engine.config.slots)  # SGLang's max_running_requests, for the requests that come next
         engine._faults.clear()

@@ -79,26 +79,58 @@ class RolloutManagerActor:
         self.batches: dict[int, list[Any]] = {}  # rollout id -> the samples generate() returned
         # slime's RolloutManager.eval (its own eval function: --eval-function-path, else the
         # rollout function); the engines' health monitors it resumes are GPU-side: none here
-        self.state.eval_generate_rollout = load_function(getattr(args, "eval_function_path", None)
-                                                         or args.rollout_function_path)
+        eval_rollout = load_function(getattr(args, "eval_function_path", None) or args.rollout_function_path)
+        self.evals: list[tuple[int, dict[str, Any], float]] = []  # (rollout id, the round's metrics, when done)
+
+        def eval_and_record(*fn_args: Any, **fn_kwargs: Any) -> Any:
+            output = eval_rollout(*fn_args, **fn_kwargs)
+            self.evals.append((fn_args[1], dict(getattr(output, "metrics", None) or {}), time.monotonic()))
+            return output
+
+        self.state.eval_generate_rollout = eval_and_record
         self.state.health_monitoring_resume = lambda: None
         slime_eval = cls.eval.__get__(self.state)
         self.eval_calls: list[tuple[int, float]] = []  # (rollout id, seconds the loop waited for the call)
+        convert = self._converter(cls, args)
+
+        def generate(rollout_id: int) -> Any:
+            self.batches[rollout_id] = get_data(rollout_id=rollout_id)[0]
+            return convert(self.batches[rollout_id]) if convert else self.batches[rollout_id]
 
         def evaluate(rollout_id: int) -> None:
             started = time.monotonic()
             slime_eval(rollout_id)
             self.eval_calls.append((rollout_id, time.monotonic() - started))
 
-        def generate(rollout_id: int) -> list[Any]:
-            self.batches[rollout_id] = get_data(rollout_id=rollout_id)[0]
-            return self.batches[rollout_id]
-
         self.generate = _Remote(self.executor, generate)
+        self.eval = _Remote(self.executor, evaluate)
         self.save = _Remote(self.executor, save)
         self.load = _Remote(self.executor, load)
-        self.eval = _Remote(self.executor, evaluate)
         self.dispose = _Remote(self.executor, lambda: None)
+
+    def _converter(self, cls: type, args: Namespace) -> Any:
+        """With `args.cpu_actor`: slime's `_post_process_rewards` + `_convert_samples_to_train_data`
+        on the samples (what RolloutManager.generate hands a real actor, before the DP split);
+        `args.shuffle_rewards_hook(samples)` runs first when set (a negative control)."""
+        if not getattr(args, "cpu_actor", False):
+            return None
+        from slime.utils.misc import load_function
+
+        state = self.state
+        state.custom_reward_post_process_func = (load_function(args.custom_reward_post_process_path)
+                                                 if args.custom_reward_post_process_path else None)
+        state.custom_convert_samples_to_train_data_func = None
+        post, convert = (getattr(cls, n).__get__(state) for n in ("_post_process_rewards",
+                                                                  "_convert_samples_to_train_data"))
+        state._post_process_rewards = post
+        hook = getattr(args, "before_convert", None)
+
+        def run(samples: list[Any]) -> Any:
+            if hook is not None:
+                hook(samples)
+            return convert(samples)
+
+        return run
 
     @property
     def data_source(self) -> Any:
@@ -178,9 +210,11 @@ def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int
     ), **pipeline_args})
 
 
-def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None) -> None:
+def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None,
+            actor: Any = None) -> None:
     """Stand in for Ray, placement and the actor model under slime's own functions, for one
-    trainer process (its run number is the one its data source began)."""
+    trainer process (its run number is the one its data source began). `actor(cluster, run,
+    start, crash_at)` builds the actor (default: `MegatronActor`, which trains nothing)."""
     placement = slime.modules["slime.ray.placement_group"]
     rollout = slime.modules["slime.ray.rollout"]
     manager_cls = rollout.RolloutManager.__ray_actor_class__  # slime's class (@ray.remote wraps it)
@@ -200,7 +234,7 @@ def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *,
     def create_actor_model(args: Namespace, pgs: Any, rollout_manager: Any, actor_cls: Any = None) -> Any:
         start = 0 if cluster.checkpoint is None else cluster.checkpoint + 1  # actor.py: loaded_rollout_id + 1
         run = rollout_manager.data_source.run_id
-        return MegatronActor(cluster, run, start, crash_at), [start]
+        return (actor or MegatronActor)(cluster, run, start, crash_at), [start]
 
     monkeypatch.setattr(rollout, "RolloutManager", RolloutManagerClass)
     monkeypatch.setattr(placement, "ray", FAKE_RAY)

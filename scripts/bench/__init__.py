@@ -27,7 +27,7 @@ from scripts.bench.report import Figure
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
 # asked for by name only (minutes each): slime's own rollout functions next to this pipeline
-OPT_IN_SECTIONS = ("peer", "scale")
+OPT_IN_SECTIONS = ("peer", "scale", "learn")
 
 
 def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list[Figure]]:
@@ -53,6 +53,9 @@ def _section_runner(name: str, redis_url: str, quick: bool) -> Callable[[], list
     if name == "scale":  # W simulated workers' liveness and 100,000 groups' memory (scripts/bench/scale.py)
         from scripts.bench.scale import bench_scale
         return lambda: bench_scale(redis_url, quick=quick)
+    if name == "learn":  # a tiny LM trained through the pipeline by slime's loop (scripts/bench/learn.py)
+        from scripts.bench.learn import bench_learn
+        return lambda: bench_learn(quick=quick, out_dir=Path("."))
     raise ValueError(f"unknown section {name!r} (known: {', '.join(SECTIONS + OPT_IN_SECTIONS)})")
 
 

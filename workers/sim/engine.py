@@ -124,6 +124,9 @@ class SimConfig:
     tokenizer_path: str = ""  # "" = the shared test tokenizer
     answers: dict[str, str] = field(default_factory=dict)  # question text -> label (from --tasks)
     puzzle: bool = False  # play sliding-puzzle moves (NeMo-RL's SlidingPuzzleEnv games), see `_puzzle_move`
+    # a tiny causal LM checkpoint (workers/sim/tinylm.py) that decides the tokens instead of the
+    # scripted policy; "" = the scripted policy. /update_weights_from_disk replaces its weights.
+    policy_path: str = ""
 
 
 @dataclass
@@ -152,6 +155,10 @@ class SimEngine:
         self._resumed.set()
         self.scheduler: BatchScheduler | None = None
         self._apply_config()
+        self.policy: Any = None  # workers.sim.tinylm.TinyPolicy when config.policy_path is set
+        self._policy_queue: list[tuple[Any, asyncio.Future[Any]]] = []
+        self._policy_busy = False
+        self.set_policy(config.policy_path)
         self._paused_in_place = False  # in_place/retract: running requests wait instead of aborting
         self._started_at = time.monotonic()
         self._running: dict[str, _Running] = {}
@@ -217,6 +224,7 @@ class SimEngine:
                 web.post("/pause_generation", self.pause),
                 web.post("/continue_generation", self.resume),
                 web.post("/update_weight_version", self.update_weight_version),
+                web.post("/update_weights_from_disk", self.update_weights_from_disk),
                 web.get("/v1/loads", self.loads),
                 web.get("/workers", self.workers),
                 web.post("/sim/fail_next", self.fail_next),
@@ -327,6 +335,41 @@ class SimEngine:
             {"success": True, "message": f"Weight version updated to {self.weight_version}",
              "new_version": self.weight_version}
         )
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's POST /update_weights_from_disk (UpdateWeightFromDiskReqInput: model_path,
+        abort_all_requests = false, weight_version): the tiny policy loads the checkpoint."""
+        body = await request.json()
+        if "model_path" not in body:
+            return web.json_response({"detail": [{"loc": ["body", "model_path"], "msg": "Field required"}]}, status=422)
+        if body.get("abort_all_requests", False):
+            self._abort_all("Abort for weight update")
+        ok, message = await self.load_weights_from_disk(str(body["model_path"]), body.get("weight_version"))
+        return web.json_response({"success": ok, "message": message, "num_paused_requests": 0},
+                                 status=200 if ok else 400)
+
+    def set_policy(self, path: str) -> None:
+        """Serve the tiny LM checkpoint at `path` (workers/sim/tinylm.py), or the scripted policy ("")."""
+        self.config = dataclasses.replace(self.config, policy_path=path)
+        if not path:
+            self.policy = None
+            return
+        from workers.sim.tinylm import TinyPolicy
+
+        self.policy = TinyPolicy(path, self.tokenizer, seed=self.config.seed)
+
+    async def load_weights_from_disk(self, path: str, version: str | None) -> tuple[bool, str]:
+        """The weights at `path` replace the policy's (after the batch in flight), then the
+        weight version changes as a push does (push time, cache flushed, spans)."""
+        if self.policy is None:
+            return False, "this simulated engine plays the scripted policy (no --policy-path): no weights to load"
+        try:
+            await asyncio.to_thread(self.policy.load, path)
+        except (OSError, ValueError) as exc:
+            return False, f"Failed to load weights from {path}: {exc}"
+        if version is not None:
+            await self.push_weights(str(version))
+        return True, "Succeeded to update model weights."
 
     async def push_weights(self, new_version: str) -> None:
         """A weight update as the engine feels it: with a model, the GPU is busy model bytes /
@@ -495,6 +538,8 @@ class SimEngine:
     ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
         if self.config.puzzle:
             return await self._run_puzzle(running, input_ids, params)
+        if self.policy is not None:
+            return await self._run_model(running, input_ids, params)
         plan_ids, plan_lps, done = self._plan(input_ids, routing_key)
         if done == 0:
             self.stats["planned"].setdefault(routing_key, len(plan_ids))
@@ -513,6 +558,57 @@ class SimEngine:
         else:
             finish = {"type": "length", "length": len(ids)}
         return ids[:produced], lps[:produced], finish, self._spans(running, produced)
+
+    async def _run_model(
+        self, running: _Running, input_ids: list[int], params: dict[str, Any]
+    ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
+        """The tiny LM answers at the request's own sampling params; the scheduler times it."""
+        from workers.sim.tinylm import GenRequest
+
+        budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
+        stops = params.get("stop") or []
+        request = GenRequest(
+            input_ids=input_ids, max_new_tokens=int(budget if budget is not None else _DEFAULT_MAX_NEW_TOKENS),
+            temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
+            top_p=float(params.get("top_p") or 1.0), top_k=int(params.get("top_k") or -1),
+            stop=[stops] if isinstance(stops, str) else list(stops),
+            stop_token_ids=list(params.get("stop_token_ids") or []))
+        result = await self._policy_generate(request)
+        produced = await self._emit(running, input_ids, result.ids, request.max_new_tokens)
+        finish = result.finish
+        if produced < len(result.ids):
+            self.stats["aborted"] += 1
+            finish = {"type": "abort", "message": running.message}
+        return result.ids[:produced], result.log_probs[:produced], finish, self._spans(running, produced)
+
+    async def _policy_generate(self, request: Any) -> Any:
+        """Requests that arrive while a batch generates go together in the next one (one forward
+        per token for the whole batch, as the scheduler's running batch)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._policy_queue.append((request, future))
+        if not self._policy_busy:
+            self._policy_busy = True
+            asyncio.ensure_future(self._policy_loop())
+        return await future
+
+    async def _policy_loop(self) -> None:
+        try:
+            while self._policy_queue:
+                await asyncio.sleep(0)  # the requests of this tick join the batch
+                batch, self._policy_queue = self._policy_queue, []
+                try:
+                    results = await asyncio.to_thread(self.policy.generate, [r for r, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - every waiter hears of it
+                    results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._policy_busy = False
 
     def _spans(self, running: _Running, produced: int) -> list[dict[str, Any]]:
         """The weight-version spans SGLang's `compute_weight_version_spans` (utils/weight_versions.py)
@@ -909,6 +1005,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     model = p.add_argument_group("model")
     model.add_argument("--weight-version", default=d.weight_version,
                        help="initial weight version label (POST /update_weight_version changes it) (default %(default)s)")
+    model.add_argument("--policy-path", default="",
+                       help="a tiny causal LM checkpoint (workers/sim/tinylm.py, needs torch) that decides the tokens "
+                            "instead of the scripted policy; POST /update_weights_from_disk replaces its weights")
     model.add_argument("--tokenizer", default="", help="tokenizer directory (default: the shared test tokenizer)")
     return p.parse_args(argv)
 
@@ -925,7 +1024,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         low_priority_values_first=args.schedule_low_priority_values_first,
         context_length=args.context_length, weight_version=args.weight_version, seed=args.seed,
-        startup_s=args.startup_s, puzzle=args.puzzle,
+        startup_s=args.startup_s, puzzle=args.puzzle, policy_path=args.policy_path,
         tokenizer_path=args.tokenizer, answers=load_answers(args.tasks) if args.tasks else {},
     )
 

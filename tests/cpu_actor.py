@@ -1,0 +1,213 @@
+"""The Megatron actor of slime's loop, on a CPU, training the tiny LM (workers/sim/tinylm.py).
+
+`CPUActor` stands where tests/slime_loop_helpers.py's `MegatronActor` stands: slime's own
+train.py / train_async.py call `async_train(rollout_id, data)` with what slime's
+`RolloutManager.generate` returns (`_convert_samples_to_train_data`: GRPO-normalised rewards by
+`_post_process_rewards`, loss masks with `remove_sample` zeroed, rollout log-probs), and
+`update_weights()` after the step. What runs is slime's code wherever slime has it:
+
+- megatron-core's parallel state, initialised for one CPU process (gloo, TP = PP = CP = DP = 1),
+  so slime's loss module runs as on one GPU;
+- `slime.backends.megatron_utils.loss.compute_advantages_and_returns` (GRPO returns from
+  `ppo_utils.get_grpo_returns`, the approx KL of `ppo_utils.compute_approx_kl`) and
+  `loss_function` -> `policy_loss_function` (`get_log_probs_and_entropy` on the packed logits,
+  `compute_policy_loss`, slime's `vanilla_tis_function` with `--use-tis`, the KL loss,
+  `get_sum_of_sample_mean` over `rollout_mask_sums`);
+- the old-policy and reference log-probs are the actor's own forward passes, as slime's
+  `compute_log_prob` computes them (the packed layout slime's THD batches have).
+
+The one piece written here is what Megatron's model and optimizer do: a forward of the HF model
+on each sample, the logits packed as slime packs them, backward, AdamW. The push is what slime's
+updater does to each engine: pause generation, `/update_weights_from_disk` with the checkpoint
+and the weight version (the per-process push count), continue.
+
+`Controls` breaks the signal on purpose (the learning test's negative controls): advantages of
+the wrong sign, the loss window one token early, rollout log-probs of another sample, rewards
+shuffled across groups.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from argparse import Namespace
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slime_loop_helpers import Cluster, MegatronActor, _post
+
+
+@dataclass(frozen=True)
+class Controls:
+    wrong_sign: bool = False  # (a) advantages negated after slime computed them
+    mask_shift: bool = False  # (b) the loss mask one token early: each trained position scores the token before
+    foreign_logprobs: bool = False  # (c) rollout log-probs of another sample of the batch
+    shuffled_rewards: bool = False  # (d) rewards shuffled across the batch before slime normalises them per group
+
+
+def slime_loss_args(*, use_tis: bool = True, kl_loss_coef: float = 0.0) -> dict[str, Any]:
+    """slime's arguments that its loss path reads, at slime's defaults (slime/utils/arguments.py)
+    except where a GRPO run sets them (`--advantage-estimator grpo`, `--use-tis`, `--use-kl-loss`)."""
+    return dict(
+        advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None,
+        use_rollout_logprobs=False, kl_coef=0.0, kl_loss_type="low_var_kl", use_kl_loss=True,
+        kl_loss_coef=kl_loss_coef, use_unbiased_kl=False, custom_advantage_function_path=None, use_opd=False,
+        normalize_advantages=False, rollout_temperature=1.0, log_probs_chunk_size=-1, entropy_coef=0.0,
+        allgather_cp=False, use_opsm=False, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
+        get_mismatch_metrics=False, use_tis=use_tis, tis_clip=2.0, tis_clip_low=0.0, custom_tis_function_path=None,
+        calculate_per_token_loss=False, loss_type="policy_loss", recompute_loss_function=False,
+        custom_pg_loss_reducer_function_path=None, rollout_top_p=1.0, clip_grad=1.0,
+        custom_reward_post_process_path=None, custom_convert_samples_to_train_data_path=None,
+    )
+
+
+_PARALLEL_READY = False
+
+
+def ensure_cpu_parallel_state() -> None:
+    """megatron-core's parallel state for one CPU process: a gloo group of one, TP = PP = CP = 1.
+    slime's loss reads its groups and ranks from it. torch.compile (slime decorates the KL and
+    loss kernels with it) is turned off: on a CPU it compiles C++ for ~20 s, for kernels that
+    run eagerly in milliseconds; the arithmetic is the same."""
+    global _PARALLEL_READY
+    if _PARALLEL_READY:
+        return
+    import torch
+    import torch._dynamo
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    torch._dynamo.config.disable = True
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    _PARALLEL_READY = True
+
+
+class CPUTrainer:
+    """The tiny LM, its optimizer and a frozen reference copy; one GRPO step per rollout."""
+
+    def __init__(self, checkpoint: str | Path, args: Namespace, *, lr: float, seed: int, controls: Controls):
+        import torch
+
+        from workers.sim.tinylm import load_model
+
+        ensure_cpu_parallel_state()
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        self.args, self.controls = args, controls
+        self.model = load_model(checkpoint)
+        self.ref = load_model(checkpoint)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+        self.rng = random.Random(seed)
+        self.metrics: list[dict[str, float]] = []
+
+    def _packed_logits(self, model: Any, tokens: list[Any]) -> Any:
+        """Each sample's logits over its own tokens, concatenated as slime's packed THD batch
+        ([1, sum of lengths, vocab]; CP = 1, no padding between samples)."""
+        import torch
+
+        width = max(len(t) for t in tokens)
+        ids = torch.zeros((len(tokens), width), dtype=torch.long)
+        mask = torch.zeros((len(tokens), width), dtype=torch.long)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = t
+            mask[i, : len(t)] = 1
+        logits = model(input_ids=ids, attention_mask=mask).logits.float()
+        return torch.cat([logits[i, : len(t)] for i, t in enumerate(tokens)], dim=0).unsqueeze(0)
+
+    def train(self, data: dict[str, Any]) -> dict[str, float]:
+        import torch
+        from slime.backends.megatron_utils import loss as slime_loss
+
+        args, controls = self.args, self.controls
+        tokens = [torch.as_tensor(t, dtype=torch.long) for t in data["tokens"]]
+        response_lengths = [int(n) for n in data["response_lengths"]]
+        total_lengths = [len(t) for t in tokens]
+        loss_masks = [torch.as_tensor(m, dtype=torch.float32) for m in data["loss_masks"]]
+        rollout_lps = [torch.as_tensor(lp, dtype=torch.float32) for lp in data["rollout_log_probs"]]
+        if controls.foreign_logprobs:
+            rollout_lps = self._foreign(rollout_lps)
+        score_tokens = tokens
+        if controls.mask_shift:  # each position's target is the token before it: the window one early
+            score_tokens = [torch.cat([t[:1], t[:-1]]) for t in tokens]
+        batch: dict[str, Any] = {
+            "rewards": list(data["rewards"]), "response_lengths": response_lengths, "total_lengths": total_lengths,
+            "loss_masks": loss_masks, "rollout_log_probs": rollout_lps, "unconcat_tokens": score_tokens,
+            "rollout_mask_sums": [torch.tensor(float(s)) for s in data["rollout_mask_sums"]],
+        }
+        with torch.no_grad():  # slime's compute_log_prob for the actor ("log_probs") and the reference
+            for key, model in (("log_probs", self.model), ("ref_log_probs", self.ref)):
+                logits = self._packed_logits(model, tokens)
+                _, out = slime_loss.get_log_probs_and_entropy(
+                    logits, args=args, unconcat_tokens=score_tokens, total_lengths=total_lengths,
+                    response_lengths=response_lengths)
+                batch[key] = out["log_probs"]
+        slime_loss.compute_advantages_and_returns(args, batch)
+        if controls.wrong_sign:
+            batch["advantages"] = [-a for a in batch["advantages"]]
+        self.model.train()
+        logits = self._packed_logits(self.model, tokens)
+        loss, _, log = slime_loss.loss_function(args, batch, 1, len(tokens), logits)
+        self.optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad)
+        self.optimizer.step()
+        self.model.eval()
+        metrics = {k: float(v) for k, v in zip(log["keys"], log["values"][1:].tolist())}
+        self.metrics.append(metrics)
+        return metrics
+
+    def _foreign(self, rollout_lps: list[Any]) -> list[Any]:
+        """(c): each sample gets another sample's rollout log-probs, cut or padded (with its
+        mean) to its own length."""
+        import torch
+
+        order = list(range(len(rollout_lps)))
+        self.rng.shuffle(order)
+        out = []
+        for mine, theirs in zip(rollout_lps, (rollout_lps[j] for j in order)):
+            fill = float(theirs.mean()) if len(theirs) else -1.0
+            pad = torch.full((max(0, len(mine) - len(theirs)),), fill)
+            out.append(torch.cat([theirs, pad])[: len(mine)])
+        return out
+
+    def save(self, path: Path) -> str:
+        from workers.sim.tinylm import save_checkpoint
+
+        return save_checkpoint(self.model, path)
+
+
+class CPUActor(MegatronActor):
+    """slime's train group with a real model: trains on each rollout, pushes the weights."""
+
+    def __init__(self, cluster: Cluster, run: int, start: int, crash_at: int | None, trainer: CPUTrainer,
+                 checkpoints: Path):
+        super().__init__(cluster, run, start, crash_at)
+        self.trainer, self.checkpoints = trainer, checkpoints
+
+    def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
+        super().async_train(rollout_id, data, external_data)
+        self.trainer.train(data)
+
+    def update_weights(self) -> None:
+        """slime's updater: pause, load the new weights with the version label, continue."""
+        self.pushes += 1
+        label = str(self.pushes)
+        self.cluster.truth[(self.run, label)] = self.start + self.steps
+        path = self.trainer.save(self.checkpoints / f"run{self.run}-push{label}")
+        for url in self.cluster.engine_urls:
+            _post(url, "/pause_generation", {})
+            _post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
+            _post(url, "/continue_generation", {})
+
+
+def quiet_transformers() -> None:
+    """No progress bars for every checkpoint load (the tiny model loads one per push)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()

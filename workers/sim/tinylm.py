@@ -1,0 +1,195 @@
+"""A real policy for the simulated engine: a tiny causal LM (transformers' Qwen2 architecture,
+~0.2M parameters, the shared test tokenizer's 673-token vocabulary) sampled as SGLang samples.
+
+The simulator's scheduler still decides when and which requests step and how long a step
+lasts (the aiconfigurator tables); this decides which tokens. A request's tokens are sampled at
+its own `temperature` / `top_p` / `top_k` / `max_new_tokens` / `stop` / `stop_token_ids`, and
+its log-probs are SGLang's default `output_token_logprobs`: log softmax(logits / temperature)
+of the sampled token (sglang/srt/layers/sampler.py: `torch.log(probs)` after the temperature,
+before top-p). Requests that arrive together are generated as one padded batch with a KV cache
+(`TinyPolicy.generate`), so a GRPO group costs one forward per token, not n.
+
+Weights are a transformers checkpoint directory (`save_checkpoint`), loaded the way SGLang's
+`/update_weights_from_disk {"model_path": dir}` loads them (`TinyPolicy.load`).
+
+torch and transformers are imported lazily: the project imports, and the demo runs, without
+them; only a policy that is asked for needs them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# the model's shape (Qwen2ForCausalLM): small enough that a GRPO step over a few hundred short
+# answers trains in about a second on one CPU core
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+@dataclass
+class GenRequest:
+    """One request as the scheduler hands it: prompt ids and SGLang's sampling params."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class GenResult:
+    ids: list[int]
+    log_probs: list[float]
+    finish: dict[str, Any]
+
+
+def new_model(vocab_size: int, *, seed: int = 0, eos_id: int = 0) -> Any:
+    """A freshly initialised tiny Qwen2 causal LM over `vocab_size` tokens."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=eos_id, pad_token_id=eos_id,
+                         **TINY_SHAPE)
+    model = Qwen2ForCausalLM(config)
+    model.eval()
+    return model
+
+
+def save_checkpoint(model: Any, path: str | Path) -> str:
+    """Write `model` as a transformers checkpoint directory (config.json + safetensors), as a
+    trainer's HF export writes one for SGLang to load; returns the directory."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def load_model(path: str | Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def count_parameters(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class TinyPolicy:
+    """The model the engine serves, and its sampler. Thread-safe: `load` and `generate` take a
+    lock, so a weight update waits for the batch in flight (SGLang's model_update_lock)."""
+
+    def __init__(self, path: str | Path, tokenizer: Any, *, seed: int = 0, threads: int = 1):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.tokenizer = tokenizer
+        self.eos_id = int(tokenizer.eos_token_id)
+        self.lock = threading.Lock()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.path = ""
+        self.model: Any = None
+        self.load(path)
+
+    def load(self, path: str | Path) -> None:
+        """SGLang's update_weights_from_disk: the checkpoint at `path` replaces the weights."""
+        model = load_model(path)
+        with self.lock:
+            self.model, self.path = model, str(path)
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        with self.lock:
+            return self._generate(requests)
+
+    def _generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        import torch
+
+        if not requests:
+            return []
+        batch = len(requests)
+        lengths = [len(r.input_ids) for r in requests]
+        width = max(lengths)
+        pad = self.eos_id
+        ids = torch.full((batch, width), pad, dtype=torch.long)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, r in enumerate(requests):  # left padding: every row's next token is at the end
+            ids[i, width - lengths[i]:] = torch.tensor(r.input_ids, dtype=torch.long)
+            mask[i, width - lengths[i]:] = 1
+        temps = torch.tensor([max(r.temperature, 1e-5) for r in requests]).unsqueeze(1)
+        greedy = torch.tensor([r.temperature < 1e-5 or r.top_k == 1 for r in requests])
+        out: list[list[int]] = [[] for _ in requests]
+        lps: list[list[float]] = [[] for _ in requests]
+        finish: list[dict[str, Any] | None] = [None] * batch
+        for i, r in enumerate(requests):
+            if r.max_new_tokens <= 0:
+                finish[i] = {"type": "length", "length": 0}
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        past = None
+        step_ids = ids
+        with torch.no_grad():
+            while any(f is None for f in finish):
+                result = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                                    past_key_values=past, use_cache=True)
+                past = result.past_key_values
+                logits = result.logits[:, -1, :].float()
+                chosen, logp = self._sample(logits, temps, greedy, requests)
+                for i, r in enumerate(requests):
+                    if finish[i] is not None:
+                        continue
+                    token = int(chosen[i])
+                    out[i].append(token)
+                    lps[i].append(float(logp[i]))
+                    finish[i] = self._finished(r, out[i], token)
+                step_ids = chosen.unsqueeze(1)
+                mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+                positions = positions[:, -1:] + 1
+        return [GenResult(o, lp, f or {"type": "length", "length": len(o)}) for o, lp, f in zip(out, lps, finish)]
+
+    def _sample(self, logits: Any, temps: Any, greedy: Any, requests: list[GenRequest]) -> tuple[Any, Any]:
+        """SGLang's sampler: logits / temperature, softmax, top-k / top-p filtering of the draw
+        (not of the returned log-prob), one draw per row; greedy rows take the argmax."""
+        import torch
+
+        scaled = logits / temps
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        probs = logprobs.exp()
+        filtered = probs.clone()
+        for i, r in enumerate(requests):
+            if r.top_k > 0:
+                kth = torch.topk(filtered[i], min(r.top_k, filtered.shape[-1])).values[-1]
+                filtered[i][filtered[i] < kth] = 0.0
+            if r.top_p < 1.0:
+                sorted_p, order = torch.sort(filtered[i], descending=True)
+                drop = sorted_p.cumsum(0) - sorted_p > r.top_p  # keep the smallest set reaching top_p
+                filtered[i][order[drop]] = 0.0
+        drawn = torch.multinomial(filtered, 1, generator=self.generator).squeeze(1)
+        chosen = torch.where(greedy, logits.argmax(-1), drawn)
+        raw = torch.log_softmax(logits, dim=-1)
+        logp = torch.where(greedy, raw.gather(1, chosen.unsqueeze(1)).squeeze(1),
+                           logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1))
+        return chosen, logp
+
+    def _finished(self, request: GenRequest, produced: list[int], token: int) -> dict[str, Any] | None:
+        """SGLang's check_finished order: eos / stop token ids, stop strings, then the budget."""
+        if token == self.eos_id or token in request.stop_token_ids:
+            return {"type": "stop", "matched": token}
+        if request.stop:
+            tail = self.tokenizer.decode(produced[-8:], skip_special_tokens=False)
+            for stop in request.stop:
+                if stop and stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if len(produced) >= request.max_new_tokens:
+            return {"type": "length", "length": len(produced)}
+        return None

@@ -69,7 +69,7 @@ def pause_body(mode: PushMode) -> dict[str, str]:
     return {} if mode is PushMode.ABORT else {"mode": mode.value}
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> None:
+def post_json(url: str, path: str, body: dict[str, Any]) -> None:
     request = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=_HTTP_TIMEOUT_S) as reply:
@@ -83,9 +83,9 @@ def push_weights(engine_urls: Iterable[str], label: str, mode: PushMode | str = 
     continue. For the test harness and the benchmarks; a real trainer pushes through slime."""
     mode = parse_push_mode(mode, "push_weights mode")
     for url in engine_urls:
-        _post(url, "/pause_generation", pause_body(mode))
-        _post(url, "/update_weight_version", {"new_version": label, "abort_all_requests": False})
-        _post(url, "/continue_generation", {})
+        post_json(url, "/pause_generation", pause_body(mode))
+        post_json(url, "/update_weight_version", {"new_version": label, "abort_all_requests": False})
+        post_json(url, "/continue_generation", {})
 
 
 def install(mode: PushMode | str, engine_cls: Any = None) -> None:
@@ -110,7 +110,7 @@ def install(mode: PushMode | str, engine_cls: Any = None) -> None:
     def pause_generation(self: Any) -> None:
         if self.node_rank != 0:  # as slime's: only the engine's first node serves HTTP
             return
-        _post(f"http://{self.server_host}:{self.server_port}", "/pause_generation", body)
+        post_json(f"http://{self.server_host}:{self.server_port}", "/pause_generation", body)
 
     pause_generation.__doc__ = f"slime's pause, in SGLang's {mode.value} mode (pipeline.weight_push)."
     engine_cls.pause_generation = pause_generation

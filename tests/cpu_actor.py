@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slime_loop_helpers import Cluster, MegatronActor, _post
+from slime_loop_helpers import Cluster, MegatronActor
+
+from pipeline.weight_push import pause_body, post_json
 
 
 @dataclass(frozen=True)
@@ -199,9 +201,9 @@ class CPUActor(MegatronActor):
         self.cluster.truth[(self.run, label)] = self.start + self.steps
         path = self.trainer.save(self.checkpoints / f"run{self.run}-push{label}")
         for url in self.cluster.engine_urls:
-            _post(url, "/pause_generation", {})
-            _post(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
-            _post(url, "/continue_generation", {})
+            post_json(url, "/pause_generation", pause_body(self.cluster.push_mode))
+            post_json(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
+            post_json(url, "/continue_generation", {})
 
 
 def quiet_transformers() -> None:

@@ -207,6 +207,10 @@ def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int
         data_source_path="pipeline.slime.RedisDataSource", rollout_function_path="pipeline.slime.generate_rollout",
         load_debug_rollout_data=None, debug_rollout_only=False, debug_train_only=False,
         eval_function_path=None, save_debug_rollout_data=None,
+        # what slime's RolloutManager.eval -> log_eval_rollout_data reads (no tracker here)
+        custom_eval_rollout_log_function_path=None, advantage_estimator="grpo", reward_key=None,
+        log_reward_category=None, log_passrate=False, wandb_always_use_train_step=False, use_wandb=False,
+        use_tensorboard=False,
     ), **pipeline_args})
 
 

@@ -191,19 +191,21 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, c in summary["contenders"].items():
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(15, 4.8))
+    colors = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
+    for i, (name, c) in enumerate(summary["contenders"].items()):
         style = "--" if name.startswith("(") else "-"
         steps = list(c["accuracy"])
-        by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name)
+        color = colors[(2 * i) % 20 + (2 * i) // 20]
+        by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
         secs = [c["seconds"].get(s) for s in steps]
-        by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name)
+        by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
     by_step.set_xlabel("trainer steps")
     by_time.set_xlabel("seconds since the loop started (this 2-core machine; CPU actor and model inside)")
     for ax in (by_step, by_time):
         ax.set_ylabel("held-out pass@1 (temperature 1)")
         ax.grid(alpha=0.3)
-    by_step.legend(fontsize=7)
+    by_time.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle("tiny LM through the pipeline and slime's train.py (CPU actor, slime's loss): mean over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

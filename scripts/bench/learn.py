@@ -192,11 +192,11 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(15, 4.8))
-    colors = plt.get_cmap("tab20").colors  # more contenders than the default cycle's ten colours
+    colors = plt.get_cmap("tab20")  # an int picks one of its 20 colours: more contenders than the default cycle's ten colours
     for i, (name, c) in enumerate(summary["contenders"].items()):
         style = "--" if name.startswith("(") else "-"
         steps = list(c["accuracy"])
-        color = colors[(2 * i) % 20 + (2 * i) // 20]
+        color = colors((2 * i) % 20 + (2 * i) // 20)
         by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
         secs = [c["seconds"].get(s) for s in steps]
         by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)

@@ -48,12 +48,14 @@ class Controls:
     shuffled_rewards: bool = False  # (d) rewards shuffled across the batch before slime normalises them per group
 
 
-def slime_loss_args(*, use_tis: bool = True, kl_loss_coef: float = 0.0) -> dict[str, Any]:
+def slime_loss_args(*, use_tis: bool = True, kl_loss_coef: float = 0.0,
+                    use_rollout_logprobs: bool = False) -> dict[str, Any]:
     """slime's arguments that its loss path reads, at slime's defaults (slime/utils/arguments.py)
-    except where a GRPO run sets them (`--advantage-estimator grpo`, `--use-tis`, `--use-kl-loss`)."""
+    except where a GRPO run sets them (`--advantage-estimator grpo`, `--use-tis`, `--use-kl-loss`,
+    `--use-rollout-logprobs`: the rollout log-probs are the old policy instead of a recompute)."""
     return dict(
         advantage_estimator="grpo", rewards_normalization=True, grpo_std_normalization=True, reward_key=None,
-        use_rollout_logprobs=False, kl_coef=0.0, kl_loss_type="low_var_kl", use_kl_loss=True,
+        use_rollout_logprobs=use_rollout_logprobs, kl_coef=0.0, kl_loss_type="low_var_kl", use_kl_loss=True,
         kl_loss_coef=kl_loss_coef, use_unbiased_kl=False, custom_advantage_function_path=None, use_opd=False,
         normalize_advantages=False, rollout_temperature=1.0, log_probs_chunk_size=-1, entropy_coef=0.0,
         allgather_cp=False, use_opsm=False, eps_clip=0.2, eps_clip_high=0.28, eps_clip_c=None,
@@ -140,8 +142,12 @@ class CPUTrainer:
             "loss_masks": loss_masks, "rollout_log_probs": rollout_lps, "unconcat_tokens": score_tokens,
             "rollout_mask_sums": [torch.tensor(float(s)) for s in data["rollout_mask_sums"]],
         }
-        with torch.no_grad():  # slime's compute_log_prob for the actor ("log_probs") and the reference
-            for key, model in (("log_probs", self.model), ("ref_log_probs", self.ref)):
+        # slime's compute_log_prob for the actor ("log_probs") and the reference; under
+        # --use-rollout-logprobs slime's actor skips the actor's (actor.py), the loss then takes
+        # the rollout log-probs as the old policy
+        recompute = [] if args.use_rollout_logprobs else [("log_probs", self.model)]
+        with torch.no_grad():
+            for key, model in (*recompute, ("ref_log_probs", self.ref)):
                 logits = self._packed_logits(model, tokens)
                 _, out = slime_loss.get_log_probs_and_entropy(
                     logits, args=args, unconcat_tokens=score_tokens, total_lengths=total_lengths,

@@ -247,6 +247,7 @@ class LearnRun:
     eval_samples: int = 4  # episodes per held-out task
     lr: float = 1e-3
     use_tis: bool = True
+    use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs
     seed: int = 0
     controls: Any = None  # cpu_actor.Controls
     workers: int = 2
@@ -316,7 +317,7 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         pipeline_eval_datasets=str(eval_file(workdir, heldout, run.eval_samples)), pipeline_eval_timeout_s=300.0,
         sglang_router_ip="127.0.0.1", sglang_router_port=int(engine_url.rsplit(":", 1)[1]),
         global_batch_size=run.batch * run.n, micro_batch_size=1, use_dynamic_batch_size=False,
-        cpu_actor=True, **slime_loss_args(use_tis=run.use_tis),
+        cpu_actor=True, **slime_loss_args(use_tis=run.use_tis, use_rollout_logprobs=run.use_rollout_logprobs),
     )
     controls = run.controls or Controls()
     if controls.shuffled_rewards:

@@ -46,6 +46,7 @@ class Contender:
     name: str
     eta: int = 0
     use_tis: bool = True
+    use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs: rollout log-probs are the old policy
     controls: dict[str, bool] = field(default_factory=dict)
 
 
@@ -56,6 +57,11 @@ CONTENDERS = (
     Contender("(b) loss mask one token off", controls={"mask_shift": True}),
     Contender("(c) foreign rollout log-probs", controls={"foreign_logprobs": True}),
     Contender("(d) rewards shuffled across groups", controls={"shuffled_rewards": True}),
+    # (c) above reaches only the TIS weight (slime recomputes the old policy); with
+    # --use-rollout-logprobs the rollout log-probs are the old policy of the PPO ratio
+    Contender("sync, --use-rollout-logprobs", use_rollout_logprobs=True),
+    Contender("(c) foreign rollout log-probs, --use-rollout-logprobs", use_rollout_logprobs=True,
+              controls={"foreign_logprobs": True}),
 )
 
 
@@ -84,12 +90,13 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
     from scripts.processes import SimEngineProcess
 
     slime, warm, tasks, heldout = setup
-    sub = workdir / f"{contender.name.split()[0].strip('()')}-{contender.eta}-{int(contender.use_tis)}-s{seed}"
+    sub = workdir / (f"{contender.name.split()[0].strip('(),')}-{contender.eta}-{int(contender.use_tis)}"
+                     f"{int(contender.use_rollout_logprobs)}-s{seed}")
     sub.mkdir(parents=True, exist_ok=True)
     engine_args = ["--policy-path", str(warm), "--model", MODEL, "--gpu", GPU, "--time-scale", str(TIME_SCALE),
                    "--seed", str(seed), "--weight-version", "0"]
     run = LearnRun(steps=steps, eval_interval=eval_interval, eta=contender.eta, use_tis=contender.use_tis,
-                   seed=seed, controls=Controls(**contender.controls))
+                   use_rollout_logprobs=contender.use_rollout_logprobs, seed=seed, controls=Controls(**contender.controls))
     with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(sub / "engine.log")) as engine:
         monkeypatch = pytest.MonkeyPatch()
         clock0, real0 = _sim_time(engine.url), time.monotonic()
@@ -184,29 +191,33 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, c in summary["contenders"].items():
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(15, 4.8))
+    colors = plt.get_cmap("tab20")  # an int picks one of its 20 colours: more contenders than the default cycle's ten colours
+    for i, (name, c) in enumerate(summary["contenders"].items()):
         style = "--" if name.startswith("(") else "-"
         steps = list(c["accuracy"])
-        by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name)
+        color = colors((2 * i) % 20 + (2 * i) // 20)
+        by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
         secs = [c["seconds"].get(s) for s in steps]
-        by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name)
+        by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
     by_step.set_xlabel("trainer steps")
     by_time.set_xlabel("seconds since the loop started (this 2-core machine; CPU actor and model inside)")
     for ax in (by_step, by_time):
         ax.set_ylabel("held-out pass@1 (temperature 1)")
         ax.grid(alpha=0.3)
-    by_step.legend(fontsize=7)
+    by_time.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.suptitle("tiny LM through the pipeline and slime's train.py (CPU actor, slime's loss): mean over seeds")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_interval: int = 4,
-                deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS
-                ) -> list[Figure]:
+                deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS,
+                seed_ids: tuple[int, ...] | None = None, merge: Path | None = None) -> list[Figure]:
     """Run every contender for every seed (seed-major), write learn.json / learn.txt / learn.png
-    in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table)."""
+    in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table).
+    `seed_ids`: these seeds instead of 0..seeds-1. `merge`: an earlier learn.json whose curves
+    (and skipped runs) are kept, except those this run redoes, so the table and plot cover both."""
     import tempfile
 
     if quick:
@@ -217,10 +228,12 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
 
     quiet_transformers()
     started = time.monotonic()
-    curves: list[Curve] = []
-    skipped = []
-    for seed in range(seeds):
+    curves, skipped = _load(merge) if merge is not None else ([], [])
+    for seed in seed_ids if seed_ids is not None else range(seeds):
         for contender in contenders:
+            done = f"{contender.name} seed {seed}"
+            curves = [c for c in curves if f"{c.contender} seed {c.seed}" != done]
+            skipped = [s for s in skipped if s != done]
             if deadline_s is not None and time.monotonic() - started > deadline_s:
                 skipped.append(f"{contender.name} seed {seed}")
                 continue
@@ -241,6 +254,28 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                               unit="accuracy", goal="no rise (a control)" if name.startswith("(") else
                               "reaches sync's final accuracy", met=goal_met, details=c))
     return figures
+
+
+def _load(path: Path) -> tuple[list[Curve], list[str]]:
+    """An earlier run's curves (JSON keys back to step numbers) and the runs it skipped."""
+    data = json.loads(path.read_text())
+    curves = [Curve(**{**c, "accuracy": {int(k): v for k, v in c["accuracy"].items()},
+                       "seconds": {int(k): v for k, v in c["seconds"].items()}}) for c in data["curves"]]
+    return curves, list(data["summary"].get("skipped", []))
+
+
+def _chosen(only: list[str]) -> tuple[Contender, ...]:
+    """`--only` values: exact contender names, or comma-separated 0-based numbers."""
+    by_name = {c.name: c for c in CONTENDERS}
+    chosen: list[Contender] = []
+    for value in only:
+        if value in by_name:
+            chosen.append(by_name[value])
+        elif all(part.strip().isdigit() for part in value.split(",")):
+            chosen.extend(CONTENDERS[int(part)] for part in value.split(","))
+        else:
+            raise SystemExit(f"--only {value!r}: not a contender; one of {sorted(by_name)} or their numbers")
+    return tuple(chosen) or CONTENDERS
 
 
 def _write(curves: list[Curve], skipped: list[str], out_dir: Path) -> dict[str, Any]:
@@ -269,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-interval", type=int, default=4)
     p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
     p.add_argument("--out", default=".", help="directory for learn.json, learn.txt, learn.png")
-    p.add_argument("--only", default="", help="comma-separated contender numbers (0-based) to run; default all")
+    p.add_argument("--only", action="append", default=[],
+                   help="a contender's exact name, or comma-separated 0-based numbers; repeatable; default all")
+    p.add_argument("--seed-ids", default="", help="comma-separated seeds to run instead of 0..seeds-1")
+    p.add_argument("--merge", type=Path, default=None,
+                   help="an earlier learn.json: keep its curves (those rerun here replaced) in the table and plot")
     a = p.parse_args(argv)
-    chosen = tuple(CONTENDERS[int(i)] for i in a.only.split(",") if i.strip()) or CONTENDERS
+    seed_ids = tuple(int(s) for s in a.seed_ids.split(",")) if a.seed_ids.strip() else None
     bench_learn(seeds=a.seeds, steps=a.steps, eval_interval=a.eval_interval, deadline_s=a.deadline_s,
-                out_dir=Path(a.out), contenders=chosen)
+                out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge)
     return 0
 
 

@@ -161,12 +161,15 @@ def max_lag(r: Result) -> int:
 def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, repeats: int,
                  etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP,
                  fcfs: bool = False, syncs: tuple[int, ...] = (SLIME_DEFAULT_CONCURRENCY,), same_lag: bool = True,
-                 engines: tuple[int, ...] = ()) -> list[Result]:
-    """Per repeat: the engine's capacity (the workload alone), slime sync at each concurrency in
-    `syncs`, fully async at each multiple in `sweep`, then the pipeline at each eta (and at the
-    best fully-async run's max lag, `same_lag`). Then, once, the pipeline at eta 2 and fully
-    async at the sweep's most frequent best with each engine count in `engines` (> 1) behind one
-    router. Every run on fresh engines, one after the other, read over the same steady window."""
+                 engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None
+                 ) -> list[Result]:
+    """Per repeat: the engine's capacity (the workload alone), the pipeline at eta 2, fully async
+    at each multiple in `sweep` (1x first), slime sync at each concurrency in `syncs`, the other
+    etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
+    first, so a run cut short keeps them. After the first repeat, once: the pipeline at eta 2 and
+    fully async at that repeat's best multiple with each engine count in `engines` (> 1) behind
+    one router. Every run on fresh engines, one after the other, read over the same steady
+    window; `checkpoint(results)` after each run (the raw dump, so a cut run can be reported)."""
     results: list[Result] = []
     first, last = window(wl.steps, max(etas, default=2))
     print(f"[peer] steady-state window: steps {first}..{last} of 0..{wl.steps - 1} (every contender alike)", flush=True)
@@ -185,6 +188,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             f"engine clock {clock_cell([r], wl)} of the time scale "
             f"({time.monotonic() - t0:.0f} s)" if r.ran else f"could not run: {r.reason}"), flush=True)
         results.append(r)
+        if checkpoint is not None:
+            checkpoint(results)
         return r
 
     best_ks: list[int] = []
@@ -197,15 +202,16 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             f"{cap.trained_tokens_per_s:.0f} generated tok/s per engine-clock s ({cap.run_tokens_per_s:.0f} per wall s), "
             f"window clock {cap.window.get('clock_rate', float('nan')):.2f} of the scale; {cap.notes[-1]} "
             f"({time.monotonic() - t0:.0f} s)" if cap.ran else f"could not run: {cap.reason}"), flush=True)
-        for concurrency in syncs:
-            one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
+        by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta == 2}
         fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep]
         ran = [r for r in fa if r.ran]
         best = max(ran, key=lambda r: r.trained_tokens_per_s) if ran else None
         if best is not None:
             best.notes.append("best fully async of this repeat (trained tokens/s)")
             best_ks.append(best.concurrency // wl.slots)
-        by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas}
+        for concurrency in syncs:
+            one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
+        by_eta.update({eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta != 2})
         if fcfs:  # the ablation: what the requests' priority buys (issue 25 item 3)
             for eta in etas:
                 one("d", f"{FCFS} {eta}", replace(wl, eta=eta, priority_scheduling=False), rep)
@@ -214,10 +220,11 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             same = by_eta.get(target) or one("d", f"pipeline eta {target}", replace(wl, eta=target), rep)
             twin = replace(same, label="pipeline eta = fully async's max lag", notes=[*same.notes, f"eta {target}"])
             results.append(twin)
-    k = max(set(best_ks), key=best_ks.count) if best_ks else 1
-    for n in (n for n in engines if n > 1):
-        one("d", f"pipeline eta 2, {n}{ENGINES_LABEL}", replace(wl, eta=2, engines=n), 0)
-        one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
+        if rep == 0:
+            k = best_ks[0] if best_ks else 1
+            for n in (n for n in engines if n > 1):
+                one("d", f"pipeline eta 2, {n}{ENGINES_LABEL}", replace(wl, eta=2, engines=n), 0)
+                one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
     return results
 
 
@@ -579,9 +586,14 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
         Path(json_path).write_text(json.dumps(summary(results, wl, repeats=repeats, seconds=seconds, figures=figures,
                                                       command=command), indent=1))
     if raw_path:
-        Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": repeats,
-                                              "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
+        dump_raw(results, wl, raw_path, repeats, seconds, command)
     return figures
+
+
+def dump_raw(results: list[Result], wl: Workload, raw_path: str, repeats: int, seconds: float, command: str) -> None:
+    done = len({r.repeat for r in results if r.contender == "cap"})  # a cut run: the repeats it began
+    Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": min(repeats, done or 1),
+                                          "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
 
 
 def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
@@ -624,6 +636,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
     repeats = repeats or (1 if quick else 3)
     etas = etas or (QUICK_ETAS if quick else FRONTIER_ETAS)
     sweep = sweep or (QUICK_SWEEP if quick else FA_SWEEP)
+    command = command or "python -m scripts.bench.peer " + " ".join(sys.argv[1:])
     started = time.monotonic()
     print(f"[peer] {wl.describe()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
@@ -631,10 +644,12 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
         workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
         results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs,
-                               syncs=syncs, same_lag=same_lag, engines=engines)
+                               syncs=syncs, same_lag=same_lag, engines=engines,
+                               checkpoint=(lambda rs: dump_raw(rs, wl, raw_path, repeats, time.monotonic() - started,
+                                                               command)) if raw_path else None)
     return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
                   plot_path=plot_path or Path("bench-peer-frontier.png"), json_path=json_path, raw_path=raw_path,
-                  command=command or "python -m scripts.bench.peer " + " ".join(sys.argv[1:]))
+                  command=command)
 
 
 def _ints(text: str) -> tuple[int, ...] | None:

@@ -244,18 +244,9 @@ def as_fleet(engine: str | Fleet) -> Fleet:
     return engine if isinstance(engine, Fleet) else Fleet(engine, [engine])
 
 
-def wait_engines_idle(urls: list[str], timeout_s: float, quiet_s: float = 2.0) -> bool:
-    """THE end rule, every contender alike (issue 38 item 1): once the trainer loop is over and
-    nothing new is started, the requests already running finish; the engines idle for quiet_s
-    (or timeout_s passes). What they finish is counted as carried over, not as never trained."""
-    deadline, idle_since = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        running = sum(int(_get_json(url + "/sim/stats")["running"]) for url in urls)
-        idle_since = (idle_since or time.monotonic()) if running == 0 else None
-        if idle_since and time.monotonic() - idle_since > quiet_s:
-            return True
-        time.sleep(0.2)
-    return False
+END_RULE = ("the run ends after its last step for every contender alike: nothing is drained; the engines' "
+            "counts are read at once (a request still running is counted on no side), finished groups not yet "
+            "trained are carried over, and finished answers of unfinished groups count as never trained")
 
 
 def _post(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -581,18 +572,14 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
     result.cpu_s = cpu.stop()
 
     carried_groups: list[list[Any]] = []
-    if kind == "c":  # the end rule (`wait_engines_idle`): nothing new starts, what runs finishes
+    read_engine_counts(result, fleet)  # END_RULE: at once, before anything else finishes
+    if kind == "c":
         worker = fully_async_rollout._global_worker
-        source.get_samples = lambda *_a, **_k: []  # the worker tops up from here: no new group
-        idle = wait_engines_idle(fleet.engines, 60 + wl.request_timeout_s)
-        worker.running = False
-        worker.worker_thread.join(10)
+        worker.running = False  # no new group; the child exits without waiting on the rest
         carried_groups += [group for _, group in worker.get_completed_groups()]
-        result.notes.append(f"end rule: engines idle {idle}; {len(carried_groups)} completed groups left in the "
-                            "worker's queue (carried over)")
+        result.notes.append(f"{len(carried_groups)} completed groups left in the worker's queue (carried over)")
     carried_groups += list(source.buffer)  # (b): partial groups handed back; (c): aborted groups requeued
     result.carried_tokens = sum(int(s.response_length) for g in carried_groups for s in g)
-    read_engine_counts(result, fleet)
     return result
 
 
@@ -691,10 +678,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
                 sampler.finish(result)
                 result.cpu_s = cpu.stop()
                 source.close()
-            producer.stop()  # the end rule (`wait_engines_idle`): no new admission, what runs finishes
-            idle = wait_engines_idle(fleet.engines, 60 + wl.request_timeout_s)
-            result.notes.append(f"end rule: engines idle {idle}")
-            read_engine_counts(result, fleet)
+            read_engine_counts(result, fleet)  # END_RULE: at once, nothing drained
+            producer.stop()
             carried = 0
             for _, fields in client.xrange(Keys(ns).groups):
                 group = decode_group(fields[b"g"])

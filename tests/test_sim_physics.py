@@ -54,8 +54,8 @@ def test_a_committed_table_is_what_aiconfigurator_computes(stem: str):
 @pytest.mark.parametrize("stem", ["Qwen--Qwen3-8B--h100_sxm--tp1", "Qwen--Qwen3-8B--h200_sxm--tp1",
                                   "Qwen--Qwen3-0.6B--h100_sxm--tp1"])
 def test_step_times_between_grid_points_stay_within_10_percent(stem: str):
-    """Every batch size 1-256 at contexts off the grid (decode_step_latency), and prefills of
-    tokens and cached prefixes off the grid (predict_prefill_latency)."""
+    """Every batch size 1-256 at contexts off the grid (decode_step_latency), and batched prefills
+    of batch sizes, tokens and cached prefixes off the grid (predict_prefill_latency)."""
     model, gpu, tp = _split(stem)
     engine, table = aic(model, gpu, tp), load_table(model, gpu, tp)
     worst = 0.0
@@ -63,11 +63,69 @@ def test_step_times_between_grid_points_stay_within_10_percent(stem: str):
         for context in (100, 700, 1500, 3000, 6000, 12000):
             truth = engine.decode_step_latency(batch, context, 2) / 1000
             worst = max(worst, abs(table.decode_s(batch, batch * context) - truth) / truth)
-    for tokens in (10, 100, 300, 1000, 3000, 6000, 12000):
-        for prefix in (0, 1000, 5000):
-            truth = engine.predict_prefill_latency(1, tokens + prefix, prefix) / 1000
-            worst = max(worst, abs(table.prefill_s(tokens, prefix) - truth) / truth)
+    for batch in (1, 3, 8, 20, 50, 100):
+        for tokens in (10, 100, 300, 1000, 3000, 6000, 12000):
+            if batch * tokens > 40_000:
+                continue  # beyond --max-prefill-tokens' reach
+            for prefix in (0, 1000, 5000, 20000, 36000):
+                truth = engine.predict_prefill_latency(batch, tokens + prefix, prefix) / 1000
+                worst = max(worst, abs(table.prefill_s([(tokens, prefix)] * batch) - truth) / truth)
     assert worst < 0.10, worst
+
+
+def test_a_prefill_batch_is_timed_per_sequence_as_aiconfigurators_batched_prefill():
+    """A prefill batch of 8 requests x 1,000 new tokens takes what aiconfigurator's batched
+    prefill says (`predict_prefill_latency(8, 1000, 0)`), where one 8,000-token sequence takes 14%
+    more, through the scheduler's own prefill step; a request's cached prefix counts for its
+    own attention only. Mutation caught: workers/sim/scheduler.py `_run_prefill` passing the
+    batch as one sequence (`seqs = [(tokens, sum(r.filled for r, _ in batch))]`, the old timing)."""
+    import asyncio
+
+    from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
+
+    engine, table = aic("Qwen/Qwen3-8B", "h100_sxm"), load_table("Qwen/Qwen3-8B", "h100_sxm")
+
+    def prefill_s(inputs: list[int], prefix: list[int] | None = None) -> float:
+        sch = BatchScheduler(SchedulerConfig(kv_pool_tokens=10**6, max_running_requests=64,
+                                             chunked_prefill_size=16384), table, asyncio.Event())
+        if prefix:  # a finished request leaves `prefix` in the cache
+            sch.add(SimReq("p", prefix, [7], 1))
+            sch.step()
+        before = sch.stats["prefill_busy_s"]
+        for i, n in enumerate(inputs):
+            sch.add(SimReq(str(i), (prefix or []) + [1_000 * (i + 1) + t for t in range(n)], [7, 7], 2))
+        sch.step()
+        assert sch.stats["prefill_steps"] == (2 if prefix else 1)
+        return sch.stats["prefill_busy_s"] - before
+
+    batched = engine.predict_prefill_latency(8, 1000, 0) / 1000
+    one_sequence = engine.predict_prefill_latency(1, 8000, 0) / 1000
+    assert one_sequence > 1.1 * batched
+    assert prefill_s([1000] * 8) == pytest.approx(batched, rel=0.01)
+    cached = list(range(500_000, 502_000))
+    assert prefill_s([1000] * 4, cached) == pytest.approx(engine.predict_prefill_latency(4, 3000, 2000) / 1000, rel=0.02)
+
+
+@pytest.mark.parametrize("stem", ["Qwen--Qwen3-8B--h100_sxm--tp1", "Qwen--Qwen3-0.6B--h200_sxm--tp1"])
+def test_the_context_and_prefix_axes_reach_the_models_context_length(stem: str):
+    """The tables end at the model's context length (aiconfigurator's model config, 40,960 for
+    Qwen3), so a decode at 38k context or a prefill over a 30k prefix is read inside the grid,
+    within 10% of aiconfigurator, not clamped at the axis' old 16k/32k end. Mutation caught:
+    scripts/gen_step_tables.py without the context length on its axes (`contexts =
+    DECODE_CONTEXTS`, `prefixes = PREFILL_PREFIXES`, tables regenerated): the axes end short of
+    it and these reads are clamped (with the old 16k prefix end a 36k-prefix prefill read 33% short)."""
+    from aiconfigurator_core.sdk.utils import get_model_config_from_model_path
+
+    model, gpu, tp = _split(stem)
+    engine, table = aic(model, gpu, tp), load_table(model, gpu, tp)
+    context = int(get_model_config_from_model_path(model)["context"])
+    assert table.context_length == table.prefill_prefixes[-1] == table.decode_contexts[-1] == context
+    for batch in (1, 16, 64):
+        truth = engine.decode_step_latency(batch, 38_000, 2) / 1000
+        assert table.decode_s(batch, batch * 38_000) == pytest.approx(truth, rel=0.10)
+    for tokens, prefix in ((1000, 30_000), (4000, 36_000), (100, 40_000)):
+        truth = engine.predict_prefill_latency(1, tokens + prefix, prefix) / 1000
+        assert table.prefill_s([(tokens, prefix)]) == pytest.approx(truth, rel=0.10)
 
 
 def _call(url: str, body: dict[str, Any] | None = None) -> Any:

@@ -202,6 +202,31 @@ def test_a_second_turn_prefills_only_what_the_cache_lacks_and_a_flush_forgets_it
     assert third.cached_tokens == 0
 
 
+def test_kv_used_is_sglangs_token_usage_cached_prefixes_nobody_locks_are_not_used():
+    """SchedulerPoolStatsObserver._get_token_info (managers/scheduler_components/pool_stats_observer.py):
+    used = pool - (allocator's available + radix cache's evictable): a running request's KV and
+    the cached prefix it locks are used, a finished request's cached input + output are not (they
+    are evictable), and the pool's free tokens exclude them until evicted. The stats the frontier
+    prints as KV pool use (max_kv_used, kv_used_token_s) follow. Mutation caught: `kv_used`
+    counting the whole tree (`self.cache.total_size + ...`, the old count)."""
+    sch = scheduler(pool=1000)
+    first = request("a", n_in=100, n_out=5)
+    sch.add(first)
+    sch.step()  # prefill: the input is cached and locked, the first token sampled
+    assert (sch.kv_used, sch.kv_free) == (100, 900)
+    run(sch, [first])
+    assert sch.cache.evictable_size == 104 and sch.cache.protected_size == 0  # input + 4 outputs with KV
+    assert (sch.kv_used, sch.kv_free) == (0, 896)
+    second = SimReq("b", first.input_ids[:60] + list(range(5000, 5040)), [1, 2, 3], 3)
+    sch.add(second)
+    sch.step()  # shares 60 cached tokens (now locked: used) and adds 40 of its own
+    assert (sch.kv_used, sch.cache.evictable_size) == (100, 44)
+    asyncio.run(sch._advance(0.5))  # the step loop's clock records KV use as the step runs
+    assert (sch.stats["max_kv_used"], sch.stats["kv_used_token_s"]) == (100, 50)
+    run(sch, [second])
+    assert sch.kv_used == 0 and sch.kv_free == 1000 - sch.cache.total_size
+
+
 def test_eviction_frees_the_least_recently_used_unlocked_leaves_first():
     """RadixCache.evict: a heap of leaves by last access; locked nodes (inc_lock_ref) stay."""
     cache = RadixCache()

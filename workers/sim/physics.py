@@ -5,11 +5,16 @@ per step, and the step's length is set by the whole batch):
 
 - `StepTable`: a model on a GPU, measured. The committed tables (workers/sim/step_tables/, made by
   scripts/gen_step_tables.py) hold aiconfigurator-core's numbers for SGLang on that GPU: the decode
-  step latency by batch size and context per request (`AicEngine.decode_step_latency`), the
-  prefill latency by new tokens and cached prefix (`predict_prefill_latency`), and the memory
-  budget (`estimate_kv_cache`: weights, activations + runtime reserve, KV bytes per token). Values
-  between grid points are interpolated linearly (tests/test_sim_physics.py checks them against
-  aiconfigurator within 10%).
+  step latency by batch size and context per request (`AicEngine.decode_step_latency`), a prefill
+  step's two parts as its `mixed_step_breakdown` splits a batched prefill (what
+  `predict_prefill_latency(batch, isl, prefix)` adds up): the layers outside attention, by the
+  batch's new tokens in all, and the context attention per sequence, by the batch's size, the
+  sequence's new tokens and its cached prefix; and the memory budget (`estimate_kv_cache`: weights,
+  activations + runtime reserve, KV bytes per token). A prefill batch of sequences (new tokens n_i
+  over cached p_i) takes shared(sum n_i) + sum_i attention(B, n_i, p_i): a batch of 8 x 1,000
+  tokens is aiconfigurator's `predict_prefill_latency(8, 1000, 0)`, not one 8,000-token sequence.
+  The context and prefix axes reach the model's context length. Values between grid points are
+  interpolated linearly (tests/test_sim_physics.py checks them against aiconfigurator within 10%).
 - `FlatSteps`: every decode step lasts `token_latency_s`, prefill costs nothing: the old simulator's
   speed without its per-request lognormal draw, for tests that only need requests in flight.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,9 +36,11 @@ TABLE_DIR = Path(__file__).resolve().parent / "step_tables"
 AIC_BACKEND = "sglang"
 AIC_DATABASE = "0.5.14"  # aiconfigurator-core 0.12.0's SGLang database on h100_sxm / h200_sxm
 DECODE_BATCHES = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024]
+# the context and prefix axes go on to the model's context length (scripts/gen_step_tables.py adds it)
 DECODE_CONTEXTS = [64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 PREFILL_TOKENS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
-PREFILL_PREFIXES = [0, 512, 2048, 8192, 16384]
+PREFILL_PREFIXES = [0, 512, 2048, 8192, 16384, 32768]
+PREFILL_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 GIB = 1 << 30
 
 
@@ -41,9 +49,8 @@ class StepModel(Protocol):
         """Seconds of one decode step of `batch` requests holding `kv_tokens` KV tokens in all."""
         ...
 
-    def prefill_s(self, tokens: int, prefix_tokens: int) -> float:
-        """Seconds of one prefill step of `tokens` new tokens over `prefix_tokens` cached ones
-        (summed over the batch's requests)."""
+    def prefill_s(self, seqs: Sequence[tuple[int, int]]) -> float:
+        """Seconds of one prefill step over `seqs`: per sequence, (new tokens, cached prefix tokens)."""
         ...
 
 
@@ -56,7 +63,7 @@ class FlatSteps:
     def decode_s(self, batch: int, kv_tokens: int) -> float:
         return self.token_latency_s
 
-    def prefill_s(self, tokens: int, prefix_tokens: int) -> float:
+    def prefill_s(self, seqs: Sequence[tuple[int, int]]) -> float:
         return 0.0
 
 
@@ -82,8 +89,10 @@ def load_table(model: str, gpu: str, tp: int = 1) -> StepTable:
         reserved_bytes=int(raw["reserved_bytes"]), kv_bytes_per_token=int(raw["kv_bytes_per_token"]),
         decode_batches=tuple(raw["decode_batches"]), decode_contexts=tuple(raw["decode_contexts"]),
         decode_ms=tuple(tuple(row) for row in raw["decode_ms"]),
+        context_length=int(raw["context_length"]),
         prefill_tokens=tuple(raw["prefill_tokens"]), prefill_prefixes=tuple(raw["prefill_prefixes"]),
-        prefill_ms=tuple(tuple(row) for row in raw["prefill_ms"]),
+        prefill_batches=tuple(raw["prefill_batches"]), prefill_shared_ms=tuple(raw["prefill_shared_ms"]),
+        prefill_attn_ms=tuple(tuple(tuple(row) for row in plane) for plane in raw["prefill_attn_ms"]),
     )
 
 
@@ -97,12 +106,15 @@ class StepTable:
     weights_bytes: int  # per GPU (the model's shard under tp)
     reserved_bytes: int  # activations + runtime overhead, per GPU
     kv_bytes_per_token: int  # per GPU
+    context_length: int  # the model's (max_position_embeddings): where the context and prefix axes end
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     decode_ms: tuple[tuple[float, ...], ...]  # [batch][context]
     prefill_tokens: tuple[int, ...]
     prefill_prefixes: tuple[int, ...]
-    prefill_ms: tuple[tuple[float, ...], ...]  # [tokens][prefix]
+    prefill_batches: tuple[int, ...]
+    prefill_shared_ms: tuple[float, ...]  # [the batch's new tokens in all]: every layer but attention
+    prefill_attn_ms: tuple[tuple[tuple[float, ...], ...], ...]  # [batch][tokens][prefix]: attention, per sequence
 
     def decode_s(self, batch: int, kv_tokens: int) -> float:
         if batch <= 0:
@@ -110,10 +122,17 @@ class StepTable:
         context = kv_tokens / batch
         return _bilinear(self.decode_batches, self.decode_contexts, self.decode_ms, batch, context) / 1000.0
 
-    def prefill_s(self, tokens: int, prefix_tokens: int) -> float:
-        if tokens <= 0:
+    def prefill_s(self, seqs: Sequence[tuple[int, int]]) -> float:
+        seqs = [(n, p) for n, p in seqs if n > 0]
+        if not seqs:
             return 0.0
-        return _bilinear(self.prefill_tokens, self.prefill_prefixes, self.prefill_ms, tokens, prefix_tokens) / 1000.0
+        shared = _linear(self.prefill_tokens, self.prefill_shared_ms, sum(n for n, _ in seqs))
+        # attention per sequence, read at this batch's size (a batch's kernels share the GPU)
+        i, t = _segment(self.prefill_batches, len(seqs), extrapolate=False)
+        low, high = self.prefill_attn_ms[i], self.prefill_attn_ms[i + 1]
+        attn = sum((1 - t) * _bilinear(self.prefill_tokens, self.prefill_prefixes, low, n, p)
+                   + t * _bilinear(self.prefill_tokens, self.prefill_prefixes, high, n, p) for n, p in seqs)
+        return (shared + attn) / 1000.0
 
     @property
     def model_bytes(self) -> int:
@@ -160,6 +179,12 @@ def _bilinear(xs: tuple[int, ...], ys: tuple[int, ...], grid: tuple[tuple[float,
     low = row0[j] + (row0[j + 1] - row0[j]) * ty
     high = row1[j] + (row1[j + 1] - row1[j]) * ty
     return max(0.0, low + (high - low) * tx)
+
+
+def _linear(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    """Linear between points; beyond the last the last segment's slope goes on."""
+    i, t = _segment(xs, x, extrapolate=True)
+    return max(0.0, ys[i] + (ys[i + 1] - ys[i]) * t)
 
 
 def _segment(axis: tuple[int, ...], v: float, *, extrapolate: bool) -> tuple[int, float]:

@@ -46,10 +46,10 @@ class RadixCache:
             child = node.children.get(ids[matched])
             if child is None:
                 break
+            child.last_access = now  # before a split: both halves were used (`_match_prefix_helper`)
             common = _common_length(child.key, ids, matched)
             if common < len(child.key):
                 child = self._split(child, common)
-            child.last_access = now
             node, matched = child, matched + common
             if common < len(child.key):
                 break

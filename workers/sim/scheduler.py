@@ -157,16 +157,23 @@ class BatchScheduler:
 
     @property
     def kv_used(self) -> int:
-        return self.cache.total_size + sum(r.private for r in self._holders())
+        """KV tokens in use as SGLang counts them (`SchedulerPoolStatsObserver._get_token_info`:
+        the pool less what is free and what the radix cache could evict): the running requests'
+        KV and the cached prefixes they lock; unlocked cached prefixes are not "used"."""
+        return self.cache.protected_size + sum(r.private for r in self._holders())
 
     @property
     def kv_free(self) -> int:
-        return self.config.kv_pool_tokens - self.kv_used
+        """The allocator's free tokens (`available_size`): the pool less everything held, evictable too."""
+        return self.config.kv_pool_tokens - self.kv_used - self.cache.evictable_size
 
     def retract_all(self) -> None:
-        """`pause_generation(mode="retract")`: every running request's KV released; they queue again."""
-        for req in [*self.running, *([self.chunked] if self.chunked else [])]:
-            self._release(req, cache_it=False)
+        """`Scheduler.pause_generation(mode="retract")`: `retract_all` releases the running batch,
+        then the unfinished chunked request (`release_req` each, in that order); they queue again
+        in that order."""
+        reqs = self._holders()
+        for i, req in enumerate(reqs):
+            self._retract_one(req, remaining=len(reqs) - i)
             self._enqueue(req)
         self.running, self.chunked = [], None
 
@@ -298,7 +305,7 @@ class BatchScheduler:
 
     def _run_prefill(self, batch: list[tuple[SimReq, int]]) -> float:
         tokens = sum(t for _, t in batch)
-        prefix = sum(r.filled for r, _ in batch)
+        seqs = [(take, r.filled) for r, take in batch]  # each sequence's new tokens over its cached KV
         self._make_room(tokens)
         self.chunked = None
         for req, take in batch:
@@ -314,7 +321,7 @@ class BatchScheduler:
                 self._finish(req)
             else:
                 self.running.append(req)
-        duration = self.steps.prefill_s(tokens, prefix)
+        duration = self.steps.prefill_s(seqs)
         self.stats["prefill_steps"] += 1
         self.stats["prefill_tokens"] += tokens
         self.stats["prefill_busy_s"] += duration
@@ -354,7 +361,10 @@ class BatchScheduler:
         return duration
 
     def _decode_fits(self, reqs: list[SimReq]) -> bool:
-        return len(reqs) <= self.kv_free + self.cache.evictable_size
+        """check_decode_mem (page size 1: one token per request), through the allocator's
+        `check_decode_capacity`: evict the shortfall from the cache, then compare the free tokens."""
+        self._make_room(len(reqs))
+        return len(reqs) <= self.kv_free
 
     def _retract(self) -> None:
         """retract_decode: fewest output tokens first (longest input breaks ties), at least one,
@@ -363,9 +373,9 @@ class BatchScheduler:
         retracted: list[SimReq] = []
         while order and len(order) > 1 and (not retracted or not self._decode_fits(order)):
             req = order.pop()
-            self._release(req, cache_it=False)
+            self._retract_one(req, remaining=len(order))
             retracted.append(req)
-        self.running = [r for r in self.running if r not in retracted]
+        self.running = order  # filter_batch(keep_indices=sorted_indices): the batch keeps the retraction order
         decoded = sum(r.produced for r in self.running)
         asked = sum(r.max_new_tokens for r in self.running)
         self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / (asked + 1))
@@ -406,9 +416,11 @@ class BatchScheduler:
                 break
         if not chosen or need > 0:
             return False
-        for running in chosen:
+        released = 0
+        for running in [r for r in self.running if r in chosen]:  # released in batch order
+            released += 1
             budget.total_offset -= self._growth(running)
-            self._release(running, cache_it=False)
+            self._retract_one(running, remaining=len(self.running) - released)
             running.retractions += 1
             self.stats["preemptions"] += 1
         self.running = [r for r in self.running if r not in chosen]
@@ -451,6 +463,12 @@ class BatchScheduler:
             self.cache.insert(req.input_ids + req.output_ids[: max(req.produced - 1, 0)])
         self.cache.unlock(req.node)
         req.node, req.private, req.filled = None, 0, 0
+
+    def _retract_one(self, req: SimReq, remaining: int) -> None:
+        """schedule_batch.release_req: the request's KV freed (nothing cached), then the cache
+        evicted until `remaining` requests x SGLANG_RETRACT_DECODE_STEPS tokens are free."""
+        self._release(req, cache_it=False)
+        self._make_room(remaining * RETRACT_DECODE_STEPS)
 
     def _finish(self, req: SimReq) -> None:
         self._release(req, cache_it=True)

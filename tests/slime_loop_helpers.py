@@ -12,22 +12,23 @@ function are the pipeline's, loaded by slime's `load_function` from `--data-sour
 What is stood in for: Ray (`ray.get` resolves futures; an actor's calls run one at a time in
 submission order on one thread, as a plain `@ray.remote` actor runs them), the placement
 groups, tracking, and the Megatron actor: `update_weights()` does what slime's updater does to
-the engines (pause, `/update_weight_version` with the per-process push count, continue; the
-simulator aborts running requests as SGLang does) and records which policy version each
+the engines (pause in the cluster's `push_mode`, `/update_weight_version` with the per-process
+push count, continue: pipeline.weight_push.push_weights; under abort the engines answer running
+requests as SGLang does, under in_place / retract they keep them) and records which policy version each
 (run, label) really is, from the steps it trained: the oracle.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import threading
-import urllib.request
 from argparse import Namespace
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+
+from pipeline.weight_push import PushMode, push_weights
 
 
 class Crash(Exception):
@@ -53,13 +54,6 @@ def resolve(ref: Any) -> Any:
 
 
 FAKE_RAY = SimpleNamespace(get=resolve)
-
-
-def _post(url: str, path: str, body: dict[str, Any]) -> None:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        reply.read()
 
 
 class _Remote:
@@ -109,8 +103,9 @@ class RolloutManagerActor:
 class Cluster:
     """The engines, the checkpoints and the truth, across trainer processes (runs)."""
 
-    def __init__(self, engine_urls: list[str]):
+    def __init__(self, engine_urls: list[str], push_mode: PushMode = PushMode.ABORT):
         self.engine_urls = engine_urls  # slime's updater pushes to each engine, not to the router
+        self.push_mode = push_mode  # SGLang's pause mode of every push (ROLLOUT_PUSH_MODE on a cluster)
         self.truth: dict[tuple[int, str], int] = {}  # (run, engine label) -> the policy version it was
         self.checkpoint: int | None = None  # the last rollout id saved
         self.trained: dict[int, dict[int, list[Any]]] = {}  # run -> rollout id -> samples trained
@@ -133,10 +128,7 @@ class MegatronActor:
         self.pushes += 1
         label = str(self.pushes)
         self.cluster.truth[(self.run, label)] = self.start + self.steps
-        for url in self.cluster.engine_urls:
-            _post(url, "/pause_generation", {})
-            _post(url, "/update_weight_version", {"new_version": label})
-            _post(url, "/continue_generation", {})
+        push_weights(self.cluster.engine_urls, label, self.cluster.push_mode)
 
     def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
         if rollout_id == self.crash_at:

@@ -9,8 +9,9 @@ What runs (all real, nothing in-process but the trainer loop):
   (scripts/demo_tasks.jsonl) with the demo's pipeline YAML (scripts/demo.py `pipeline_config`);
 - the trainer loop, in this process, as a slime train.py-style loop: each step calls
   `generate_rollout(args, rid, source)` with `RedisDataSource`, sleeps the simulated train time,
-  calls `save(rid)` and pushes the next weight version to the engine (`/update_weight_version`,
-  labelled as slime's updater labels its pushes). `pipeline_trainer_loop: sync` (the engines
+  calls `save(rid)` and pushes the next weight version to the engine (pause in `Setup.push_mode`,
+  `/update_weight_version`, continue: pipeline.weight_push; labelled as slime's updater labels its
+  pushes). `pipeline_trainer_loop: sync` (the engines
   hold version r at generate(r)), so eta = 0 is possible: the sync baseline is this same
   pipeline at eta = 0.
 
@@ -53,6 +54,7 @@ import yaml
 from pipeline.keys import Counter, Keys
 from pipeline.schema import SampleGroup, Status, decode_group
 from pipeline.slime import RedisDataSource, generate_rollout
+from pipeline.weight_push import push_weights
 from scripts.bench.report import Figure
 
 AREAL_SPEEDUP = 2.77  # AReaL (Fu et al. 2025): async RL vs synchronous, same hardware
@@ -82,6 +84,7 @@ class Setup:
     due_wait_s: float = 600.0
     # the engine's --enable-priority-scheduling: the workers send each group's clock as `priority`
     priority_scheduling: bool = True
+    push_mode: str = "abort"  # SGLang's pause mode of each weight push (pipeline/weight_push.py)
 
 
 # ------------------------------------------------------------------ one run
@@ -214,7 +217,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
             assert len(out.samples) == setup.batch, f"rollout {rid}: {len(out.samples)} groups"
             time.sleep(setup.train_s)  # train(rid)
             source.save(rid)
-            _post(engine_url, "/update_weight_version", {"new_version": str(rid + 2)})  # version rid + 1
+            push_weights([engine_url], str(rid + 2), setup.push_mode)  # version rid + 1
         window_end = time.monotonic()
         sampler.recording.clear()
         producer.stop()

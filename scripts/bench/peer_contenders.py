@@ -5,8 +5,9 @@ Workload (the same for every contender): the math tasks of scripts/demo_tasks.js
 SIMULATED SGLang engine (`rollout engine`, a subprocess on a free port, the shared test
 tokenizer, a fresh one per contender) with lognormal response lengths (length_sigma 1.0) and a
 per-token latency; B = 8 groups per step, n = 4 samples per group, a trainer step simulated as
-a sleep, then a weight push as slime does it (POST /pause_generation {} - abort mode -,
-/update_weight_version {"new_version": str(step + 1)}, /continue_generation). The engine's
+a sleep, then a weight push as slime does it (POST /pause_generation in `Workload.push_mode`,
+{} - SGLang's abort - by default, /update_weight_version {"new_version": str(step + 1)},
+/continue_generation: pipeline.weight_push.push_weights). The engine's
 weight-version label is therefore the policy version, so the lag of a generate call is
 `training step - int(label)` for every contender alike. The trainer loop is train.py's order
 (generate(r), train(r), push) for all five.
@@ -106,6 +107,9 @@ class Workload:
     # engines behind one router (issue 38 item 4): 1 is the engine itself; more run one process
     # each behind sglang-router (slime's router), every contender's requests through it
     engines: int = 1
+    # how every contender's weight push treats running requests (pipeline/weight_push.py): abort
+    # (slime's default: answered, resumed by the client, re-prefilled), retract or in_place (kept)
+    push_mode: str = "abort"
 
     def __post_init__(self) -> None:
         if not self.time_scale > 0:
@@ -149,7 +153,7 @@ class Workload:
                   f"engine: per-request speed, {self.slots} slots, {self.token_latency_s * 1e3:.1f} ms a token "
                   f"(speed draw sigma {self.latency_sigma:g}), prefill free")
         return (f"workload {self.name}: B={self.batch} groups x n={self.n} per step, {self.steps} steps, trainer step "
-                f"{self.train_step_s:g} s then a weight push (abort mode); {engine}; lognormal lengths median "
+                f"{self.train_step_s:g} s then a weight push ({self.push_mode} mode); {engine}; lognormal lengths median "
                 f"{math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at {self.max_response_len}; {scale}")
 
     def pipeline_groups(self) -> int:
@@ -261,16 +265,12 @@ def _get_json(url: str) -> Any:
         return json.loads(reply.read())
 
 
-def push_weights(engine_url: str | list[str], version: int) -> None:
-    """slime's update_weights as the engines see it: pause (abort mode), new label, continue;
-    every engine paused before any is given the new label (slime pauses them all first)."""
-    urls = [engine_url] if isinstance(engine_url, str) else engine_url
-    for url in urls:
-        _post(url, "/pause_generation", {})
-    for url in urls:
-        _post(url, "/update_weight_version", {"new_version": str(version)})
-    for url in urls:
-        _post(url, "/continue_generation", {})
+def push_weights(engine_url: str | list[str], version: int, mode: str = "abort") -> None:
+    """slime's update_weights as the engines see it: pause (in `mode`), new label, continue, on
+    each engine (pipeline.weight_push.push_weights)."""
+    from pipeline.weight_push import push_weights as push
+
+    push([engine_url] if isinstance(engine_url, str) else engine_url, str(version), mode)
 
 
 def train_step(wl: Workload, engine_url: str) -> None:
@@ -360,9 +360,9 @@ class SlotSampler(threading.Thread):
             self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
         self._last_clock = (now, sim) if busy else None
 
-    def push(self, engine_url: str | list[str], version: int) -> None:
+    def push(self, engine_url: str | list[str], version: int, mode: str = "abort") -> None:
         self.pushes.append(round(time.monotonic() - self.started, 3))
-        push_weights(engine_url, version)
+        push_weights(engine_url, version, mode)
 
     def run(self) -> None:
         every = max(1, round(CLOCK_SAMPLE_S / SLOT_SAMPLE_S))
@@ -565,7 +565,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
         mark(result, started, fleet.engines)
         train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
-        sampler.push(fleet.engines, rollout_id + 1)
+        sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
     result.wall_s = time.monotonic() - started
     result.steps = wl.steps
     sampler.finish(result)
@@ -669,7 +669,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
                     trained_at = time.monotonic()
                     train_step(wl, engine_url)
                     source.save(rollout_id)
-                    sampler.push(fleet.engines, rollout_id + 1)
+                    sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
                     result.step_overheads_s.append(time.monotonic() - trained_at)
                 result.wall_s = time.monotonic() - started
                 result.steps = wl.steps

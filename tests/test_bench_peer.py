@@ -300,6 +300,7 @@ def _marked(label, rep, *, kind="d", eta=-1, per_step=1000, step_s=1.0, warm_ste
         slow = 3.0 if k < warm_steps else 1.0
         busy_wall = step_s * slow * (1 - idle_share)
         r.slot_samples += [(wall, 16), (wall + busy_wall, 0)] if idle_share else [(wall, 16)]
+        r.clock_samples += [[wall + busy_wall / 2, sim + busy_wall * scale / 2], [wall + busy_wall, sim + busy_wall * scale]]
         wall += step_s * slow
         sim += busy_wall * scale
         trained += per_step
@@ -328,6 +329,10 @@ def test_the_steady_window_excludes_warm_up_and_drain_and_runs_on_the_engine_clo
     apply_window(sync, 4, 7, wl)
     assert sync.window["played_s"] == pytest.approx(200.0) and sync.trained_tokens_per_s == pytest.approx(20.0)
     assert per_busy_s(sync) == pytest.approx(1200 / 25)  # per BUSY engine-second: twice the batch's rate
+    # a step loop at half the scale while busy: the engine's clock, not the wall, sets the rate
+    slow = _marked("pipeline eta 2", 0, eta=2, scale=25.0)
+    apply_window(slow, 4, 7, wl)
+    assert slow.trained_tokens_per_s == pytest.approx(1000 / 25) and slow.window["clock_rate"] == pytest.approx(0.5)
 
 
 def _steady_frontier(eta2_tok=(20.0, 20.0, 19.0), fa_tok=(20.0, 19.0, 19.0), cap_tok=20.0):

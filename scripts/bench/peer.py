@@ -164,8 +164,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
                  engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None
                  ) -> list[Result]:
     """Per repeat: the engine's capacity (the workload alone), the pipeline at eta 2, fully async
-    at each multiple in `sweep` (1x first), slime sync at each concurrency in `syncs`, the other
-    etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
+    at the first multiple in `sweep`, slime sync at each concurrency in `syncs`, fully async at the
+    other multiples, the other etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
     first, so a run cut short keeps them. After the first repeat, once: the pipeline at eta 2 and
     fully async at that repeat's best multiple with each engine count in `engines` (> 1) behind
     one router. Every run on fresh engines, one after the other, read over the same steady
@@ -203,14 +203,15 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             f"window clock {cap.window.get('clock_rate', float('nan')):.2f} of the scale; {cap.notes[-1]} "
             f"({time.monotonic() - t0:.0f} s)" if cap.ran else f"could not run: {cap.reason}"), flush=True)
         by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta == 2}
-        fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep]
+        fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep[:1]]
+        for concurrency in syncs:
+            one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
+        fa += [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep[1:]]
         ran = [r for r in fa if r.ran]
         best = max(ran, key=lambda r: r.trained_tokens_per_s) if ran else None
         if best is not None:
             best.notes.append("best fully async of this repeat (trained tokens/s)")
             best_ks.append(best.concurrency // wl.slots)
-        for concurrency in syncs:
-            one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
         by_eta.update({eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta != 2})
         if fcfs:  # the ablation: what the requests' priority buys (issue 25 item 3)
             for eta in etas:
@@ -220,7 +221,7 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             same = by_eta.get(target) or one("d", f"pipeline eta {target}", replace(wl, eta=target), rep)
             twin = replace(same, label="pipeline eta = fully async's max lag", notes=[*same.notes, f"eta {target}"])
             results.append(twin)
-        if rep == 0:
+        if rep == 0:  # after the first repeat: a run cut short keeps them
             k = best_ks[0] if best_ks else 1
             for n in (n for n in engines if n > 1):
                 one("d", f"pipeline eta 2, {n}{ENGINES_LABEL}", replace(wl, eta=2, engines=n), 0)
@@ -591,8 +592,8 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
 
 
 def dump_raw(results: list[Result], wl: Workload, raw_path: str, repeats: int, seconds: float, command: str) -> None:
-    done = len({r.repeat for r in results if r.contender == "cap"})  # a cut run: the repeats it began
-    Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": min(repeats, done or 1),
+    begun = len({r.repeat for r in results}) or 1  # a cut run: the repeats it began
+    Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": min(repeats, begun),
                                           "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
 
 
@@ -611,6 +612,8 @@ def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
         for row in data["results"]:
             r = Result(**{k: v for k, v in row.items() if k in fields})
             r.slot_samples = [(float(t), int(b)) for t, b in r.slot_samples]
+            if "first" in r.window:  # the steady state again, by this code's rule
+                apply_window(r, int(r.window["first"]), int(r.window["last"]), replace(workloads[-1], eta=r.eta))
             r.repeat += repeats
             results.append(r)
         repeats += int(data.get("repeats", 1))

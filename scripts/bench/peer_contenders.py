@@ -224,6 +224,7 @@ class Result:
     # after each step's rollout: [wall s since the loop began, trained tokens so far, the
     # engines' generated tokens so far, their busy simulated seconds so far]
     step_marks: list[list[float]] = field(default_factory=list)
+    clock_samples: list[list[float]] = field(default_factory=list)  # `SlotSampler`, on the marks' wall clock
     # the steady-state window's own counts (`peer_steady.apply_window`); the whole run's rates
     window: dict[str, float] = field(default_factory=dict)
     run_tokens_per_s: float = 0.0
@@ -345,6 +346,7 @@ class SlotSampler(threading.Thread):
         self.samples: list[tuple[float, int]] = []
         self.pushes: list[float] = []
         self.clock_rates: list[float] = []
+        self.clock_samples: list[list[float]] = []  # [wall s since started, the engine's simulated clock]
         self._last_clock: tuple[float, float] | None = None
         self.stopped = threading.Event()
 
@@ -356,6 +358,7 @@ class SlotSampler(threading.Thread):
         if "sim_time_s" not in stats:
             return
         now, sim, busy = time.monotonic(), float(stats["sim_time_s"]), bool(stats.get("running"))
+        self.clock_samples.append([round(now - self.started, 3), round(sim, 3)])
         if busy and self._last_clock is not None and now > self._last_clock[0]:
             self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
         self._last_clock = (now, sim) if busy else None
@@ -379,6 +382,7 @@ class SlotSampler(threading.Thread):
         self.stopped.set()
         self.join(5)
         result.slot_samples, result.push_times, result.clock_rates = self.samples, self.pushes, self.clock_rates
+        result.clock_samples = self.clock_samples
 
 
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -557,12 +561,12 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
     cpu.start()
     sampler.start()
     started = time.monotonic()
-    mark(result, started, fleet.engines)
+    mark(result, sampler.started, fleet.engines)
     for rollout_id in range(wl.steps):
         out = rollout(args, rollout_id, source)  # (c) returns the list of groups itself
         groups = out.samples if hasattr(out, "samples") else out
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
-        mark(result, started, fleet.engines)
+        mark(result, sampler.started, fleet.engines)
         train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
         sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
@@ -658,12 +662,12 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
             sampler.start()
             try:
                 started = time.monotonic()
-                mark(result, started, fleet.engines)
+                mark(result, sampler.started, fleet.engines)
                 for rollout_id in range(wl.steps):
                     out = generate_rollout(args, rollout_id, source)
                     record_step(result, rollout_id, out.samples,
                                 lambda s: s.metadata.get("engine_weight_versions") or s.weight_versions)
-                    mark(result, started, fleet.engines)
+                    mark(result, sampler.started, fleet.engines)
                     result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
                                                      for group in out.samples for s in group))
                     trained_at = time.monotonic()
@@ -810,6 +814,9 @@ def _slime_in_fork(kind: str, wl: Workload, engine_url: str | Fleet, engine_pid:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+            # one INFO line per HTTP request costs slime's one process CPU the others do not pay
+            # on a loaded 2-core machine (a line per generate call: tens of thousands a run)
+            logging.getLogger("httpx").setLevel(logging.WARNING)
             result = run_slime_contender(kind, wl, engine_url, prompts, sub, engine_pid=engine_pid)
             (sub / "result.json").write_text(json.dumps(asdict(result)))
             code = 0

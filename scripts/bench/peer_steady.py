@@ -131,13 +131,27 @@ def idle_wall_s(r: Result, t0: float, t1: float) -> float:
 
 
 def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
-    """The window's length on the ENGINE's clock (the GPU and trainer played): the simulated time
-    the first engine moved (busy: decode, prefill, pushes) plus its idle wall time x the scale (an
-    idle engine's clock is the wall's, x the scale, and the trainer then sleeps that). Rates on
-    this clock do not depend on how well the step loop kept the scale on a loaded machine."""
-    if len(a) < 5 or a[4] != a[4]:
+    """The window's length on the ENGINE's clock (the GPU and trainer played), interval by interval
+    between the first engine's clock samples (and the marks a, b at the ends): while it runs
+    requests its simulated clock moves as the step loop gets through them (slower than the scale on
+    a loaded machine); while nothing runs it may not move at all (SGLang's idle loop), and that
+    idle wall time counts x the scale (the trainer sleeps its step on the wall clock then). So an
+    interval counts the clock's move (at most its busy wall time x the scale: a busy loop never
+    runs ahead) plus its idle wall time x the scale, or what else the clock moved, not both. Rates on this clock do not depend on how well the step loop
+    kept the scale; wall-clock latency while the engine idles is scaled like the trainer's sleep."""
+    if len(a) < 5 or a[4] != a[4] or b[4] != b[4]:
         return float("nan")
-    return (b[4] - a[4]) + idle_wall_s(r, a[0], b[0]) * wl.time_scale
+    points = [(a[0], a[4]), *((t, sim) for t, sim in r.clock_samples if a[0] < t < b[0]), (b[0], b[4])]
+    total = 0.0
+    for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False):
+        moved, wall = max(0.0, s1 - s0), t1 - t0
+        if wall <= 0:
+            total += moved
+            continue
+        idle = min(wall, idle_wall_s(r, t0, t1))
+        busy = min(moved, (wall - idle) * wl.time_scale)  # a busy loop never runs ahead of the scale
+        total += busy + max(idle * wl.time_scale, moved - busy)  # the rest moved while idle: not twice
+    return total
 
 
 # ------------------------------------------------------------------ capacity
@@ -189,7 +203,9 @@ async def _saturate(url: str, wl: Workload, prompts: list[list[int]], outstandin
 
 def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]], *, warmup_s: float,
                      window_s: float, outstanding: int) -> Result:
-    """Saturate the engine(s) at `urls[0]` for warmup_s + window_s wall seconds; read the window."""
+    """Saturate the engine(s) at `urls[0]` for warmup_s + window_s seconds OF THE ENGINE'S CLOCK
+    (a loaded machine slows the step loop: the window stays as long in engine time); read the
+    window. A wall-clock cap of ten times the scaled durations ends a loop that cannot move."""
     result = Result("cap", CAPACITY, label=CAPACITY, concurrency=outstanding)
     sampler = SlotSampler(urls[0])
     waiting: list[int] = []
@@ -198,12 +214,21 @@ def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]]
         stop = asyncio.Event()
         load = asyncio.create_task(_saturate(urls[0], wl, prompts, outstanding, stop))
         sampler.start()
-        started = time.monotonic()
-        await asyncio.sleep(warmup_s)
+        started = sampler.started
+        give_up = started + 10 * (warmup_s + window_s) / wl.time_scale + 30.0
+
+        async def until(clock_s: float) -> None:
+            while time.monotonic() < give_up:
+                stats = await asyncio.to_thread(_get_json, urls[0] + "/sim/stats")
+                if float(stats.get("sim_time_s", 0.0)) >= clock_s:
+                    return
+                if result.step_marks:
+                    waiting.append(int(stats.get("num_waiting_reqs", 0)))
+                await asyncio.sleep(0.5)
+
+        await until(warmup_s)
         mark(result, started, urls)
-        while time.monotonic() - started < warmup_s + window_s:
-            await asyncio.sleep(1.0)
-            waiting.append(int(_get_json(urls[0] + "/sim/stats").get("num_waiting_reqs", 0)))
+        await until(result.step_marks[0][4] + window_s)
         mark(result, started, urls)
         stop.set()
         await load
@@ -223,23 +248,28 @@ def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]]
     stats = _get_json(urls[0] + "/sim/stats")
     result.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     running = [b for _t, b in result.slot_samples[len(result.slot_samples) // 3:]]
-    result.notes.append(f"window {result.wall_s:.1f} s after {warmup_s:.0f} s warm-up; {outstanding} requests in "
+    result.notes.append(f"window {b[4] - a[4]:.0f} s engine clock ({result.wall_s:.1f} s wall) after {a[4]:.0f} s "
+                        f"warm-up; {outstanding} requests in "
                         f"flight; mean running {statistics.mean(running) if running else float('nan'):.1f}; waiting "
                         f"queue non-empty in {sum(w > 0 for w in waiting)}/{len(waiting)} samples")
     return result
 
 
+CAPACITY_WARMUP_STEPS, CAPACITY_WINDOW_STEPS = 3, 9  # trainer steps of the engine's clock
+
+
 def capacity_run(wl: Workload, workdir: Path, tasks: Path, *, label: str = "") -> Result:
-    """A fresh engine with the workload's arguments, saturated (`measure_capacity`). Warm-up: six
-    trainer steps of simulated time; window: twenty (on the time-scaled wall clock)."""
+    """A fresh engine with the workload's arguments, saturated (`measure_capacity`). Warm-up and
+    window: CAPACITY_WARMUP_STEPS and CAPACITY_WINDOW_STEPS trainer steps of the engine's clock."""
     from scripts.processes import SimEngineProcess
 
     sub = workdir / (label or "capacity").replace(" ", "_")
     sub.mkdir(exist_ok=True)
     try:
         with SimEngineProcess(wl.engine_args(str(tasks)), log_path=str(sub / "engine.log")) as engine:
-            return measure_capacity(wl, [engine.url], capacity_prompts(wl, tasks), warmup_s=6 * wl.train_sleep_s,
-                                    window_s=20 * wl.train_sleep_s, outstanding=capacity_outstanding(wl))
+            return measure_capacity(wl, [engine.url], capacity_prompts(wl, tasks),
+                                    warmup_s=CAPACITY_WARMUP_STEPS * wl.train_step_s,
+                                    window_s=CAPACITY_WINDOW_STEPS * wl.train_step_s, outstanding=capacity_outstanding(wl))
     except Exception as exc:  # noqa: BLE001 - reported as "could not run", with the reason
         return Result("cap", CAPACITY, label=CAPACITY, reason=f"{type(exc).__name__}: {exc}")
 
@@ -263,7 +293,8 @@ def apply_window(r: Result, first: int, last: int, wl: Workload) -> None:
     s = steady(r, first, last, wl)
     if s is None:
         return
-    r.run_tokens_per_s, r.run_groups_per_s = r.trained_tokens_per_s, r.groups_per_s
+    if r.wall_s > 0:  # from the run's own counts: applying it again (`--from-raw`) gives the same
+        r.run_tokens_per_s, r.run_groups_per_s = r.trained_tokens / r.wall_s, sum(r.groups_per_step) / r.wall_s
     r.trained_tokens_per_s, r.groups_per_s = s.tokens_per_s, s.groups_per_s
     r.window = {"first": first, "last": last, "wall_s": round(s.wall_s, 2), "played_s": round(s.played_s, 2),
                 "trained_tokens": s.trained_tokens, "groups": s.groups, "generated_tokens": s.generated_tokens,

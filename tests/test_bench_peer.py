@@ -293,19 +293,21 @@ def _marked(label, rep, *, kind="d", eta=-1, per_step=1000, step_s=1.0, warm_ste
     a step and idles the rest (slot samples at 0)."""
     r = _result(label, rep, kind=kind, eta=eta)
     r.steps, r.groups_per_step = steps, [2] * steps
-    r.step_marks, r.slot_samples = [[0.0, 0, 0, 0.0, 0.0]], []
+    r.step_marks, r.slot_samples = [[0.0, 0, 0, 0.0, 0.0, 0.0]], []
     wall = sim = 0.0
     trained = generated = 0
     for k in range(steps):
         slow = 3.0 if k < warm_steps else 1.0
         busy_wall = step_s * slow * (1 - idle_share)
         r.slot_samples += [(wall, 16), (wall + busy_wall, 0)] if idle_share else [(wall, 16)]
-        r.clock_samples += [[wall + busy_wall / 2, sim + busy_wall * scale / 2], [wall + busy_wall, sim + busy_wall * scale]]
+        half, busy = sim + busy_wall * scale / 2, sim + busy_wall * scale
+        # the simulated clock jumps (a push syncing it to the wall): busy seconds do not
+        r.clock_samples += [[wall + busy_wall / 2, half + 7.0, half], [wall + busy_wall, busy + 7.0, busy]]
         wall += step_s * slow
         sim += busy_wall * scale
         trained += per_step
         generated += generated_per_step
-        r.step_marks.append([wall, trained, generated, sim, sim])
+        r.step_marks.append([wall, trained, generated, sim, sim + 7.0 * (k + 1), sim])
     r.slot_samples.append((wall, 16))
     return r
 

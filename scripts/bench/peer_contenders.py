@@ -224,7 +224,8 @@ class Result:
     # after each step's rollout: [wall s since the loop began, trained tokens so far, the
     # engines' generated tokens so far, their busy simulated seconds so far]
     step_marks: list[list[float]] = field(default_factory=list)
-    clock_samples: list[list[float]] = field(default_factory=list)  # `SlotSampler`, on the marks' wall clock
+    # `SlotSampler`: [wall s (the marks' clock), the first engine's simulated clock, its busy seconds]
+    clock_samples: list[list[float]] = field(default_factory=list)
     # the steady-state window's own counts (`peer_steady.apply_window`); the whole run's rates
     window: dict[str, float] = field(default_factory=dict)
     run_tokens_per_s: float = 0.0
@@ -358,7 +359,7 @@ class SlotSampler(threading.Thread):
         if "sim_time_s" not in stats:
             return
         now, sim, busy = time.monotonic(), float(stats["sim_time_s"]), bool(stats.get("running"))
-        self.clock_samples.append([round(now - self.started, 3), round(sim, 3)])
+        self.clock_samples.append([round(now - self.started, 3), round(sim, 3), round(float(stats.get("busy_s", 0.0)), 3)])
         if busy and self._last_clock is not None and now > self._last_clock[0]:
             self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
         self._last_clock = (now, sim) if busy else None
@@ -754,7 +755,10 @@ def run_contender(kind: str, wl: Workload, workdir: Path, tasks: Path, prompts: 
 @contextlib.contextmanager
 def fleet_of(wl: Workload, tasks: Path, sub: Path) -> Iterator[Fleet]:
     """`wl.engines` fresh engines (one process each), behind sglang-router where more than one:
-    the router slime launches (its `--policy` default, cache_aware), listing every engine."""
+    the router slime launches, listing every engine, with `--policy round_robin`: its default
+    (cache_aware) sent one contender's requests, which share the chat template's prefix, nearly
+    all to one engine (slot use 0.01 on the other in a trial run), and a weight push flushes the
+    prefix cache anyway."""
     from scripts.processes import ChildProcess, SimEngineProcess
 
     with contextlib.ExitStack() as stack:
@@ -770,7 +774,8 @@ def fleet_of(wl: Workload, tasks: Path, sub: Path) -> Iterator[Fleet]:
         port = free_port()
         router = ChildProcess([], log_path=str(sub / "router.log"))
         router.args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-                       "--worker-urls", *urls, "--prometheus-port", str(free_port()), "--log-level", "warn"]
+                       "--worker-urls", *urls, "--policy", "round_robin", "--prometheus-port", str(free_port()),
+                       "--log-level", "warn"]
         stack.enter_context(router)
         url = f"http://127.0.0.1:{port}"
         if not _wait_until(lambda: _listed(url) == len(urls), 120):

@@ -99,25 +99,26 @@ def steady(r: Result, first: int, last: int, wl: Workload) -> Steady | None:
                   generated_tokens=int(b[2] - a[2]), busy_s=b[3] - a[3], played_s=played_s(r, wl, a, b))
 
 
-def engine_totals(urls: Sequence[str]) -> tuple[int, float, float]:
+def engine_totals(urls: Sequence[str]) -> tuple[int, float, float, float]:
     """Generated tokens (answers finished or aborted, as the engines count them) and busy
-    simulated seconds, summed over the engines; the first engine's simulated clock."""
-    tokens, busy, clock = 0, 0.0, float("nan")
+    simulated seconds, summed over the engines; the first engine's simulated clock and its busy
+    seconds."""
+    tokens, busy, clock, busy0 = 0, 0.0, float("nan"), float("nan")
     for i, url in enumerate(urls):
         stats = _get_json(url + "/sim/stats")
         tokens += int(stats.get("output_tokens", 0))
         busy += float(stats.get("busy_s", 0.0))
         if i == 0:
-            clock = float(stats.get("sim_time_s", float("nan")))
-    return tokens, busy, clock
+            clock, busy0 = float(stats.get("sim_time_s", float("nan"))), float(stats.get("busy_s", float("nan")))
+    return tokens, busy, clock, busy0
 
 
 def mark(result: Result, started: float, urls: Sequence[str]) -> None:
-    """A step mark: wall s since `started`, trained tokens so far, the engines' totals, and the
-    first engine's simulated clock (it moves only while that engine is busy)."""
-    tokens, busy, clock = engine_totals(urls)
+    """A step mark: wall s since `started`, trained tokens so far, the engines' generated tokens
+    and busy seconds, the first engine's simulated clock and its own busy seconds."""
+    tokens, busy, clock, busy0 = engine_totals(urls)
     result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, tokens, round(busy, 3),
-                              round(clock, 3)])
+                              round(clock, 3), round(busy0, 3)])
 
 
 def idle_wall_s(r: Result, t0: float, t1: float) -> float:
@@ -133,15 +134,18 @@ def idle_wall_s(r: Result, t0: float, t1: float) -> float:
 def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
     """The window's length on the ENGINE's clock (the GPU and trainer played), interval by interval
     between the first engine's clock samples (and the marks a, b at the ends): while it runs
-    requests its simulated clock moves as the step loop gets through them (slower than the scale on
-    a loaded machine); while nothing runs it may not move at all (SGLang's idle loop), and that
-    idle wall time counts x the scale (the trainer sleeps its step on the wall clock then). So an
-    interval counts the clock's move (at most its busy wall time x the scale: a busy loop never
-    runs ahead) plus its idle wall time x the scale, or what else the clock moved, not both. Rates on this clock do not depend on how well the step loop
+    requests, its busy seconds (the forward passes' simulated durations) move as the step loop
+    gets through them (slower than the scale on a loaded machine); while nothing runs they do not
+    move, and that idle wall time counts x the scale (the trainer sleeps its step on the wall
+    clock then). Busy seconds, not `sim_time_s`: the simulated clock also jumps to the wall clock
+    x the scale where a push syncs it, which would count a slow loop's lag as engine time. The
+    weight pushes' own GPU time (about 0.7 s a push) is left out. Rates on this clock do not depend on how well the step loop
     kept the scale; wall-clock latency while the engine idles is scaled like the trainer's sleep."""
-    if len(a) < 5 or a[4] != a[4] or b[4] != b[4]:
+    col = 5 if len(a) > 5 and len(b) > 5 else 4  # the first engine's busy seconds (older dumps: its clock)
+    if len(a) <= col or a[col] != a[col] or b[col] != b[col]:
         return float("nan")
-    points = [(a[0], a[4]), *((t, sim) for t, sim in r.clock_samples if a[0] < t < b[0]), (b[0], b[4])]
+    inside = ((x[0], x[col - 3]) for x in r.clock_samples if len(x) > col - 3 and a[0] < x[0] < b[0])
+    points = [(a[0], a[col]), *inside, (b[0], b[col])]
     total = 0.0
     for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False):
         moved, wall = max(0.0, s1 - s0), t1 - t0
@@ -149,8 +153,7 @@ def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
             total += moved
             continue
         idle = min(wall, idle_wall_s(r, t0, t1))
-        busy = min(moved, (wall - idle) * wl.time_scale)  # a busy loop never runs ahead of the scale
-        total += busy + max(idle * wl.time_scale, moved - busy)  # the rest moved while idle: not twice
+        total += min(moved, (wall - idle) * wl.time_scale) + idle * wl.time_scale  # busy: never ahead of the scale
     return total
 
 
@@ -239,16 +242,16 @@ def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]]
     result.wall_s = b[0] - a[0]
     result.engine_tokens = int(b[2] - a[2])
     # generated (nothing trains here) per second of the engine's clock (never idle: it moved all along)
-    result.trained_tokens_per_s = result.engine_tokens / (b[4] - a[4])
+    result.trained_tokens_per_s = result.engine_tokens / (b[5] - a[5])
     result.run_tokens_per_s = result.engine_tokens / result.wall_s  # per wall second, at the time scale
-    result.window = {"wall_s": round(result.wall_s, 2), "played_s": round(b[4] - a[4], 2),
+    result.window = {"wall_s": round(result.wall_s, 2), "played_s": round(b[5] - a[5], 2),
                      "generated_tokens": result.engine_tokens, "busy_s": round(b[3] - a[3], 2),
-                     "clock_rate": round((b[4] - a[4]) / result.wall_s / wl.time_scale, 3)}
+                     "clock_rate": round((b[5] - a[5]) / result.wall_s / wl.time_scale, 3)}
     result.ran, result.steps = True, 1
     stats = _get_json(urls[0] + "/sim/stats")
     result.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     running = [b for _t, b in result.slot_samples[len(result.slot_samples) // 3:]]
-    result.notes.append(f"window {b[4] - a[4]:.0f} s engine clock ({result.wall_s:.1f} s wall) after {a[4]:.0f} s "
+    result.notes.append(f"window {b[5] - a[5]:.0f} s engine clock ({result.wall_s:.1f} s wall) after {a[4]:.0f} s "
                         f"warm-up; {outstanding} requests in "
                         f"flight; mean running {statistics.mean(running) if running else float('nan'):.1f}; waiting "
                         f"queue non-empty in {sum(w > 0 for w in waiting)}/{len(waiting)} samples")

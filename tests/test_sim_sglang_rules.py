@@ -75,8 +75,9 @@ def _cases(seed: int = 31) -> dict[str, list[Any]]:
         waiting = []
         for _ in range(rng.randint(1, 6)):
             base = rng.choice(cached)
-            waiting.append({"prefix": base[: rng.randint(0, len(base))], "input": rng.randint(1, 300),
-                            "max_new": rng.randint(1, 400)})
+            prefix = base[: rng.randint(1, len(base))]
+            own = 0 if rng.random() < 0.3 else rng.randint(1, 300)  # 0: all of it cached, its last token computed
+            waiting.append({"prefix": prefix, "input": own, "max_new": rng.randint(1, 400)})
         admit.append({"free": rng.randint(0, 1500), "running": [], "chunk": rng.choice([-1, 64, 256]),
                       "max_prefill": rng.choice([1024, 16384]), "max_running": 8, "ratio": 0.7,
                       "cached": cached, "waiting": waiting})
@@ -90,9 +91,9 @@ def _cases(seed: int = 31) -> dict[str, list[Any]]:
     radix = [_radix_ops(rng) for _ in range(80)]
     chunks = []
     for _ in range(40):
-        chunks.append({"free": rng.randint(300, 5000), "chunk": rng.choice([64, 128, 512]),
+        chunks.append({"free": rng.randint(200, 3000), "chunk": rng.choice([64, 128, 512]),
                        "max_prefill": rng.choice([256, 16384]), "ratio": rng.choice([0.7, 0.098]),
-                       "waiting": [{"input": rng.randint(1, 900), "max_new": rng.randint(1, 300)}
+                       "waiting": [{"input": rng.randint(1, 900), "max_new": rng.randint(1, 1000)}
                                    for _ in range(rng.randint(1, 5))]})
     pause = [{"running": [rng.randint(1, 40) for _ in range(rng.randint(0, 5))], "chunked": rng.randint(0, 60),
               "free": rng.randint(0, 50), "cached": _token_seqs(rng, rng.randint(0, 4), 10, 80)} for _ in range(30)]
@@ -193,10 +194,11 @@ def test_check_decode_mem_and_retraction_are_sglangs(sglang_answers):
     evicting to keep SGLANG_RETRACT_DECODE_STEPS tokens per remaining request, and
     `NewTokenRatioTracker.estimate_new_token_ratio_after_retract`): whether the batch fits, which
     requests are retracted in which order, the new token ratio, and the free and evictable
-    tokens after. Mutations caught: flipping the tie-break in `BatchScheduler._retract`
+    tokens after; and the KV in use then as SGLang's token usage counts it
+    (`SchedulerPoolStatsObserver._get_token_info`: the pool less free and evictable). Mutations caught: flipping the tie-break in `BatchScheduler._retract`
     (`-len(r.input_ids)` -> `len(r.input_ids)`); `_decode_fits` counting the evictable cache
     without evicting it (`len(reqs) <= self.kv_free + self.cache.evictable_size`); `_retract_one`
-    without the eviction."""
+    without the eviction; `kv_used` counting the whole tree (`self.cache.total_size + ...`)."""
     outcomes = sglang_answers["decode"]
     assert {o["fits"] for o in outcomes} == {True, False} and any(len(o["retracted"]) > 1 for o in outcomes)
     for case, theirs in zip(_cases()["decode"], outcomes):
@@ -206,7 +208,7 @@ def test_check_decode_mem_and_retraction_are_sglangs(sglang_answers):
             sch._retract()
         ours = {"fits": fits, "retracted": [r.rid for r in sch.waiting], "kept": [r.rid for r in sch.running],
                 "ratio": round(sch.new_token_ratio, 9) if not fits else None,
-                "free": sch.kv_free, "evictable": sch.cache.evictable_size}
+                "free": sch.kv_free, "evictable": sch.cache.evictable_size, "used": sch.kv_used}
         assert ours == theirs, case
 
 
@@ -250,8 +252,9 @@ def test_prefill_chunks_continue_as_sglangs(sglang_answers):
     reserving its output only with its last chunk; then the waiting queue (`add_one_req`), each
     admitted request then running and growing at new_token_ratio. The passes until nothing is
     admitted: which requests prefill how many tokens in each. Mutation caught:
-    `BatchScheduler._admit` reserving the output of a continuing chunk that is not the last
-    (`0 if take < left else ...` -> `self._max_new(req)`)."""
+    `BatchScheduler._admit` reserving no output for the continuing request's last chunk
+    (`budget.reserve(take, 0 if take < left else self._max_new(req))` -> `budget.reserve(take, 0)`:
+    the requests after it in that pass then get room SGLang does not give them)."""
     outcomes = sglang_answers["chunks"]
     assert any(len(passes) > 2 for passes in outcomes)
     for case, theirs in zip(_cases()["chunks"], outcomes):
@@ -282,16 +285,50 @@ def test_retract_pause_is_sglangs(sglang_answers):
     -> `reqs = self._holders()[::-1]`). The modes SGLang's scheduler never sees are pinned
     against the source in test_pause_modes_follow_sglangs_source."""
     for case, theirs in zip(_cases()["pause"], sglang_answers["pause"]):
-        running = [[n, 1, 50] for n in case["running"]]
-        sch = _decode_state({"running": running, "free": case["free"], "cached": case["cached"]})
-        if case["chunked"]:  # mid-prefill: its first chunk's KV is its own
-            req = SimReq("chunked", _ids(99, case["chunked"] * 2), [7], 1)
-            req.filled = req.private = case["chunked"]
-            req.node = sch.cache.root  # nothing cached matched
-            sch.chunked = req
-            sch.config.kv_pool_tokens += case["chunked"]
+        sch = _pause_state(case)
         sch.retract_all()
         assert [[r.rid for r in sch.waiting], sch.kv_free, sch.cache.evictable_size] == theirs, case
+
+
+def test_in_place_pause_is_sglangs(sglang_answers):
+    """`/pause_generation {"mode": "in_place"}` against SGLang's own `Scheduler.pause_generation`:
+    it only sets `_engine_paused` (the running batch, the chunked request, the pool and the cache
+    stay as they were; `event_loop_normal` runs no batch while it is set, pinned in
+    test_pause_modes_follow_sglangs_source). Ours: with the step loop's `resumed` cleared (what
+    the engine's in_place pause does) no step runs and nothing moves, until it is set again.
+    Mutation caught: `BatchScheduler._loop` without its paused branch (`if not
+    self.resumed.is_set(): ...` deleted)."""
+    for case, theirs in zip(_cases()["pause"], sglang_answers["in_place"]):
+        assert asyncio.run(_paused_then_resumed(_pause_state(case))) == theirs, case
+
+
+def _pause_state(case: dict[str, Any]) -> BatchScheduler:
+    """A running batch (as `_decode_state`), and a request mid-chunk whose first chunk's KV is its own."""
+    sch = _decode_state({"running": [[n, 1, 50] for n in case["running"]], "free": case["free"],
+                         "cached": case["cached"]})
+    if case["chunked"]:
+        req = SimReq("chunked", _ids(99, case["chunked"] * 2), [7], 1)
+        req.filled = req.private = case["chunked"]
+        req.node = sch.cache.root  # nothing cached matched
+        sch.chunked = req
+        sch.config.kv_pool_tokens += case["chunked"]
+    return sch
+
+
+async def _paused_then_resumed(sch: BatchScheduler) -> list[Any]:
+    """The step loop with `resumed` cleared (an in_place pause), a request arriving meanwhile:
+    the state while paused; then it must step once resumed."""
+    assert not sch.resumed.is_set()
+    sch.submit(SimReq("late", _ids(98, 3), [7], 1))
+    await asyncio.sleep(0.02)
+    assert sch.stats["steps"] == 0
+    state = [[r.rid for r in sch.waiting if r.rid != "late"], [r.rid for r in sch.running],
+             sch.chunked.rid if sch.chunked else None, sch.kv_free, sch.cache.evictable_size]
+    sch.resumed.set()
+    await asyncio.sleep(0.02)
+    assert sch.stats["steps"] > 0 and sch._task is not None
+    sch._task.cancel()
+    return state
 
 
 def test_pause_modes_follow_sglangs_source():
@@ -432,8 +469,9 @@ def _probe(workdir: Path) -> None:
     chunks = [_sglang_chunks(policy, case) for case in cases["chunks"]]
     scheduler = _import_with_stubs("sglang.srt.managers.scheduler", ("torchvision",))
     pause = [_sglang_pause(scheduler, case) for case in cases["pause"]]
+    in_place = [_sglang_pause(scheduler, case, "in_place") for case in cases["pause"]]
     print(json.dumps({"sort": sort, "preempt": preempt, "admit": admit, "decode": decode, "radix": radix,
-                      "chunks": chunks, "pause": pause}))
+                      "chunks": chunks, "pause": pause, "in_place": in_place}))
 
 
 class _Pool:
@@ -532,8 +570,15 @@ def _sglang_decode(case: dict[str, Any]) -> dict[str, Any]:
         out, ratio, aborted = batch.retract_decode()
         assert not aborted
         retracted = [r.rid for r in out]
+    from sglang.srt.managers.scheduler_components.pool_stats_observer import SchedulerPoolStatsObserver
+
+    total = sum(n_in + n_out for n_in, n_out, _ in case["running"]) + case["free"] + len(
+        {tuple(ids[:k]) for ids in case["cached"] for k in range(1, len(ids) + 1)})  # the cached tokens, shared once
+    usage = SchedulerPoolStatsObserver._get_token_info(SimpleNamespace(  # type: ignore[arg-type]
+        token_to_kv_pool_allocator=pool, tree_cache=tree, max_total_num_tokens=total))
     return {"fits": fits, "retracted": retracted, "kept": [r.rid for r in batch.reqs],
-            "ratio": None if ratio is None else round(ratio, 9), "free": pool.free, "evictable": tree.evictable_size()}
+            "ratio": None if ratio is None else round(ratio, 9), "free": pool.free, "evictable": tree.evictable_size(),
+            "used": usage.full_num_used}
 
 
 def _sglang_radix(ops: list[list[Any]]) -> list[Any]:
@@ -603,9 +648,9 @@ def _sglang_chunks(policy: Any, case: dict[str, Any]) -> list[list[list[Any]]]:
     return passes
 
 
-def _sglang_pause(scheduler: Any, case: dict[str, Any]) -> list[Any]:
-    """Scheduler.pause_generation(mode="retract") on a scheduler with these fields; its
-    `retract_all` -> `release_req` are SGLang's (the KV release inside stands in for the pools)."""
+def _sglang_pause(scheduler: Any, case: dict[str, Any], mode: str = "retract") -> list[Any]:
+    """Scheduler.pause_generation(mode) on a scheduler with these fields; its `retract_all` ->
+    `release_req` are SGLang's (the KV release inside stands in for the pools)."""
     from sglang.srt.managers import schedule_batch
     from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
@@ -632,8 +677,12 @@ def _sglang_pause(scheduler: Any, case: dict[str, Any]) -> list[Any]:
         _add_request_to_queue=queue.append,
         metrics_reporter=SimpleNamespace(last_gen_throughput=0.0, current_scheduler_metrics_enabled=False),
         kv_events_publisher=SimpleNamespace(publish_kv_events=lambda: None))
-    scheduler.Scheduler.pause_generation(fake, PauseGenerationReqInput(mode="retract"))
-    assert fake._engine_paused and fake.chunked_req is None and not fake.running_batch.reqs
+    scheduler.Scheduler.pause_generation(fake, PauseGenerationReqInput(mode=mode))
+    assert fake._engine_paused
+    if mode == "in_place":  # what stays where it was
+        return [[r.rid for r in queue], [r.rid for r in fake.running_batch.reqs],
+                fake.chunked_req.rid if fake.chunked_req else None, pool.free, tree.evictable_size()]
+    assert fake.chunked_req is None and not fake.running_batch.reqs
     return [[r.rid for r in queue], pool.free, tree.evictable_size()]
 
 

@@ -25,12 +25,17 @@ runs the same sequences through SGLang's own code):
   input + output when it ends (`cache_finished_req`); flushed on a weight update (`WeightUpdater.flush_cache_after_weight_update` -> `Scheduler.flush_cache`,
   refused while requests hold cached nodes, as SGLang refuses it when not idle).
 - Decode retraction, `ScheduleBatch.retract_decode` / `check_decode_mem` (managers/schedule_batch.py):
-  when the next decode step's tokens do not fit, requests are retracted, fewest output tokens
-  first (longest input breaking ties), at least one, until they fit; they keep their output and
-  re-prefill input + output later. new_token_ratio as `NewTokenRatioTracker`: 0.7, decaying to
-  0.098 over 600 decode steps, reset to the retraction estimate.
+  the check evicts the cache's shortfall and compares the free tokens with one per request; when
+  they do not fit, requests are retracted, fewest output tokens first (longest input breaking
+  ties), at least one, never the last, until they fit, the batch keeping that order; each
+  `release_req` evicts until 20 tokens per request still running are free. They keep their
+  output and re-prefill input + output later. new_token_ratio as `NewTokenRatioTracker`: 0.7,
+  decaying to 0.098 over 600 decode steps, reset to the retraction estimate.
+- KV in use (`kv_used`) as SGLang's token usage (`_get_token_info`): the pool less free and
+  evictable tokens.
 - Pause (`Scheduler.pause_generation`): `in_place` stops stepping and keeps everything; `retract`
-  releases every running request's KV (`retract_all`), which re-prefills after continue.
+  releases every running request's KV, then the chunked one's (`retract_all`), and they queue
+  again in that order to re-prefill after continue.
 
 Simulated time runs at `time_scale` x real time. The loop sleeps only when it is more than
 `_SLACK_S` of real time ahead, so thousands of short steps cost no timer wake-ups each.

@@ -43,6 +43,12 @@
 #   ROLLOUT_ETA          staleness bound eta (steps); producers admit under the same bound [2]
 #   ROLLOUT_STALE_POLICY requeue | drop | keep: what to do with a group staler than eta [requeue]
 #   ROLLOUT_FILTER_ZERO_VARIANCE  drop groups whose rewards are all equal (no GRPO signal) [false]
+#   ROLLOUT_PUSH_MODE    what a weight push does to running requests, SGLang's pause mode [in_place]:
+#                        in_place (they keep their KV and go on; the cheapest), retract (they wait in
+#                        the engine and re-prefill on the new weights; use it with slime's disk
+#                        updater), abort (slime's own default: answered, the workers resend them).
+#                        Installed in slime's SGLangEngine by Ray's worker_process_setup_hook
+#                        (pipeline/weight_push.py; docs/architecture.md "Off-policy control")
 #   RAY_ADDRESS          a running Ray cluster's dashboard; unset = start a local head [unset]
 #   USE_WANDB=1          log to wandb (slime's own run; pipeline metrics land in it too)
 set -euo pipefail
@@ -68,6 +74,7 @@ ROLLOUT_NAMESPACE=${ROLLOUT_NAMESPACE:-rollout}
 ROLLOUT_ETA=${ROLLOUT_ETA:-2}
 ROLLOUT_STALE_POLICY=${ROLLOUT_STALE_POLICY:-requeue}
 ROLLOUT_FILTER_ZERO_VARIANCE=${ROLLOUT_FILTER_ZERO_VARIANCE:-false}
+export ROLLOUT_PUSH_MODE=${ROLLOUT_PUSH_MODE:-in_place}
 PYTHON=${PYTHON:-python3}
 
 CHECK_ONLY=0
@@ -83,6 +90,10 @@ check_prerequisites() {
   fi
   "${PYTHON}" -c "import pipeline.slime" 2>/dev/null \
     || need "this pipeline: 'import pipeline.slime' fails; run: pip install -e ${REPO_DIR}"
+  case "${ROLLOUT_PUSH_MODE}" in  # pipeline.weight_push.PushMode
+    abort|retract|in_place) ;;
+    *) need "ROLLOUT_PUSH_MODE: unknown weight-push mode '${ROLLOUT_PUSH_MODE}'; one of abort, retract, in_place" ;;
+  esac
   [[ -f "${SLIME_DIR}/train_async.py" ]] \
     || need "slime: ${SLIME_DIR}/train_async.py not found (git clone https://github.com/THUDM/slime; set SLIME_DIR)"
   PYTHONPATH="${SLIME_DIR}:${MEGATRON_DIR}:${PYTHONPATH:-}" "${PYTHON}" -c "import slime.utils.arguments" 2>/dev/null \
@@ -224,7 +235,10 @@ fi
 # namespace) travel in the job's runtime env, never in the YAML above (a password stays out of
 # files). Ray keeps a job's runtime env in its job record: use a Redis user with only the rights
 # the pipeline needs. JSON built by Python, so no character of the URL breaks the quoting.
+# ROLLOUT_PUSH_MODE reaches slime's SGLangEngine actors through Ray's worker_process_setup_hook, which
+# every worker process of the job runs before its actor (pipeline.weight_push.ray_worker_setup).
 RUNTIME_ENV=$("${PYTHON}" -c 'import json, os
-keys = ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE")
-print(json.dumps({"env_vars": {k: os.environ[k] for k in keys if k in os.environ}}))')
+keys = ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_PUSH_MODE")
+print(json.dumps({"env_vars": {k: os.environ[k] for k in keys if k in os.environ},
+                  "worker_process_setup_hook": "pipeline.weight_push.ray_worker_setup"}))')
 exec ray job submit --address="${RAY_ADDRESS}" --runtime-env-json="${RUNTIME_ENV}" -- "${CMD[@]}"

@@ -48,6 +48,13 @@ def test_check_lists_every_missing_prerequisite(tmp_path, redis_url):
     assert f"REF_LOAD={tmp_path}/no-model_torch_dist missing" in err
     assert "redis" not in err.split("missing prerequisites")[1]  # the fixture's redis answers
     assert "import pipeline.slime" not in err  # this package is installed
+    assert "push mode" not in err  # the default, in_place
+
+
+def test_a_bad_push_mode_is_named(tmp_path, redis_url):
+    result = _run("run_slime_grpo.sh", "--check", env=_slime_env(tmp_path, redis_url, ROLLOUT_PUSH_MODE="inplace"))
+    assert result.returncode == 2
+    assert "ROLLOUT_PUSH_MODE: unknown weight-push mode 'inplace'; one of abort, retract, in_place" in result.stderr
 
 
 def test_unreachable_redis_is_named_without_its_password(tmp_path):

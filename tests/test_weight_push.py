@@ -96,3 +96,12 @@ async def test_slimes_push_sequence_keeps_running_requests_unless_abort(engine_c
     assert [s["version"] for s in spans] == ["default", "7"], spans
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
     assert spans[1]["end"] == len(meta["output_token_logprobs"])
+
+
+def test_the_launch_script_accepts_exactly_the_modes():
+    """scripts/run_slime_grpo.sh checks ROLLOUT_PUSH_MODE in bash (no Python start in --check)."""
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "scripts" / "run_slime_grpo.sh").read_text()
+    (line,) = [x.strip() for x in script.splitlines() if x.strip().startswith("abort|")]
+    assert line.removesuffix(") ;;").split("|") == [m.value for m in PushMode]

@@ -161,8 +161,8 @@ def max_lag(r: Result) -> int:
 def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, repeats: int,
                  etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP,
                  fcfs: bool = False, syncs: tuple[int, ...] = (SLIME_DEFAULT_CONCURRENCY,), same_lag: bool = True,
-                 engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None
-                 ) -> list[Result]:
+                 engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None,
+                 pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Result]:
     """Per repeat: the engine's capacity (the workload alone), the pipeline at eta 2, fully async
     at the first multiple in `sweep`, slime sync at each concurrency in `syncs`, fully async at the
     other multiples, the other etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
@@ -203,6 +203,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             f"window clock {cap.window.get('clock_rate', float('nan')):.2f} of the scale; {cap.notes[-1]} "
             f"({time.monotonic() - t0:.0f} s)" if cap.ran else f"could not run: {cap.reason}"), flush=True)
         by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta == 2}
+        for mode in (m for m in pipeline_push_modes if m != "abort"):  # the pipeline's own default push
+            one("d", f"pipeline eta 2{push_suffix(mode)}", replace(wl, eta=2, push_mode=mode), rep)
         fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep[:1]]
         for concurrency in syncs:
             one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
@@ -223,10 +225,16 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             results.append(twin)
         if rep == 0:  # after the first repeat: a run cut short keeps them
             k = best_ks[0] if best_ks else 1
+            mode = pipeline_push_modes[-1]
             for n in (n for n in engines if n > 1):
-                one("d", f"pipeline eta 2, {n}{ENGINES_LABEL}", replace(wl, eta=2, engines=n), 0)
+                one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
+                    replace(wl, eta=2, engines=n, push_mode=mode), 0)
                 one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
     return results
+
+
+def push_suffix(mode: str) -> str:
+    return "" if mode == "abort" else f" ({mode} push)"
 
 
 def sync_label(concurrency: int, wl: Workload) -> str:
@@ -628,7 +636,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
                sweep: tuple[int, ...] | None = None, fcfs: bool = False, workload: str = DEFAULT_WORKLOAD,
                time_scale: float | None = None, command: str = "", batch: int | None = None,
                syncs: tuple[int, ...] | None = None, same_lag: bool = True,
-               engines: tuple[int, ...] = ()) -> list[Figure]:
+               engines: tuple[int, ...] = (), pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Figure]:
     """The frontier section (`rollout bench --sections peer`): tables, plot, goals as figures."""
     wl = replace(WORKLOADS[workload], steps=steps or (QUICK_STEPS if quick else WORKLOADS[workload].steps))
     if time_scale:
@@ -647,7 +655,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
         workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
         results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs,
-                               syncs=syncs, same_lag=same_lag, engines=engines,
+                               syncs=syncs, same_lag=same_lag, engines=engines, pipeline_push_modes=pipeline_push_modes,
                                checkpoint=(lambda rs: dump_raw(rs, wl, raw_path, repeats, time.monotonic() - started,
                                                                command)) if raw_path else None)
     return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
@@ -681,6 +689,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--syncs", default="", help=f"slime sync's concurrencies, e.g. {SLIME_DEFAULT_CONCURRENCY},36 "
                    f"(default {SLIME_DEFAULT_CONCURRENCY}, slime's own)")
     p.add_argument("--no-same-lag", action="store_true", help="skip the pipeline at fully async's max lag")
+    p.add_argument("--pipeline-push-modes", default="abort",
+                   help="the pipeline at eta 2 with each weight-push mode (abort: slime's, every contender's; "
+                   "in_place: the pipeline launcher's default), e.g. abort,in_place; engines runs use the last")
     p.add_argument("--engines", default="", help="also run pipeline eta 2 and fully async with these engine counts "
                    "behind one router, e.g. 2,4 (once, after the repeats)")
     p.add_argument("--fcfs", action="store_true",
@@ -701,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                              json_path=opts.json, raw_path=opts.raw, keep=opts.keep, etas=_ints(opts.etas),
                              sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale,
                              batch=opts.batch, syncs=_ints(opts.syncs), same_lag=not opts.no_same_lag,
-                             engines=_ints(opts.engines) or ())
+                             engines=_ints(opts.engines) or (),
+                             pipeline_push_modes=tuple(m.strip() for m in opts.pipeline_push_modes.split(",") if m.strip()))
         for figure in figures:
             print(figure.line())
         return 0

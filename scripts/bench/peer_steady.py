@@ -436,9 +436,15 @@ def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wor
     """Issue 38's goals, met or missed: pipeline eta 2's steady trained tokens/s >= 0.95 of the
     lower of measured capacity and the bound's ceiling, and >= 1x the best fully async's (same
     repeat; median of per-repeat ratios, worst repeat >= 0.95x)."""
-    eta2 = [r for r in rows.get("pipeline eta 2", []) if r.ran and r.window]
+    labels = [k for k in rows if k.startswith("pipeline eta 2") and ENGINES_LABEL not in k] or ["pipeline eta 2"]
+    return [f for label in labels for f in _eta2_goals(label, rows, caps, wl, fa_best)]
+
+
+def _eta2_goals(label: str, rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
+                fa_best: list[Result]) -> list[Figure]:
+    eta2 = [r for r in rows.get(label, []) if r.ran and r.window]
     if not eta2 or not caps:
-        return [Figure(section="peer", name="steady state: pipeline eta 2 or the capacity run did not run",
+        return [Figure(section="peer", name=f"steady state: {label} or the capacity run did not run",
                        value=float("nan"), unit="", goal="both run", met=False)]
     ceiling = bound_ceilings(wl, [2]).get(2)
     figures = []
@@ -451,7 +457,7 @@ def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wor
              else "the bound's ceiling")
     tok = statistics.median(r.trained_tokens_per_s for r in eta2)
     figures.append(Figure(
-        section="peer", name=f"pipeline eta 2 steady state: trained tokens/s {tok:.0f} (median), "
+        section="peer", name=f"{label} steady state: trained tokens/s {tok:.0f} (median), "
         f"{_ratio_cell(ratios)} of min(measured capacity, bound ceiling) per repeat ({which} the lower"
         + ("" if ceiling else "; no bound ceiling in this tree") + ")",
         value=tok, unit="tok/s", baseline=f"min(capacity, bound ceiling) (median; {which})",
@@ -462,7 +468,7 @@ def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wor
           if r.repeat in fa and fa[r.repeat].trained_tokens_per_s]
     if vs:
         figures.append(Figure(
-            section="peer", name=f"pipeline eta 2 steady state vs the best fully async of the same repeat: "
+            section="peer", name=f"{label} steady state vs the best fully async of the same repeat: "
             f"{_ratio_cell(vs)} (each repeat: {', '.join(f'{x:.2f}x' for x in vs)})",
             value=tok, unit="tok/s", baseline="best fully async, steady (median)",
             baseline_value=statistics.median(r.trained_tokens_per_s for r in fa.values()),

@@ -378,3 +378,22 @@ def test_the_steady_goals_divide_by_measured_capacity_and_fully_async_per_repeat
     assert "| 20 (20-20) (generated) | - | 1.00 | - | 20 (20-20) |" in cap_row  # 100 tokens / 5 busy s
     row = next(line for line in text.splitlines() if line.startswith("| pipeline eta 2 "))
     assert "| 1.00 (worst 0.95) |" in row and "| 0.83 (0.83-0.83) |" in row  # efficiency; trained / generated
+
+
+def test_engines_per_trainer_are_read_against_n_times_capacity_and_the_trainer():
+    from scripts.bench.peer import _rows
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import capacities, engines_table
+
+    rs = _steady_frontier()  # capacity 20 tok/s a repeat; pipeline eta 2 at 20, 20, 19
+    for n, tok in ((2, 36.0), (4, 41.0)):
+        r = _result(f"pipeline eta 2, {n} engines", 0, eta=2, tok_s=tok)
+        r.window = {"first": 4, "last": 21}
+        rs.append(r)
+    wl = Workload(batch=2, n=4, train_step_s=10.0)
+    text = engines_table(_rows(rs), capacities(rs), wl)
+    lines = text.splitlines()
+    assert "pipeline eta 2: trained tok/s" in lines[0] and len(lines) == 5  # head, rule, 1, 2, 4 engines
+    # 8 answers of 50 planned tokens a step / a 10 s trainer step: 40 tok/s, whatever the engines
+    assert lines[2].startswith("| 1 | 20 | 40 | 20 (19-20) (1.00 (0.95-1.00)) |")
+    assert lines[3] == "| 2 | 40 | 40 | 36 (0.90) |" and lines[4] == "| 4 | 80 | 40 | 41 (0.51) |"

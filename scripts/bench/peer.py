@@ -32,6 +32,7 @@ import numpy as np
 
 from scripts.bench.peer_contenders import (
     CONTENDERS,
+    END_RULE,
     WORKLOADS,
     Result,
     Workload,
@@ -329,7 +330,7 @@ def clock_cell(ran: list[Result], wl: Workload) -> str:
 
 
 def frontier_table(results: list[Result], wl: Workload) -> str:
-    head = ("| contender | groups/s | trained response tok/s | vs best fully async, same repeat | trained len mean / p90 "
+    head = ("| contender | groups/s, steady | trained response tok/s, steady, engine clock | vs best fully async, same repeat | trained len mean / p90 "
             "| plan len mean / p90 | length bias mean / p90 | engine slot use (after pushes) | lag mean / max | "
             "lag distribution (calls) | tokens never trained | re-prefilled tok per push | "
             + " | ".join(ENGINE_TITLES) +
@@ -462,7 +463,8 @@ def goals(results: list[Result]) -> list[Figure]:
         skipped = sum(r.counters.get("stale", 0) + r.counters.get("discarded", 0) for r in mine.values())
         over = [r for r in mine.values() if r.eta >= 0 and max_lag(r) > r.eta]
         figures.append(Figure(
-            section="peer", name=f"{label}: tokens never trained, worst repeat {waste:.2f} %; groups discarded or stale "
+            section="peer", name=f"{label}: tokens not trained by the end (no contender drained: finished answers of "
+            f"groups still running count), worst repeat {waste:.2f} %; groups discarded or stale "
             f"(a due group skipped) {skipped}; runs with lag over eta {len(over)}", value=waste, unit="%",
             goal=f"<= {WASTE_GOAL_PCT:g} %, no due group skipped, lag <= eta, every repeat",
             met=waste <= WASTE_GOAL_PCT and skipped == 0 and not over))
@@ -565,8 +567,7 @@ def steady_text(results: list[Result], wl: Workload) -> str:
     etas = sorted({r.eta for r in results if r.contender == "d" and r.eta >= 0} | {2})
     windows = {(r.window["first"], r.window["last"]) for r in results if "first" in r.window}
     head = (f"Steady state over steps {', '.join(f'{a}..{b}' for a, b in sorted(windows))} of 0..{wl.steps - 1} "
-            "(every contender alike: warm-up and drain outside); the end rule for everyone: after the last step nothing "
-            "new starts, what runs finishes and counts as carried over, not as never trained.")
+            f"(every contender alike: warm-up and drain outside); rates per second of the engine's clock; {END_RULE}.")
     caps = capacities(results)
     parts = [head, steady_table(rows, caps, rows.get(FA_BEST, []), lag_text=_lag_text,
                                 bias_of=lambda r: length_bias(r)[0], waste_of=waste_pct),
@@ -628,7 +629,23 @@ def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
         seconds += float(data.get("seconds", 0.0))
     if any(asdict(w) != asdict(workloads[0]) for w in workloads):
         raise ValueError(f"--from-raw: the dumps ran different workloads ({', '.join(map(str, paths))})")
+    mark_best_fully_async(results)
     return results, workloads[0], repeats, seconds
+
+
+BEST_NOTE = "best fully async of this repeat (trained tokens/s)"
+
+
+def mark_best_fully_async(results: list[Result]) -> None:
+    """The best fully-async run of each repeat by its (steady) trained tokens/s, among the sweep's
+    single-engine runs that repeat has: a dump cut short in a repeat has its best of what ran."""
+    by_repeat: dict[int, list[Result]] = {}
+    for r in results:
+        if r.contender == "c" and r.ran and ENGINES_LABEL not in r.label:
+            r.notes = [n for n in r.notes if n != BEST_NOTE]
+            by_repeat.setdefault(r.repeat, []).append(r)
+    for runs in by_repeat.values():
+        max(runs, key=lambda r: r.trained_tokens_per_s).notes.append(BEST_NOTE)
 
 
 def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = None, plot_path: Path | None = None,

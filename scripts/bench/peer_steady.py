@@ -364,7 +364,7 @@ def steady_table(rows: dict[str, list[Result]], caps: dict[int, Result], fa_best
     fa = {r.repeat: r for r in fa_best}
     head = ("| contender | trained tok/s, steady, per engine-clock s | groups/s, steady | efficiency: / measured "
             "capacity, same repeat | vs best fully async, same repeat | generated tok per busy engine-s | trained / "
-            "generated in the window | lag mean / max | length bias mean | never trained (end rule) | engine clock / "
+            "generated in the window | lag mean / max | length bias mean | not trained by the end (end rule) | engine clock / "
             "time scale over the window | trained tok/s per wall s (at the time scale): window / whole run |")
     lines = [head, "|" + "---|" * 12]
     cap_runs = list(caps.values())

@@ -496,10 +496,11 @@ def plot(results: list[Result], path: Path) -> Path | None:
     lines: dict[str, list[tuple[float, float, float, str]]] = {}
     for label, runs in _rows(results).items():
         ran = [r for r in runs if r.ran]
-        if not ran or label == FA_BEST or label.startswith("pipeline eta ="):
+        if not ran or label == FA_BEST or label.startswith("pipeline eta =") or ENGINES_LABEL in label:
             continue  # repeats of points drawn already (the best concurrency; the per-repeat etas)
         family = ("slime sync" if label.startswith("slime sync") else "slime fully async (1x, 2x, 4x slots)"
                   if label.startswith("slime fully") else "this pipeline, due-first, FCFS engine" if label.startswith(FCFS)
+                  else "this pipeline, in_place push" if "(in_place push)" in label
                   else "this pipeline, due-first, engine with priority scheduling")
         x = statistics.median(max_lag(r) for r in ran)
         y = statistics.median(r.trained_tokens_per_s for r in ran)
@@ -511,8 +512,12 @@ def plot(results: list[Result], path: Path) -> Path | None:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=family)
         for x, y, bias, _label in points:
             ax.annotate(f"{bias:+.1f}%", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    caps = capacities(results)
+    if caps:
+        ax.axhline(statistics.median(r.trained_tokens_per_s for r in caps.values()), color="grey", linestyle="--",
+                   label="the engine's capacity (workload alone, saturated; generated)")
     ax.set_xlabel("max lag of a trained generate call (policy versions)")
-    ax.set_ylabel("trained response tokens / s (median of repeats)")
+    ax.set_ylabel("trained response tokens / s, steady, engine clock (median of repeats)")
     ax.set_title("Trained tokens/s vs max lag (label: trained length vs the engine's plan)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

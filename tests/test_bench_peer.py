@@ -281,3 +281,119 @@ def test_engine_counters_are_shown_where_the_engine_keeps_them():
     sync = next(line for line in lines if line.startswith("| slime sync"))
     assert sync.count("not kept") == 5  # an engine without the counters (and clock): said so, never 0
     assert all(line.count("|") == lines[0].count("|") for line in lines)
+
+
+# ---------------------------------------------------------------- steady state, capacity (issue 38)
+
+
+def _marked(label, rep, *, kind="d", eta=-1, per_step=1000, step_s=1.0, warm_steps=2, steps=10, idle_share=0.0,
+            generated_per_step=1200, scale=50.0):
+    """A run whose steps 0..warm_steps-1 are slow (warm-up) and last two train nothing extra:
+    marks every step_s wall seconds; the engine clock moves step_s x scale x (1 - idle_share)
+    a step and idles the rest (slot samples at 0)."""
+    r = _result(label, rep, kind=kind, eta=eta)
+    r.steps, r.groups_per_step = steps, [2] * steps
+    r.step_marks, r.slot_samples = [[0.0, 0, 0, 0.0, 0.0, 0.0]], []
+    wall = sim = 0.0
+    trained = generated = 0
+    for k in range(steps):
+        slow = 3.0 if k < warm_steps else 1.0
+        busy_wall = step_s * slow * (1 - idle_share)
+        r.slot_samples += [(wall, 16), (wall + busy_wall, 0)] if idle_share else [(wall, 16)]
+        half, busy = sim + busy_wall * scale / 2, sim + busy_wall * scale
+        # the simulated clock jumps (a push syncing it to the wall): busy seconds do not
+        r.clock_samples += [[wall + busy_wall / 2, half + 7.0, half], [wall + busy_wall, busy + 7.0, busy]]
+        wall += step_s * slow
+        sim += busy_wall * scale
+        trained += per_step
+        generated += generated_per_step
+        r.step_marks.append([wall, trained, generated, sim, sim + 7.0 * (k + 1), sim])
+    r.slot_samples.append((wall, 16))
+    return r
+
+
+def test_the_steady_window_excludes_warm_up_and_drain_and_runs_on_the_engine_clock():
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import apply_window, per_busy_s, trained_share, window
+
+    assert window(24, 2) == (4, 21)  # steps eta + 2 .. N - 3: the last two are the drain
+    assert window(8, 2) == (2, 5)  # too short for that: its middle third
+    wl = Workload(time_scale=50.0)
+    r = _marked("pipeline eta 2", 0, eta=2)
+    apply_window(r, 4, 7, wl)
+    # 4 steps of 1,000 trained tokens in 4 wall s = 200 engine-clock s: warm-up's slow steps outside
+    assert r.trained_tokens_per_s == pytest.approx(1000 / 50)
+    assert r.window["wall_tokens_per_s"] == pytest.approx(1000) and r.window["clock_rate"] == pytest.approx(1.0)
+    assert r.run_tokens_per_s == 1000.0  # the whole run's figure kept beside (here the fixture's)
+    assert per_busy_s(r) == pytest.approx(1200 / 50) and trained_share(r) == pytest.approx(1000 / 1200)
+    # an engine idle half of each step (sync while it trains): its idle wall time counts x the scale
+    sync = _marked("slime sync", 0, kind="a", idle_share=0.5)
+    apply_window(sync, 4, 7, wl)
+    assert sync.window["played_s"] == pytest.approx(200.0) and sync.trained_tokens_per_s == pytest.approx(20.0)
+    assert per_busy_s(sync) == pytest.approx(1200 / 25)  # per BUSY engine-second: twice the batch's rate
+    # a step loop at half the scale while busy: the engine's clock, not the wall, sets the rate
+    slow = _marked("pipeline eta 2", 0, eta=2, scale=25.0)
+    apply_window(slow, 4, 7, wl)
+    assert slow.trained_tokens_per_s == pytest.approx(1000 / 25) and slow.window["clock_rate"] == pytest.approx(0.5)
+
+
+def _steady_frontier(eta2_tok=(20.0, 20.0, 19.0), fa_tok=(20.0, 19.0, 19.0), cap_tok=20.0):
+    from scripts.bench.peer_contenders import CONTENDERS, Result
+    from scripts.bench.peer_steady import CAPACITY
+
+    rs = []
+    for rep in range(3):
+        cap = Result("cap", CAPACITY, label=CAPACITY, repeat=rep, ran=True, steps=1, trained_tokens_per_s=cap_tok,
+                     window={"generated_tokens": 100, "busy_s": 5.0, "clock_rate": 0.9})
+        fa = _result("slime fully async 1x", rep, kind="c", tok_s=fa_tok[rep])
+        fa.notes.append("best fully async of this repeat (trained tokens/s)")
+        eta2 = _result("pipeline eta 2", rep, eta=2, tok_s=eta2_tok[rep], lags=(0, 1, 2))
+        for r in (fa, eta2):
+            r.window = {"first": 4, "last": 21, "generated_tokens": 120, "trained_tokens": 100, "busy_s": 6.0,
+                        "clock_rate": 0.95, "wall_tokens_per_s": 900.0}
+        rs += [cap, fa, eta2]
+    del CONTENDERS
+    return rs
+
+
+def test_the_steady_goals_divide_by_measured_capacity_and_fully_async_per_repeat():
+    from scripts.bench.peer import FA_BEST, _rows, steady_text
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import capacities, steady_goals
+
+    wl = Workload()  # no measured model: the bound's ceiling (where present) is far above capacity here
+    caps = capacities(_steady_frontier())
+    rows = _rows(_steady_frontier())
+    eff, vs_fa = steady_goals(rows, caps, wl, rows[FA_BEST])
+    assert eff.ratio == pytest.approx(1.0) and eff.met  # 20, 20, 19 of 20: median 1.00, worst 0.95
+    assert "0.95" in eff.name and vs_fa.met and vs_fa.ratio == pytest.approx(1.0)
+    rows = _rows(_steady_frontier(eta2_tok=(18.0, 20.0, 18.5)))
+    eff, vs_fa = steady_goals(rows, caps, wl, rows[FA_BEST])
+    assert not eff.met  # 0.925 of capacity
+    assert not vs_fa.met  # 0.90x, 1.05x, 0.97x: the median 0.97x < 1
+    rows = _rows(_steady_frontier(eta2_tok=(21.0, 20.0, 18.0)))
+    assert not steady_goals(rows, caps, wl, rows[FA_BEST])[1].met  # median 1.05x, worst 0.95x: the worst misses it
+    text = steady_text(_steady_frontier(), wl)
+    cap_row = next(line for line in text.splitlines() if line.startswith("| engine capacity"))
+    assert "| 20 (20-20) (generated) | - | 1.00 | - | 20 (20-20) |" in cap_row  # 100 tokens / 5 busy s
+    row = next(line for line in text.splitlines() if line.startswith("| pipeline eta 2 "))
+    assert "| 1.00 (worst 0.95) |" in row and "| 0.83 (0.83-0.83) |" in row  # efficiency; trained / generated
+
+
+def test_engines_per_trainer_are_read_against_n_times_capacity_and_the_trainer():
+    from scripts.bench.peer import _rows
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import capacities, engines_table
+
+    rs = _steady_frontier()  # capacity 20 tok/s a repeat; pipeline eta 2 at 20, 20, 19
+    for n, tok in ((2, 36.0), (4, 41.0)):
+        r = _result(f"pipeline eta 2, {n} engines", 0, eta=2, tok_s=tok)
+        r.window = {"first": 4, "last": 21}
+        rs.append(r)
+    wl = Workload(batch=2, n=4, train_step_s=10.0)
+    text = engines_table(_rows(rs), capacities(rs), wl)
+    lines = text.splitlines()
+    assert "pipeline eta 2: trained tok/s" in lines[0] and len(lines) == 5  # head, rule, 1, 2, 4 engines
+    # 8 answers of 50 planned tokens a step / a 10 s trainer step: 40 tok/s, whatever the engines
+    assert lines[2].startswith("| 1 | 20 | 40 | 20 (19-20) (1.00 (0.95-1.00)) |")
+    assert lines[3] == "| 2 | 40 | 40 | 36 (0.90) |" and lines[4] == "| 4 | 80 | 40 | 41 (0.51) |"

@@ -143,7 +143,7 @@ def _decode_time_fn(wl: Workload, prompt_tokens: int, batch: int, longest: float
     grid = np.arange(0.0, longest + CONTEXT_GRID, CONTEXT_GRID)
     steps = np.array([table.decode_s(batch, int(batch * (prompt_tokens + g))) for g in grid])
     cumulative = np.concatenate(([0.0], np.cumsum((steps[1:] + steps[:-1]) / 2 * CONTEXT_GRID)))
-    prefill = table.prefill_s([(prompt_tokens, 0)])
+    prefill = table.prefill_s([(prompt_tokens, 0)])  # per sequence since i38s (131afe0)
     return lambda x: prefill + np.interp(np.asarray(x, dtype=np.float64), grid, cumulative)
 
 

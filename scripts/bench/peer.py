@@ -32,6 +32,7 @@ import numpy as np
 
 from scripts.bench.peer_contenders import (
     CONTENDERS,
+    END_RULE,
     WORKLOADS,
     Result,
     Workload,
@@ -40,12 +41,28 @@ from scripts.bench.peer_contenders import (
     run_contender,
     write_inputs,
 )
+from scripts.bench.peer_steady import (
+    CAPACITY,
+    ENGINES_LABEL,
+    apply_window,
+    capacities,
+    capacity_run,
+    capacity_summary,
+    ceiling_lines,
+    engines_table,
+    steady_goals,
+    steady_table,
+    window,
+)
 from scripts.bench.report import Figure
 
 FRONTIER_ETAS = (1, 2, 4, 8)
-FA_SWEEP = (1, 2, 4)  # fully async's sglang_server_concurrency, in multiples of the engine's slots
+FA_SWEEP = (1, 2, 4)
+# slime's --sglang-server-concurrency default (slime/backends/sglang_utils/arguments.py, pinned)
+SLIME_DEFAULT_CONCURRENCY = 512  # fully async's sglang_server_concurrency, in multiples of the engine's slots
 # `--quick` (under 3 minutes on 2 cores): 5 steps, one repeat, fully async at its usual best (1x)
 QUICK_ETAS = (1, 2, 4)
+QUICK_STEPS = 8  # a steady window needs steps past warm-up (eta + 2) and drain (2)
 QUICK_SWEEP = (1,)
 FCFS = "pipeline (FCFS engine) eta"  # --fcfs: the same points on an engine without priority scheduling
 FA_BEST = "slime fully async, best of the sweep"
@@ -144,51 +161,94 @@ def max_lag(r: Result) -> int:
 
 def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, repeats: int,
                  etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP,
-                 fcfs: bool = False) -> list[Result]:
-    """Per repeat: slime sync, fully async at each concurrency, then the pipeline at each eta and
-    at the best fully-async run's max lag. Every run on a fresh engine, one after the other."""
+                 fcfs: bool = False, syncs: tuple[int, ...] = (SLIME_DEFAULT_CONCURRENCY,), same_lag: bool = True,
+                 engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None,
+                 pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Result]:
+    """Per repeat: the engine's capacity (the workload alone), the pipeline at eta 2, fully async
+    at the first multiple in `sweep`, slime sync at each concurrency in `syncs`, fully async at the
+    other multiples, the other etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
+    first, so a run cut short keeps them. After the first repeat, once: the pipeline at eta 2 and
+    fully async at that repeat's best multiple with each engine count in `engines` (> 1) behind
+    one router. Every run on fresh engines, one after the other, read over the same steady
+    window; `checkpoint(results)` after each run (the raw dump, so a cut run can be reported)."""
     results: list[Result] = []
+    first, last = window(wl.steps, max(etas, default=2))
+    print(f"[peer] steady-state window: steps {first}..{last} of 0..{wl.steps - 1} (every contender alike)", flush=True)
 
     def one(kind: str, label: str, run_wl: Workload, rep: int) -> Result:
         t0 = time.monotonic()
         r = finish(run_contender(kind, run_wl, workdir, tasks, prompts, quiet=True, label=f"r{rep} {label}"), run_wl)
+        apply_window(r, first, last, run_wl)
         r.label, r.repeat = label, rep
         bias = length_bias(r)[0]
         print(f"[peer] repeat {rep + 1}/{repeats} {label}: " + (
-            f"{r.groups_per_s:.2f} groups/s, {r.trained_tokens_per_s:.0f} trained tok/s, length {bias:+.1f}%, "
-            f"lag max {max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f}, "
+            f"steady {r.groups_per_s:.4f} groups/s, {r.trained_tokens_per_s:.0f} trained tok/s per engine-clock s "
+            f"(per wall s: window {r.window.get('wall_tokens_per_s', float('nan')):.0f}, whole run "
+            f"{r.run_tokens_per_s:.0f}; window clock {r.window.get('clock_rate', float('nan')):.2f} of the scale), length {bias:+.1f}%, lag mean {np.mean(r.lags) if r.lags else 0:.2f} max "
+            f"{max_lag(r)}, never trained {waste_pct(r):.1f}%, slot use {slot_use(r, wl.slots)[0]:.2f}, "
             f"engine clock {clock_cell([r], wl)} of the time scale "
             f"({time.monotonic() - t0:.0f} s)" if r.ran else f"could not run: {r.reason}"), flush=True)
         results.append(r)
+        if checkpoint is not None:
+            checkpoint(results)
         return r
 
-    best_k = 0
+    best_ks: list[int] = []
     for rep in range(repeats):
-        one("a", "slime sync", wl, rep)
-        # the sweep in the first repeat; the later repeats run its best concurrency again
-        fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep)
-              for k in (sweep if not best_k else (best_k,))]
+        t0 = time.monotonic()
+        cap = capacity_run(wl, workdir, tasks, label=f"r{rep} capacity")
+        cap.repeat = rep
+        results.append(cap)
+        print(f"[peer] repeat {rep + 1}/{repeats} {CAPACITY}: " + (
+            f"{cap.trained_tokens_per_s:.0f} generated tok/s per engine-clock s ({cap.run_tokens_per_s:.0f} per wall s), "
+            f"window clock {cap.window.get('clock_rate', float('nan')):.2f} of the scale; {cap.notes[-1]} "
+            f"({time.monotonic() - t0:.0f} s)" if cap.ran else f"could not run: {cap.reason}"), flush=True)
+        by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta == 2}
+        for mode in (m for m in pipeline_push_modes if m != "abort"):  # the pipeline's own default push
+            one("d", f"pipeline eta 2{push_suffix(mode)}", replace(wl, eta=2, push_mode=mode), rep)
+        fa = [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep[:1]]
+        for concurrency in syncs:
+            one("a", sync_label(concurrency, wl), replace(wl, concurrency=concurrency), rep)
+        fa += [one("c", f"slime fully async {k}x", replace(wl, concurrency=k * wl.slots), rep) for k in sweep[1:]]
         ran = [r for r in fa if r.ran]
         best = max(ran, key=lambda r: r.trained_tokens_per_s) if ran else None
         if best is not None:
             best.notes.append("best fully async of this repeat (trained tokens/s)")
-            best_k = best_k or best.concurrency // wl.slots
-        by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas}
+            best_ks.append(best.concurrency // wl.slots)
+        by_eta.update({eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta != 2})
         if fcfs:  # the ablation: what the requests' priority buys (issue 25 item 3)
             for eta in etas:
                 one("d", f"{FCFS} {eta}", replace(wl, eta=eta, priority_scheduling=False), rep)
-        if best is not None:
+        if best is not None and same_lag:
             target = max(1, max_lag(best))
             same = by_eta.get(target) or one("d", f"pipeline eta {target}", replace(wl, eta=target), rep)
             twin = replace(same, label="pipeline eta = fully async's max lag", notes=[*same.notes, f"eta {target}"])
             results.append(twin)
+        if rep == 0:  # after the first repeat: a run cut short keeps them
+            k = best_ks[0] if best_ks else 1
+            mode = pipeline_push_modes[-1]
+            for n in (n for n in engines if n > 1):
+                one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
+                    replace(wl, eta=2, engines=n, push_mode=mode), 0)
+                one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
     return results
+
+
+def push_suffix(mode: str) -> str:
+    return "" if mode == "abort" else f" ({mode} push)"
+
+
+def sync_label(concurrency: int, wl: Workload) -> str:
+    if concurrency == SLIME_DEFAULT_CONCURRENCY:
+        return f"slime sync, concurrency {concurrency} (slime's default)"
+    return f"slime sync, concurrency {concurrency}" + (" (the KV pool's)" if concurrency == wl.slots else "")
 
 
 def _rows(results: list[Result]) -> dict[str, list[Result]]:
     rows: dict[str, list[Result]] = {}
     for r in results:
-        rows.setdefault(r.label, []).append(r)
+        if r.contender != "cap":  # the capacity runs: a row of the steady table of their own
+            rows.setdefault(r.label, []).append(r)
     best = [r for r in results if "best fully async of this repeat (trained tokens/s)" in r.notes]
     if best:
         rows[FA_BEST] = best
@@ -270,15 +330,16 @@ def clock_cell(ran: list[Result], wl: Workload) -> str:
 
 
 def frontier_table(results: list[Result], wl: Workload) -> str:
-    head = ("| contender | groups/s | trained response tok/s | vs best fully async, same repeat | trained len mean / p90 "
+    head = ("| contender | groups/s, steady | trained response tok/s, steady, engine clock | vs best fully async, same repeat | trained len mean / p90 "
             "| plan len mean / p90 | length bias mean / p90 | engine slot use (after pushes) | lag mean / max | "
             "lag distribution (calls) | tokens never trained | re-prefilled tok per push | "
             + " | ".join(ENGINE_TITLES) +
             " | engine clock / time scale, busy windows p50 (p10) | earliest schedule tok/s at lag <= eta, on this run's "
-            "measured durations |")
+            "measured durations, whole run, capped at the measured capacity |")
     lines = [head, "|" + "---|" * (14 + len(ENGINE_TITLES))]
     rows = _rows(results)
     fa_runs = rows.get(FA_BEST, [])
+    caps = capacities(results)
     for label, runs in rows.items():
         ran = [r for r in runs if r.ran]
         if not ran:
@@ -304,8 +365,17 @@ def frontier_table(results: list[Result], wl: Workload) -> str:
             f"{_fmt([waste_pct(r) for r in ran], '.1f')} % | "
             f"{_fmt([r.resumed_input_tokens / max(1, len(r.push_times)) for r in ran], '.0f')} | "
             + _counter_cells(ran) + f" | {clock_cell(ran, wl)} | "
-            f"{_fmt([ceiling_tokens_per_s(r) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
+            f"{_fmt([capped_earliest(r, caps) for r in ran], '.0f') if ran[0].eta >= 0 else '-'} |")
     return "\n".join(lines)
+
+
+def capped_earliest(r: Result, caps: dict[int, Result]) -> float:
+    """The earliest schedule's tokens/s (whole run, on its own durations), never above the engine's
+    measured capacity of the same repeat: that schedule packs the groups tighter while keeping their
+    durations, which assumes engine throughput the capacity run shows is not there."""
+    earliest = ceiling_tokens_per_s(r)
+    cap = caps.get(r.repeat)
+    return min(earliest, cap.trained_tokens_per_s) if cap is not None else earliest
 
 
 def _eta_note(r: Result) -> int:
@@ -351,7 +421,8 @@ def goals(results: list[Result]) -> list[Figure]:
     """Issue 25 item 2, each printed met or missed: ratios are medians of the per-repeat ratios
     (`per_repeat_ratios`), the worst repeat beside."""
     rows = _rows(results)
-    fa_runs, sync_runs = rows.get(FA_BEST, []), rows.get("slime sync", [])
+    fa_runs = rows.get(FA_BEST, [])
+    sync_runs = rows.get("slime sync") or next((v for k, v in rows.items() if k.startswith("slime sync")), [])
     fa = _by_repeat(fa_runs)
     figures: list[Figure] = []
     if not fa:
@@ -360,7 +431,7 @@ def goals(results: list[Result]) -> list[Figure]:
     fa_tok = statistics.median(r.trained_tokens_per_s for r in fa.values())
     fa_bias = statistics.median(length_bias(r)[0] for r in fa.values())
     for label, runs in rows.items():
-        if not label.startswith("pipeline"):
+        if not label.startswith("pipeline") or ENGINES_LABEL in label:
             continue
         mine = _by_repeat(runs)
         common = sorted(set(mine) & set(fa))
@@ -372,15 +443,10 @@ def goals(results: list[Result]) -> list[Figure]:
         worst_bias = max(biases, key=abs)
         same_lag = label.startswith("pipeline eta =")
         want = SAME_LAG_TOKENS_GOAL if same_lag else 1.0
-        earliest = [ceiling_tokens_per_s(mine[k]) / fa[k].trained_tokens_per_s for k in common]
-        limit = (f"; the earliest schedule with lag <= eta on this run's own measured durations: "
-                 f"{ratio_text(earliest)} fully async's tok/s"
-                 + (" - below the goal: with these durations held fixed no such schedule reaches it (not a bound "
-                    "over schedules that change the durations)" if statistics.median(earliest) < want else ""))
         figures.append(Figure(
-            section="peer", name=f"{label}: trained response tokens/s {tok:.0f} (median), vs fully async "
+            section="peer", name=f"{label}: trained response tokens/s {tok:.0f} (median, steady state), vs fully async "
             f"{ratio_text(ratios)} (median of per-repeat ratios); trained length vs plan median "
-            f"{statistics.median(biases):+.1f} % (worst {worst_bias:+.1f} %; fully async {fa_bias:+.1f} %){limit}",
+            f"{statistics.median(biases):+.1f} % (worst {worst_bias:+.1f} %; fully async {fa_bias:+.1f} %)",
             value=tok, unit="tok/s", baseline="slime fully async, best concurrency, same run (median)",
             baseline_value=fa_tok, ratio=statistics.median(ratios),
             goal=f">= {want:g}x fully async's trained tokens/s, length within {LENGTH_GOAL_PCT:g} % of the plan",
@@ -397,7 +463,8 @@ def goals(results: list[Result]) -> list[Figure]:
         skipped = sum(r.counters.get("stale", 0) + r.counters.get("discarded", 0) for r in mine.values())
         over = [r for r in mine.values() if r.eta >= 0 and max_lag(r) > r.eta]
         figures.append(Figure(
-            section="peer", name=f"{label}: tokens never trained, worst repeat {waste:.2f} %; groups discarded or stale "
+            section="peer", name=f"{label}: tokens not trained by the end (no contender drained: finished answers of "
+            f"groups still running count), worst repeat {waste:.2f} %; groups discarded or stale "
             f"(a due group skipped) {skipped}; runs with lag over eta {len(over)}", value=waste, unit="%",
             goal=f"<= {WASTE_GOAL_PCT:g} %, no due group skipped, lag <= eta, every repeat",
             met=waste <= WASTE_GOAL_PCT and skipped == 0 and not over))
@@ -405,12 +472,9 @@ def goals(results: list[Result]) -> list[Figure]:
     speed = per_repeat_ratios(eta2_runs, sync_runs, lambda r: r.groups_per_s)
     if speed:
         eta2 = _by_repeat(eta2_runs)
-        # the same earliest-schedule arithmetic at eta 2 and at eta 0 on each eta-2 repeat's own durations
-        earliest = [ceiling_tokens_per_s(r) / ceiling_tokens_per_s(r, eta=0) for _, r in sorted(eta2.items())]
         figures.append(Figure(
             section="peer", name=f"pipeline eta 2 vs slime sync, groups/s {ratio_text(speed)} (median of per-repeat "
-            f"ratios; each repeat: {', '.join(f'{x:.2f}x' for x in speed)}); earliest schedule at eta 2 / at eta 0 on "
-            f"each eta-2 repeat's own measured durations: {', '.join(f'{x:.2f}x' for x in earliest)}",
+            f"ratios; each repeat: {', '.join(f'{x:.2f}x' for x in speed)})",
             value=statistics.median(r.groups_per_s for r in eta2.values()), unit="groups/s",
             baseline="slime sync, same repeats (median)",
             baseline_value=statistics.median(r.groups_per_s for r in _by_repeat(sync_runs).values()),
@@ -432,10 +496,11 @@ def plot(results: list[Result], path: Path) -> Path | None:
     lines: dict[str, list[tuple[float, float, float, str]]] = {}
     for label, runs in _rows(results).items():
         ran = [r for r in runs if r.ran]
-        if not ran or label == FA_BEST or label.startswith("pipeline eta ="):
+        if not ran or label == FA_BEST or label.startswith("pipeline eta =") or ENGINES_LABEL in label:
             continue  # repeats of points drawn already (the best concurrency; the per-repeat etas)
         family = ("slime sync" if label.startswith("slime sync") else "slime fully async (1x, 2x, 4x slots)"
                   if label.startswith("slime fully") else "this pipeline, due-first, FCFS engine" if label.startswith(FCFS)
+                  else "this pipeline, in_place push" if "(in_place push)" in label
                   else "this pipeline, due-first, engine with priority scheduling")
         x = statistics.median(max_lag(r) for r in ran)
         y = statistics.median(r.trained_tokens_per_s for r in ran)
@@ -447,8 +512,12 @@ def plot(results: list[Result], path: Path) -> Path | None:
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=family)
         for x, y, bias, _label in points:
             ax.annotate(f"{bias:+.1f}%", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8)
+    caps = capacities(results)
+    if caps:
+        ax.axhline(statistics.median(r.trained_tokens_per_s for r in caps.values()), color="grey", linestyle="--",
+                   label="the engine's capacity (workload alone, saturated; generated)")
     ax.set_xlabel("max lag of a trained generate call (policy versions)")
-    ax.set_ylabel("trained response tokens / s (median of repeats)")
+    ax.set_ylabel("trained response tokens / s, steady, engine clock (median of repeats)")
     ax.set_title("Trained tokens/s vs max lag (label: trained length vs the engine's plan)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
@@ -466,7 +535,7 @@ def run_summary(r: Result, wl: Workload) -> dict:
     keep = ("contender", "label", "repeat", "eta", "concurrency", "ran", "reason", "steps", "wall_s", "groups_per_s",
             "trained_tokens_per_s", "engine_tokens", "trained_tokens", "carried_tokens", "untrained_tokens",
             "resumed_requests", "resumed_input_tokens", "samples_without_tokens", "samples_without_log_probs",
-            "cpu_s", "counters", "engine_stats")
+            "cpu_s", "counters", "engine_stats", "window", "run_tokens_per_s", "run_groups_per_s", "step_marks")
     out = {k: getattr(r, k) for k in keep}
     out.update(
         lag_calls={str(k): v for k, v in sorted(Tally(r.lags).items())},
@@ -488,7 +557,30 @@ def summary(results: list[Result], wl: Workload, *, repeats: int, seconds: float
     return {"command": command, "workload": asdict(wl), "workload_text": wl.describe(), "repeats": repeats,
             "seconds": round(seconds, 1), "aggregation": "median of the repeats (min-max); every ratio: median of "
             "per-repeat ratios, worst repeat beside", "runs": [run_summary(r, wl) for r in results],
-            "goals": [f.line() for f in figures], "table": frontier_table(results, wl)}
+            "goals": [f.line() for f in figures], "table": frontier_table(results, wl),
+            "steady_table": steady_text(results, wl), "capacity": [capacity_summary(r, wl) for r in results
+                                                                   if r.contender == "cap" and r.ran]}
+
+
+def _lag_text(ran: list[Result]) -> str:
+    return f"{_fmt([float(np.mean(r.lags)) if r.lags else 0.0 for r in ran])} / {max(max_lag(r) for r in ran)}"
+
+
+def steady_text(results: list[Result], wl: Workload) -> str:
+    """The steady-state table, the bound's ceilings against capacity, the engines-per-trainer table."""
+    rows = _rows(results)
+    etas = sorted({r.eta for r in results if r.contender == "d" and r.eta >= 0} | {2})
+    windows = {(r.window["first"], r.window["last"]) for r in results if "first" in r.window}
+    head = (f"Steady state over steps {', '.join(f'{a}..{b}' for a, b in sorted(windows))} of 0..{wl.steps - 1} "
+            f"(every contender alike: warm-up and drain outside); rates per second of the engine's clock; {END_RULE}.")
+    caps = capacities(results)
+    parts = [head, steady_table(rows, caps, rows.get(FA_BEST, []), lag_text=_lag_text,
+                                bias_of=lambda r: length_bias(r)[0], waste_of=waste_pct),
+             *ceiling_lines(wl, etas, caps)]
+    engines = engines_table(rows, caps, wl)
+    if engines:
+        parts += ["Engines per trainer (one router in front; 1 engine: the repeats' median, more: one run each):", engines]
+    return "\n".join(parts)
 
 
 def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float, plot_path: Path | None,
@@ -496,9 +588,12 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
     """Tables, goals, plot; the compact summary to json_path, every record to raw_path."""
     print(f"\n{wl.describe()}; the pipeline due-first, {wl.pipeline_groups()} groups in flight; {repeats} repeat(s), "
           f"median (min-max); every ratio the median of per-repeat ratios (worst beside). Run took {seconds:.0f} s.")
+    print(steady_text(results, wl))
+    print("\nThe frontier, steady state (columns as in issue 25's table):")
     print(frontier_table(results, wl))
     print(cpu_table(results, wl))
-    figures = goals(results)
+    rows = _rows(results)
+    figures = steady_goals(rows, capacities(results), wl, rows.get(FA_BEST, [])) + goals(results)
     path = plot(results, plot_path) if plot_path else None
     if path is not None:
         print(f"[peer] plot: {path}")
@@ -506,9 +601,14 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
         Path(json_path).write_text(json.dumps(summary(results, wl, repeats=repeats, seconds=seconds, figures=figures,
                                                       command=command), indent=1))
     if raw_path:
-        Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": repeats,
-                                              "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
+        dump_raw(results, wl, raw_path, repeats, seconds, command)
     return figures
+
+
+def dump_raw(results: list[Result], wl: Workload, raw_path: str, repeats: int, seconds: float, command: str) -> None:
+    begun = len({r.repeat for r in results}) or 1  # a cut run: the repeats it began
+    Path(raw_path).write_text(json.dumps({"command": command, "workload": asdict(wl), "repeats": min(repeats, begun),
+                                          "seconds": round(seconds, 1), "results": [asdict(r) for r in results]}))
 
 
 def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
@@ -526,36 +626,63 @@ def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
         for row in data["results"]:
             r = Result(**{k: v for k, v in row.items() if k in fields})
             r.slot_samples = [(float(t), int(b)) for t, b in r.slot_samples]
+            if "first" in r.window:  # the steady state again, by this code's rule
+                apply_window(r, int(r.window["first"]), int(r.window["last"]), replace(workloads[-1], eta=r.eta))
             r.repeat += repeats
             results.append(r)
         repeats += int(data.get("repeats", 1))
         seconds += float(data.get("seconds", 0.0))
     if any(asdict(w) != asdict(workloads[0]) for w in workloads):
         raise ValueError(f"--from-raw: the dumps ran different workloads ({', '.join(map(str, paths))})")
+    mark_best_fully_async(results)
     return results, workloads[0], repeats, seconds
+
+
+BEST_NOTE = "best fully async of this repeat (trained tokens/s)"
+
+
+def mark_best_fully_async(results: list[Result]) -> None:
+    """The best fully-async run of each repeat by its (steady) trained tokens/s, among the sweep's
+    single-engine runs that repeat has: a dump cut short in a repeat has its best of what ran."""
+    by_repeat: dict[int, list[Result]] = {}
+    for r in results:
+        if r.contender == "c" and r.ran and ENGINES_LABEL not in r.label:
+            r.notes = [n for n in r.notes if n != BEST_NOTE]
+            by_repeat.setdefault(r.repeat, []).append(r)
+    for runs in by_repeat.values():
+        max(runs, key=lambda r: r.trained_tokens_per_s).notes.append(BEST_NOTE)
 
 
 def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = None, plot_path: Path | None = None,
                json_path: str = "", raw_path: str = "", keep: str = "", etas: tuple[int, ...] | None = None,
                sweep: tuple[int, ...] | None = None, fcfs: bool = False, workload: str = DEFAULT_WORKLOAD,
-               time_scale: float | None = None, command: str = "") -> list[Figure]:
+               time_scale: float | None = None, command: str = "", batch: int | None = None,
+               syncs: tuple[int, ...] | None = None, same_lag: bool = True,
+               engines: tuple[int, ...] = (), pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Figure]:
     """The frontier section (`rollout bench --sections peer`): tables, plot, goals as figures."""
-    wl = replace(WORKLOADS[workload], steps=steps or (5 if quick else WORKLOADS[workload].steps))
+    wl = replace(WORKLOADS[workload], steps=steps or (QUICK_STEPS if quick else WORKLOADS[workload].steps))
     if time_scale:
         wl = replace(wl, time_scale=time_scale)
+    if batch:
+        wl = replace(wl, batch=batch)
+    syncs = syncs or (SLIME_DEFAULT_CONCURRENCY,)
     repeats = repeats or (1 if quick else 3)
     etas = etas or (QUICK_ETAS if quick else FRONTIER_ETAS)
     sweep = sweep or (QUICK_SWEEP if quick else FA_SWEEP)
+    command = command or "python -m scripts.bench.peer " + " ".join(sys.argv[1:])
     started = time.monotonic()
     print(f"[peer] {wl.describe()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         workdir = Path(keep or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         tasks, prompts = write_inputs(workdir)
-        results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs)
+        results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs,
+                               syncs=syncs, same_lag=same_lag, engines=engines, pipeline_push_modes=pipeline_push_modes,
+                               checkpoint=(lambda rs: dump_raw(rs, wl, raw_path, repeats, time.monotonic() - started,
+                                                               command)) if raw_path else None)
     return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
                   plot_path=plot_path or Path("bench-peer-frontier.png"), json_path=json_path, raw_path=raw_path,
-                  command=command or "python -m scripts.bench.peer " + " ".join(sys.argv[1:]))
+                  command=command)
 
 
 def _ints(text: str) -> tuple[int, ...] | None:
@@ -564,7 +691,7 @@ def _ints(text: str) -> tuple[int, ...] | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m scripts.bench.peer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="5 steps, 1 repeat (12 steps, 3 repeats without)")
+    p.add_argument("--quick", action="store_true", help="8 steps, 1 repeat (the workload's steps, 3 repeats without)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--json", default="", help="the compact summary (tables, goals, per-run figures; for docs/)")
@@ -580,6 +707,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", default="", help="run in this folder and keep the logs (engine, child, workers)")
     p.add_argument("--etas", default="", help="the pipeline's points, e.g. 2,8 (default 1,2,4,8; quick 1,2,4)")
     p.add_argument("--sweep", default="", help="fully async's concurrency in slots, e.g. 1,2 (default 1,2,4; quick 1)")
+    p.add_argument("--batch", type=int, default=None, help="groups (prompts) per step (default: the workload's)")
+    p.add_argument("--syncs", default="", help=f"slime sync's concurrencies, e.g. {SLIME_DEFAULT_CONCURRENCY},36 "
+                   f"(default {SLIME_DEFAULT_CONCURRENCY}, slime's own)")
+    p.add_argument("--no-same-lag", action="store_true", help="skip the pipeline at fully async's max lag")
+    p.add_argument("--pipeline-push-modes", default="abort",
+                   help="the pipeline at eta 2 with each weight-push mode (abort: slime's, every contender's; "
+                   "in_place: the pipeline launcher's default), e.g. abort,in_place; engines runs use the last")
+    p.add_argument("--engines", default="", help="also run pipeline eta 2 and fully async with these engine counts "
+                   "behind one router, e.g. 2,4 (once, after the repeats)")
     p.add_argument("--fcfs", action="store_true",
                    help="also run each pipeline point on an engine without priority scheduling (the ablation)")
     opts = p.parse_args(argv)
@@ -596,7 +732,10 @@ def main(argv: list[str] | None = None) -> int:
     if not opts.contenders:
         figures = bench_peer(quick=opts.quick, repeats=opts.repeats, steps=opts.steps, plot_path=Path(opts.plot),
                              json_path=opts.json, raw_path=opts.raw, keep=opts.keep, etas=_ints(opts.etas),
-                             sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale)
+                             sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale,
+                             batch=opts.batch, syncs=_ints(opts.syncs), same_lag=not opts.no_same_lag,
+                             engines=_ints(opts.engines) or (),
+                             pipeline_push_modes=tuple(m.strip() for m in opts.pipeline_push_modes.split(",") if m.strip()))
         for figure in figures:
             print(figure.line())
         return 0

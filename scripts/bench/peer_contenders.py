@@ -38,6 +38,7 @@ generate call; trained response length vs the engine's length plan (mean, p90).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -102,6 +104,9 @@ class Workload:
     model: str = ""
     gpu: str = "h100_sxm"
     engine_max_running: int = 0
+    # engines behind one router (issue 38 item 4): 1 is the engine itself; more run one process
+    # each behind sglang-router (slime's router), every contender's requests through it
+    engines: int = 1
     # how every contender's weight push treats running requests (pipeline/weight_push.py): abort
     # (slime's default: answered, resumed by the client, re-prefilled), retract or in_place (kept)
     push_mode: str = "abort"
@@ -215,10 +220,39 @@ class Result:
     step_overheads_s: list[float] = field(default_factory=list)
     # the engine's simulated seconds per wall second over busy 0.5-s windows (`SlotSampler`)
     clock_rates: list[float] = field(default_factory=list)
+    # the steady-state marks (scripts/bench/peer_steady.py): one before the first step and one
+    # after each step's rollout: [wall s since the loop began, trained tokens so far, the
+    # engines' generated tokens so far, their busy simulated seconds so far]
+    step_marks: list[list[float]] = field(default_factory=list)
+    # `SlotSampler`: [wall s (the marks' clock), the first engine's simulated clock, its busy seconds]
+    clock_samples: list[list[float]] = field(default_factory=list)
+    # the steady-state window's own counts (`peer_steady.apply_window`); the whole run's rates
+    window: dict[str, float] = field(default_factory=dict)
+    run_tokens_per_s: float = 0.0
+    run_groups_per_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------ shared helpers
+
+
+@dataclass
+class Fleet:
+    """The engines a contender runs on: `url` is what its rollout sends to (slime's router, or
+    the one engine), `engines` each engine's own URL (weight pushes, counters), `pids` theirs."""
+
+    url: str
+    engines: list[str]
+    pids: list[int] = field(default_factory=list)
+
+
+def as_fleet(engine: str | Fleet) -> Fleet:
+    return engine if isinstance(engine, Fleet) else Fleet(engine, [engine])
+
+
+END_RULE = ("the run ends after its last step for every contender alike: nothing is drained; the engines' "
+            "counts are read at once (a request still running is counted on no side), finished groups not yet "
+            "trained are carried over, and finished answers of unfinished groups count as never trained")
 
 
 def _post(url: str, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -233,11 +267,12 @@ def _get_json(url: str) -> Any:
         return json.loads(reply.read())
 
 
-def push_weights(engine_url: str, version: int, mode: str = "abort") -> None:
-    """slime's update_weights as the engines see it: pause (in `mode`), new label, continue."""
+def push_weights(engine_url: str | list[str], version: int, mode: str = "abort") -> None:
+    """slime's update_weights as the engines see it: pause (in `mode`), new label, continue, on
+    each engine (pipeline.weight_push.push_weights)."""
     from pipeline.weight_push import push_weights as push
 
-    push([engine_url], str(version), mode)
+    push([engine_url] if isinstance(engine_url, str) else engine_url, str(version), mode)
 
 
 def train_step(wl: Workload, engine_url: str) -> None:
@@ -266,18 +301,35 @@ def engine_tokens(engine_url: str) -> int:
     return int(_get_json(engine_url + "/sim/stats")["output_tokens"])
 
 
-def read_engine_counts(result: Result, engine_url: str) -> None:
-    """The engine's own counts: tokens answered, re-prefills, and the plan of every fresh
-    request in the order the engine first saw it (the plan the trained lengths are held to)."""
-    stats = _get_json(engine_url + "/sim/stats")
+def read_engine_counts(result: Result, engine_url: str | Fleet) -> None:
+    """The engines' own counts: tokens answered, re-prefills, and the plan of every fresh
+    request in the order the engine first saw it (the plan the trained lengths are held to).
+    Several engines: counts summed, maxima the largest, the pool's size the first engine's."""
+    fleet = as_fleet(engine_url)
+    every = [_get_json(url + "/sim/stats") for url in fleet.engines]
+    stats = _merge_stats(every)
     result.engine_tokens = int(stats["output_tokens"])
     result.resumed_requests = int(stats.get("resumed_requests", 0))
     result.resumed_input_tokens = int(stats.get("resumed_input_tokens", 0))
-    planned = [min(int(v), 10**9) for v in (stats.get("planned") or {}).values()]
+    planned = [min(int(v), 10**9) for one in every for v in (one.get("planned") or {}).values()]
     result.planned_lengths = planned
-    info = _get_json(engine_url + "/server_info")
+    info = _get_json(fleet.engines[0] + "/server_info")
     result.engine_stats = {k: float(v) for k, v in {**info, **stats}.items()
                            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+_MAX_STATS = ("max_kv_used", "kv_pool_tokens", "sim_time_s", "max_running")
+
+
+def _merge_stats(every: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(every) == 1:
+        return every[0]
+    merged: dict[str, Any] = dict(every[0])
+    for key, value in every[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [float(one.get(key, 0)) for one in every]
+            merged[key] = max(values) if key in _MAX_STATS else sum(values)
+    return merged
 
 
 class SlotSampler(threading.Thread):
@@ -295,6 +347,7 @@ class SlotSampler(threading.Thread):
         self.samples: list[tuple[float, int]] = []
         self.pushes: list[float] = []
         self.clock_rates: list[float] = []
+        self.clock_samples: list[list[float]] = []  # [wall s since started, the engine's simulated clock]
         self._last_clock: tuple[float, float] | None = None
         self.stopped = threading.Event()
 
@@ -306,11 +359,12 @@ class SlotSampler(threading.Thread):
         if "sim_time_s" not in stats:
             return
         now, sim, busy = time.monotonic(), float(stats["sim_time_s"]), bool(stats.get("running"))
+        self.clock_samples.append([round(now - self.started, 3), round(sim, 3), round(float(stats.get("busy_s", 0.0)), 3)])
         if busy and self._last_clock is not None and now > self._last_clock[0]:
             self.clock_rates.append(round((sim - self._last_clock[1]) / (now - self._last_clock[0]), 2))
         self._last_clock = (now, sim) if busy else None
 
-    def push(self, engine_url: str, version: int, mode: str = "abort") -> None:
+    def push(self, engine_url: str | list[str], version: int, mode: str = "abort") -> None:
         self.pushes.append(round(time.monotonic() - self.started, 3))
         push_weights(engine_url, version, mode)
 
@@ -329,6 +383,7 @@ class SlotSampler(threading.Thread):
         self.stopped.set()
         self.join(5)
         result.slot_samples, result.push_times, result.clock_rates = self.samples, self.pushes, self.clock_rates
+        result.clock_samples = self.clock_samples
 
 
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -446,7 +501,7 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
         (workdir / "inprocess.yaml").write_text(json.dumps(config))  # JSON is YAML
     return SimpleNamespace(
         # router = the simulated engine
-        sglang_router_ip=host, sglang_router_port=int(port), rollout_num_engines=1, sglang_dp_size=None,
+        sglang_router_ip=host, sglang_router_port=int(port), rollout_num_engines=wl.engines, sglang_dp_size=None,
         sglang_server_concurrency=wl.concurrency, use_distributed_post=False,
         # consistent hashing sends X-SMG-Routing-Key = sample.session_id, so a resumed partial
         # sample continues the engine's plan for it (the simulator seeds a plan per routing key)
@@ -473,7 +528,7 @@ def slime_args(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir:
     )
 
 
-def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path, workdir: Path,
+def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompts: Path, workdir: Path,
                         engine_pid: int = 0) -> Result:
     """In this (child) process: slime's data source and rollout function, train.py's loop."""
     sys.path.insert(0, str(slime_path()))
@@ -481,8 +536,12 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.utils import async_utils, http_utils
 
+    from scripts.bench.peer_steady import mark
+
+    fleet = as_fleet(engine_url)
+    engine_url = fleet.engines[0]  # the trainer's clock and the slot samples: the first engine
     result = Result(kind, CONTENDERS[kind])
-    args = slime_args(kind, wl, engine_url, prompts, workdir)
+    args = slime_args(kind, wl, fleet.url, prompts, workdir)
     # a fresh process's singletons (a fork inherits the parent's: a client sized for another
     # concurrency, a loop whose thread did not survive the fork, a fully-async worker)
     http_utils._http_client = None
@@ -493,41 +552,60 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str, prompts: Path,
     sglang_rollout.GenerateState.clear_instances()  # slime's own reset: a and b may share a process (the test)
     sglang_rollout.GenerateState(args)  # tokenizer load, outside the timed loop
     rollout = (fully_async_rollout.generate_rollout_fully_async if kind == "c" else sglang_rollout.generate_rollout)
+    if kind == "c":
+        start_fully_async_worker(fully_async_rollout, args, source, wl)
 
     sampler = SlotSampler(engine_url)
-    cpu = CpuMeter({"trainer + rollout (slime, one process)": os.getpid(), "engine": engine_pid})
+    cpu = CpuMeter({"trainer + rollout (slime, one process)": os.getpid(),
+                    **{f"engine {i + 1}" if len(fleet.pids) > 1 else "engine": pid
+                       for i, pid in enumerate(fleet.pids or [engine_pid])}})
     cpu.start()
     sampler.start()
     started = time.monotonic()
+    mark(result, sampler.started, fleet.engines)
     for rollout_id in range(wl.steps):
         out = rollout(args, rollout_id, source)  # (c) returns the list of groups itself
         groups = out.samples if hasattr(out, "samples") else out
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
+        mark(result, sampler.started, fleet.engines)
         train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
-        sampler.push(engine_url, rollout_id + 1, wl.push_mode)
+        sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
     result.wall_s = time.monotonic() - started
     result.steps = wl.steps
     sampler.finish(result)
     result.cpu_s = cpu.stop()
 
     carried_groups: list[list[Any]] = []
-    if kind == "c":  # drain the background worker: in-flight groups finish (or come back aborted)
+    read_engine_counts(result, fleet)  # END_RULE: at once, before anything else finishes
+    if kind == "c":
         worker = fully_async_rollout._global_worker
-        worker.running = False
-        worker.worker_thread.join(60 + wl.request_timeout_s)  # long answers on a loaded machine
+        worker.running = False  # no new group; the child exits without waiting on the rest
         carried_groups += [group for _, group in worker.get_completed_groups()]
-        result.notes.append(f"drained {len(carried_groups)} completed groups from the worker's queue")
+        result.notes.append(f"{len(carried_groups)} completed groups left in the worker's queue (carried over)")
     carried_groups += list(source.buffer)  # (b): partial groups handed back; (c): aborted groups requeued
     result.carried_tokens = sum(int(s.response_length) for g in carried_groups for s in g)
-    read_engine_counts(result, engine_url)
     return result
+
+
+FULLY_ASYNC_POLL_S = 1.0  # AsyncRolloutWorker.poll_interval, slime's own constant (wall seconds)
+
+
+def start_fully_async_worker(fully_async_rollout: Any, args: SimpleNamespace, source: Any, wl: Workload) -> None:
+    """slime's worker as `_get_global_worker` makes it, with its top-up poll on the played clock:
+    slime's 1 s is a real second of the system played, so FULLY_ASYNC_POLL_S / time_scale here (at
+    50x an unscaled poll would refill a finished group's slot after up to 50 simulated seconds)."""
+    worker = fully_async_rollout.AsyncRolloutWorker(
+        args, source, concurrency=args.sglang_server_concurrency * args.rollout_num_engines)
+    worker.poll_interval = FULLY_ASYNC_POLL_S / wl.time_scale
+    worker.start()
+    fully_async_rollout._global_worker = worker
 
 
 # ------------------------------------------------------------------ this pipeline (d)
 
 
-def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: Path, engine_pid: int = 0,
+def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, workdir: Path, engine_pid: int = 0,
                            evaluation: dict[str, Any] | None = None) -> Result:
     """(d). `evaluation` (scripts/bench/peer_eval.py): {"datasets": path, "every": k, "share": s}: a
     background eval round (pipeline_eval_mode background) after every k-th step, eval jobs held to
@@ -539,17 +617,20 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
     from pipeline.local_redis import LocalRedis
     from pipeline.schema import decode_group
     from pipeline.slime import RedisDataSource, generate_rollout
+    from scripts.bench.peer_steady import mark
     from scripts.processes import ChildProcess, WorkerProcess, write_config
     from workers.sim.tokenizer import default_tokenizer_path
 
     sys.path.insert(0, str(slime_path()))  # RedisDataSource hands out slime's own Sample
+    fleet = as_fleet(engine_url)
+    engine_url = fleet.engines[0]  # the trainer's clock and the slot samples: the first engine
     result = Result("d", CONTENDERS["d"], eta=wl.eta)
     ns = "peer"
     per_process = wl.pipeline_groups()
     with LocalRedis() as server:
         config: dict[str, Any] = {
             "redis": {"url": server.url, "namespace": ns},
-            "engine": {"url": engine_url, "tokenizer": default_tokenizer_path(),
+            "engine": {"url": fleet.url, "tokenizer": default_tokenizer_path(),
                        "request_timeout_s": wl.request_timeout_s},
             "rollout": {"n_samples_per_prompt": wl.n, "rollout_batch_size": wl.batch, "eta": wl.eta,
                         "max_response_tokens": wl.max_response_len, "max_turns": 1,
@@ -588,21 +669,25 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
             sampler = SlotSampler(engine_url)
             assert workers.proc is not None and producer.proc is not None and server.proc is not None
             cpu = CpuMeter({"trainer (data source)": os.getpid(), "workers": -workers.proc.pid,
-                            "producer": producer.proc.pid, "redis": server.proc.pid, "engine": engine_pid})
+                            "producer": producer.proc.pid, "redis": server.proc.pid,
+                            **{f"engine {i + 1}" if len(fleet.pids) > 1 else "engine": pid
+                               for i, pid in enumerate(fleet.pids or [engine_pid])}})
             cpu.start()
             sampler.start()
             try:
                 started = time.monotonic()
+                mark(result, sampler.started, fleet.engines)
                 for rollout_id in range(wl.steps):
                     out = generate_rollout(args, rollout_id, source)
                     record_step(result, rollout_id, out.samples,
                                 lambda s: s.metadata.get("engine_weight_versions") or s.weight_versions)
+                    mark(result, sampler.started, fleet.engines)
                     result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
                                                      for group in out.samples for s in group))
                     trained_at = time.monotonic()
                     train_step(wl, engine_url)
                     source.save(rollout_id)
-                    sampler.push(engine_url, rollout_id + 1, wl.push_mode)
+                    sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
                     if evaluation and (rollout_id + 1) % evaluation["every"] == 0:  # train.py's order: after the push
                         called = time.monotonic()
                         generate_rollout(args, rollout_id, source, evaluation=True)
@@ -615,15 +700,8 @@ def run_pipeline_contender(wl: Workload, engine_url: str, tasks: Path, workdir: 
                 sampler.finish(result)
                 result.cpu_s = cpu.stop()
                 source.close()
-            producer.stop()  # no new admissions; let the workers finish what they hold
-            deadline, idle_since = time.monotonic() + 60 + wl.request_timeout_s, None
-            while time.monotonic() < deadline:
-                running = _get_json(engine_url + "/sim/stats")["running"]
-                idle_since = (idle_since or time.monotonic()) if running == 0 else None
-                if idle_since and time.monotonic() - idle_since > 2.0:
-                    break
-                time.sleep(0.2)
-            read_engine_counts(result, engine_url)
+            read_engine_counts(result, fleet)  # END_RULE: at once, nothing drained
+            producer.stop()
             carried = 0
             for _, fields in client.xrange(Keys(ns).groups):
                 group = decode_group(fields[b"g"])
@@ -670,18 +748,16 @@ def length_plan(wl: Workload, tasks: Path, draws: int = 4000) -> list[int]:
 
 def run_contender(kind: str, wl: Workload, workdir: Path, tasks: Path, prompts: Path, quiet: bool,
                   label: str = "") -> Result:
-    from scripts.processes import SimEngineProcess
 
     sub = workdir / (label or kind).replace(" ", "_").replace("=", "")
     sub.mkdir(exist_ok=True)
     try:
-        with SimEngineProcess(wl.engine_args(str(tasks)), log_path=str(sub / "engine.log")) as engine:
-            assert engine.proc is not None
+        with fleet_of(wl, tasks, sub) as fleet:
             if kind == "d":
-                result = run_pipeline_contender(wl, engine.url, tasks, sub, engine_pid=engine.proc.pid)
+                result = run_pipeline_contender(wl, fleet, tasks, sub)
                 return _labelled(result, wl, label)
             out = sub / "result.json"
-            code = _slime_in_fork(kind, wl, engine.url, engine.proc.pid, prompts, sub)
+            code = _slime_in_fork(kind, wl, fleet, fleet.pids[0], prompts, sub)
             if code != 0 or not out.exists():
                 tail = (sub / "child.log").read_text(errors="replace").strip().splitlines()[-3:]
                 return Result(kind, CONTENDERS[kind], label=label, reason=f"exit {code}: {' | '.join(tail)}")
@@ -695,6 +771,45 @@ def run_contender(kind: str, wl: Workload, workdir: Path, tasks: Path, prompts: 
         return Result(kind, CONTENDERS[kind], label=label, reason=f"{type(exc).__name__}: {exc}")
 
 
+@contextlib.contextmanager
+def fleet_of(wl: Workload, tasks: Path, sub: Path) -> Iterator[Fleet]:
+    """`wl.engines` fresh engines (one process each), behind sglang-router where more than one:
+    the router slime launches, listing every engine, with `--policy round_robin`: its default
+    (cache_aware) sent one contender's requests, which share the chat template's prefix, nearly
+    all to one engine (slot use 0.01 on the other in a trial run), and a weight push flushes the
+    prefix cache anyway."""
+    from scripts.processes import ChildProcess, SimEngineProcess
+
+    with contextlib.ExitStack() as stack:
+        engines = [stack.enter_context(SimEngineProcess(wl.engine_args(str(tasks)),
+                                                        log_path=str(sub / f"engine{i}.log" if i else sub / "engine.log")))
+                   for i in range(wl.engines)]
+        urls, pids = [e.url for e in engines], [e.proc.pid for e in engines if e.proc is not None]
+        if len(engines) == 1:
+            yield Fleet(urls[0], urls, pids)
+            return
+        from pipeline.local_redis import free_port
+
+        port = free_port()
+        router = ChildProcess([], log_path=str(sub / "router.log"))
+        router.args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                       "--worker-urls", *urls, "--policy", "round_robin", "--prometheus-port", str(free_port()),
+                       "--log-level", "warn"]
+        stack.enter_context(router)
+        url = f"http://127.0.0.1:{port}"
+        if not _wait_until(lambda: _listed(url) == len(urls), 120):
+            raise RuntimeError(f"sglang-router on {url} did not list the {len(urls)} engines in 120 s")
+        yield Fleet(url, urls, pids)
+
+
+def _listed(router_url: str) -> int:
+    try:
+        workers = _get_json(router_url + "/workers").get("workers") or []
+    except (OSError, ValueError):
+        return 0
+    return sum(1 for w in workers if w.get("is_healthy", True))
+
+
 def import_slime() -> None:
     """slime's rollout modules, once per process (46 s on a loaded 2-core machine: torch and
     friends); every slime contender then runs in a fork of this process."""
@@ -703,7 +818,7 @@ def import_slime() -> None:
     from slime.utils import http_utils  # noqa: F401
 
 
-def _slime_in_fork(kind: str, wl: Workload, engine_url: str, engine_pid: int, prompts: Path, sub: Path,
+def _slime_in_fork(kind: str, wl: Workload, engine_url: str | Fleet, engine_pid: int, prompts: Path, sub: Path,
                    timeout_s: float = 900.0) -> int:
     """One slime contender in a fork: slime keeps module-level singletons (GenerateState, the
     HTTP client sized by the first concurrency, the fully-async worker), so each contender gets
@@ -723,6 +838,9 @@ def _slime_in_fork(kind: str, wl: Workload, engine_url: str, engine_pid: int, pr
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+            # one INFO line per HTTP request costs slime's one process CPU the others do not pay
+            # on a loaded 2-core machine (a line per generate call: tens of thousands a run)
+            logging.getLogger("httpx").setLevel(logging.WARNING)
             result = run_slime_contender(kind, wl, engine_url, prompts, sub, engine_pid=engine_pid)
             (sub / "result.json").write_text(json.dumps(asdict(result)))
             code = 0

@@ -1,0 +1,477 @@
+"""Steady state and the engine's own capacity (issue 38 items 1, 2 and 4): what the frontier
+(scripts/bench/peer.py) divides by and where it reads each contender.
+
+- **The window.** Every contender records a mark at the start of its trainer loop and after
+  each step's rollout returned (`Result.step_marks`: wall seconds since the loop began, trained
+  tokens so far, the engines' generated tokens and busy simulated seconds so far). Its steady
+  state is read between the mark before step `first` and the mark after step `last`, the SAME
+  steps for every contender of a run (`window`): warm-up (the first eta + 2 steps of the largest
+  eta run) and drain (the last two steps) are outside it for everyone alike.
+- **Capacity.** The same engine (same arguments, fresh process, same time scale) saturated with
+  the workload's requests and nothing else: no trainer, no weight push, `outstanding` requests
+  kept in flight (a new one as each finishes) so the waiting queue never empties. Its generated
+  tokens per wall second over a window after a warm-up is the physical limit every contender's
+  trained tokens/s is divided by (efficiency); its tokens per busy engine-second beside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from scripts.bench.peer_contenders import Result, SlotSampler, Workload, _get_json
+from scripts.bench.report import Figure
+
+CAPACITY = "engine capacity (workload alone, saturated)"
+WARMUP_STEPS_PAST_ETA = 2  # steps eta + 2 .. N - 2: the issue's example window
+DRAIN_STEPS = 2
+
+
+@dataclass
+class Steady:
+    """One run's figures over its window: rates per second of the ENGINE's clock (`played_s`),
+    the wall-clock ones (at the run's time scale) beside."""
+
+    first: int
+    last: int
+    wall_s: float
+    trained_tokens: int
+    groups: int
+    generated_tokens: int
+    busy_s: float
+    played_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.trained_tokens / self.played_s if self.played_s > 0 else float("nan")
+
+    @property
+    def groups_per_s(self) -> float:
+        return self.groups / self.played_s if self.played_s > 0 else float("nan")
+
+    @property
+    def wall_tokens_per_s(self) -> float:
+        return self.trained_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def clock_rate(self) -> float:
+        """Engine-clock seconds per wall second over the window, over the scale (1.00: kept it)."""
+        return self.played_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def generated_per_busy_s(self) -> float:
+        """Generated tokens per busy engine-second (simulated): how full the batch ran, not what trained."""
+        return self.generated_tokens / self.busy_s if self.busy_s > 0 else float("nan")
+
+    @property
+    def trained_share(self) -> float:
+        """Trained / generated over the window: in steady state what is carried in equals what is
+        carried out, so 1 - this is what the contender generates and never trains."""
+        return self.trained_tokens / self.generated_tokens if self.generated_tokens else float("nan")
+
+
+def window(steps: int, max_eta: int) -> tuple[int, int]:
+    """The steps (0-based, inclusive) every contender of a run is read over: from max_eta + 2
+    (the pipeline's warm-up at its largest eta; fully async's queue fills sooner) to the third
+    from last (the last two steps are the drain). Too short a run: its middle third."""
+    first, last = max(1, max_eta) + WARMUP_STEPS_PAST_ETA, steps - 1 - DRAIN_STEPS
+    if last - first < 2:
+        first, last = steps // 3, max(steps // 3, steps - 1 - steps // 3)
+    return first, last
+
+
+def steady(r: Result, first: int, last: int, wl: Workload) -> Steady | None:
+    """`r` over steps first..last (marks[k] is taken before step k, marks[k + 1] after it)."""
+    marks = r.step_marks
+    if not r.ran or len(marks) < last + 2 or first < 0:
+        return None
+    a, b = marks[first], marks[last + 1]
+    groups = sum(r.groups_per_step[first:last + 1])
+    return Steady(first=first, last=last, wall_s=b[0] - a[0], trained_tokens=int(b[1] - a[1]), groups=groups,
+                  generated_tokens=int(b[2] - a[2]), busy_s=b[3] - a[3], played_s=played_s(r, wl, a, b))
+
+
+def engine_totals(urls: Sequence[str]) -> tuple[int, float, float, float]:
+    """Generated tokens (answers finished or aborted, as the engines count them) and busy
+    simulated seconds, summed over the engines; the first engine's simulated clock and its busy
+    seconds."""
+    tokens, busy, clock, busy0 = 0, 0.0, float("nan"), float("nan")
+    for i, url in enumerate(urls):
+        stats = _get_json(url + "/sim/stats")
+        tokens += int(stats.get("output_tokens", 0))
+        busy += float(stats.get("busy_s", 0.0))
+        if i == 0:
+            clock, busy0 = float(stats.get("sim_time_s", float("nan"))), float(stats.get("busy_s", float("nan")))
+    return tokens, busy, clock, busy0
+
+
+def mark(result: Result, started: float, urls: Sequence[str]) -> None:
+    """A step mark: wall s since `started`, trained tokens so far, the engines' generated tokens
+    and busy seconds, the first engine's simulated clock and its own busy seconds."""
+    tokens, busy, clock, busy0 = engine_totals(urls)
+    result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, tokens, round(busy, 3),
+                              round(clock, 3), round(busy0, 3)])
+
+
+def idle_wall_s(r: Result, t0: float, t1: float) -> float:
+    """Wall seconds in [t0, t1] the first engine had nothing running (its slot samples)."""
+    samples = r.slot_samples
+    idle = 0.0
+    for (t, busy), (t_next, _b) in zip(samples, samples[1:], strict=False):
+        if busy == 0:
+            idle += max(0.0, min(t_next, t1) - max(t, t0))
+    return idle
+
+
+def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
+    """The window's length on the ENGINE's clock (the GPU and trainer played), interval by interval
+    between the first engine's clock samples (and the marks a, b at the ends): while it runs
+    requests, its busy seconds (the forward passes' simulated durations) move as the step loop
+    gets through them (slower than the scale on a loaded machine); while nothing runs they do not
+    move, and that idle wall time counts x the scale (the trainer sleeps its step on the wall
+    clock then). Busy seconds, not `sim_time_s`: the simulated clock also jumps to the wall clock
+    x the scale where a push syncs it, which would count a slow loop's lag as engine time. The
+    weight pushes' own GPU time (about 0.7 s a push) is left out. Rates on this clock do not depend on how well the step loop
+    kept the scale; wall-clock latency while the engine idles is scaled like the trainer's sleep."""
+    col = 5 if len(a) > 5 and len(b) > 5 else 4  # the first engine's busy seconds (older dumps: its clock)
+    if len(a) <= col or a[col] != a[col] or b[col] != b[col]:
+        return float("nan")
+    inside = ((x[0], x[col - 3]) for x in r.clock_samples if len(x) > col - 3 and a[0] < x[0] < b[0])
+    points = [(a[0], a[col]), *inside, (b[0], b[col])]
+    total = 0.0
+    for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False):
+        moved, wall = max(0.0, s1 - s0), t1 - t0
+        if wall <= 0:
+            total += moved
+            continue
+        idle = min(wall, idle_wall_s(r, t0, t1))
+        total += min(moved, (wall - idle) * wl.time_scale) + idle * wl.time_scale  # busy: never ahead of the scale
+    return total
+
+
+# ------------------------------------------------------------------ capacity
+
+
+def capacity_prompts(wl: Workload, tasks: Path) -> list[list[int]]:
+    """The workload's prompts as the engine sees them (chat template, as every contender sends)."""
+    from workers.sim.tokenizer import load_test_tokenizer
+
+    tok = load_test_tokenizer()
+    rows = [json.loads(line) for line in tasks.read_text().splitlines() if line.strip()]
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                               add_generation_prompt=True), add_special_tokens=False) for r in rows]
+
+
+def capacity_outstanding(wl: Workload) -> int:
+    """Requests kept in flight: four times the pool-bound unit, so the queue never empties (the
+    capacity run reports the share of samples with a waiting queue to show it)."""
+    return 4 * wl.slots
+
+
+async def _saturate(url: str, wl: Workload, prompts: list[list[int]], outstanding: int, stop: asyncio.Event) -> int:
+    import aiohttp
+
+    sent = 0
+    params = {"max_new_tokens": wl.max_response_len, "temperature": 1.0}
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        nonlocal sent
+        while not stop.is_set():
+            i = sent
+            sent += 1
+            body = {"input_ids": prompts[i % len(prompts)], "sampling_params": params, "routing_key": f"capacity-{i}"}
+            try:
+                async with session.post(url + "/generate", json=body) as reply:
+                    await reply.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                await asyncio.sleep(0.1)
+
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        tasks = [asyncio.create_task(one(session)) for _ in range(outstanding)]
+        await stop.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return sent
+
+
+def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]], *, warmup_s: float,
+                     window_s: float, outstanding: int) -> Result:
+    """Saturate the engine(s) at `urls[0]` for warmup_s + window_s seconds OF THE ENGINE'S CLOCK
+    (a loaded machine slows the step loop: the window stays as long in engine time); read the
+    window. A wall-clock cap of ten times the scaled durations ends a loop that cannot move."""
+    result = Result("cap", CAPACITY, label=CAPACITY, concurrency=outstanding)
+    sampler = SlotSampler(urls[0])
+    waiting: list[int] = []
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        load = asyncio.create_task(_saturate(urls[0], wl, prompts, outstanding, stop))
+        sampler.start()
+        started = sampler.started
+        give_up = started + 10 * (warmup_s + window_s) / wl.time_scale + 30.0
+
+        async def until(clock_s: float) -> None:
+            while time.monotonic() < give_up:
+                stats = await asyncio.to_thread(_get_json, urls[0] + "/sim/stats")
+                if float(stats.get("sim_time_s", 0.0)) >= clock_s:
+                    return
+                if result.step_marks:
+                    waiting.append(int(stats.get("num_waiting_reqs", 0)))
+                await asyncio.sleep(0.5)
+
+        await until(warmup_s)
+        mark(result, started, urls)
+        await until(result.step_marks[0][4] + window_s)
+        mark(result, started, urls)
+        stop.set()
+        await load
+
+    asyncio.run(run())
+    sampler.finish(result)
+    a, b = result.step_marks
+    result.wall_s = b[0] - a[0]
+    result.engine_tokens = int(b[2] - a[2])
+    # generated (nothing trains here) per second of the engine's clock (never idle: it moved all along)
+    result.trained_tokens_per_s = result.engine_tokens / (b[5] - a[5])
+    result.run_tokens_per_s = result.engine_tokens / result.wall_s  # per wall second, at the time scale
+    result.window = {"wall_s": round(result.wall_s, 2), "played_s": round(b[5] - a[5], 2),
+                     "generated_tokens": result.engine_tokens, "busy_s": round(b[3] - a[3], 2),
+                     "clock_rate": round((b[5] - a[5]) / result.wall_s / wl.time_scale, 3)}
+    result.ran, result.steps = True, 1
+    stats = _get_json(urls[0] + "/sim/stats")
+    result.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    running = [b for _t, b in result.slot_samples[len(result.slot_samples) // 3:]]
+    result.notes.append(f"window {b[5] - a[5]:.0f} s engine clock ({result.wall_s:.1f} s wall) after {a[4]:.0f} s "
+                        f"warm-up; {outstanding} requests in "
+                        f"flight; mean running {statistics.mean(running) if running else float('nan'):.1f}; waiting "
+                        f"queue non-empty in {sum(w > 0 for w in waiting)}/{len(waiting)} samples")
+    return result
+
+
+CAPACITY_WARMUP_STEPS, CAPACITY_WINDOW_STEPS = 3, 9  # trainer steps of the engine's clock
+
+
+def capacity_run(wl: Workload, workdir: Path, tasks: Path, *, label: str = "") -> Result:
+    """A fresh engine with the workload's arguments, saturated (`measure_capacity`). Warm-up and
+    window: CAPACITY_WARMUP_STEPS and CAPACITY_WINDOW_STEPS trainer steps of the engine's clock."""
+    from scripts.processes import SimEngineProcess
+
+    sub = workdir / (label or "capacity").replace(" ", "_")
+    sub.mkdir(exist_ok=True)
+    try:
+        with SimEngineProcess(wl.engine_args(str(tasks)), log_path=str(sub / "engine.log")) as engine:
+            return measure_capacity(wl, [engine.url], capacity_prompts(wl, tasks),
+                                    warmup_s=CAPACITY_WARMUP_STEPS * wl.train_step_s,
+                                    window_s=CAPACITY_WINDOW_STEPS * wl.train_step_s, outstanding=capacity_outstanding(wl))
+    except Exception as exc:  # noqa: BLE001 - reported as "could not run", with the reason
+        return Result("cap", CAPACITY, label=CAPACITY, reason=f"{type(exc).__name__}: {exc}")
+
+
+def capacity_summary(r: Result, wl: Workload) -> dict[str, Any]:
+    return {"repeat": r.repeat, "tokens_per_engine_s": round(r.trained_tokens_per_s, 1),
+            "per_busy_engine_s": round(per_busy_s(r), 1), "tokens_per_wall_s": round(r.run_tokens_per_s, 1),
+            "window": r.window, "outstanding": r.concurrency, "notes": r.notes}
+
+
+# ------------------------------------------------------------------ applying the window, tables, goals
+
+EFFICIENCY_GOAL = 0.95  # pipeline eta 2: of the lower of capacity and the bound's ceiling
+FA_GOAL, FA_WORST_GOAL = 1.0, 0.95  # pipeline eta 2 vs the best fully async: median, worst repeat
+ENGINES_LABEL = " engines"  # "pipeline eta 2, 4 engines"
+
+
+def apply_window(r: Result, first: int, last: int, wl: Workload) -> None:
+    """The run's figures become its steady state over first..last on the engine's clock (the
+    whole run's, per wall second, kept beside in run_*)."""
+    s = steady(r, first, last, wl)
+    if s is None:
+        return
+    if r.wall_s > 0:  # from the run's own counts: applying it again (`--from-raw`) gives the same
+        r.run_tokens_per_s, r.run_groups_per_s = r.trained_tokens / r.wall_s, sum(r.groups_per_step) / r.wall_s
+    r.trained_tokens_per_s, r.groups_per_s = s.tokens_per_s, s.groups_per_s
+    r.window = {"first": first, "last": last, "wall_s": round(s.wall_s, 2), "played_s": round(s.played_s, 2),
+                "trained_tokens": s.trained_tokens, "groups": s.groups, "generated_tokens": s.generated_tokens,
+                "busy_s": round(s.busy_s, 2), "wall_tokens_per_s": round(s.wall_tokens_per_s, 1),
+                "clock_rate": round(s.clock_rate / wl.time_scale, 3)}
+
+
+def per_busy_s(r: Result) -> float:
+    """Generated tokens per busy engine-second (simulated) over the window (capacity: its run)."""
+    w = r.window
+    return w["generated_tokens"] / w["busy_s"] if w and w.get("busy_s") else float("nan")
+
+
+def trained_share(r: Result) -> float:
+    w = r.window
+    return w["trained_tokens"] / w["generated_tokens"] if w and w.get("generated_tokens") else float("nan")
+
+
+def window_clock(runs: Sequence[Result]) -> str:
+    """The engine clock over the window per wall second, over the time scale: median (min-max)."""
+    rates = [r.window["clock_rate"] for r in runs if r.window and "clock_rate" in r.window]
+    return _cell(rates, ".2f") if rates else "-"
+
+
+def capacities(results: Sequence[Result]) -> dict[int, Result]:
+    return {r.repeat: r for r in results if r.contender == "cap" and r.ran}
+
+
+def efficiency(r: Result, caps: dict[int, Result], engines: int = 1) -> float:
+    """Steady trained tokens/s over the same repeat's measured capacity (x engines)."""
+    cap = caps.get(r.repeat) or (next(iter(caps.values())) if caps else None)
+    return r.trained_tokens_per_s / (engines * cap.trained_tokens_per_s) if cap and cap.trained_tokens_per_s else float("nan")
+
+
+def bound_ceilings(wl: Workload, etas: Sequence[int]) -> dict[int, Any]:
+    """The staleness bound's own ceiling at each eta (scripts/bench/ceiling.py, issue 38 item 8),
+    where that module is present; {} where not."""
+    try:
+        from scripts.bench.ceiling import bound_ceiling  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return {}
+    return {eta: bound_ceiling(wl, eta) for eta in etas}
+
+
+def _cell(values: list[float], spec: str = ".0f") -> str:
+    values = [v for v in values if v == v]
+    if not values:
+        return "-"
+    mid = statistics.median(values)
+    return f"{mid:{spec}} ({min(values):{spec}}-{max(values):{spec}})" if len(values) > 1 else f"{mid:{spec}}"
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    ratios = [x for x in ratios if x == x]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f} (worst {min(ratios):.2f})" if len(ratios) > 1 else f"{ratios[0]:.2f}"
+
+
+def steady_table(rows: dict[str, list[Result]], caps: dict[int, Result], fa_best: list[Result], *, lag_text,
+                 bias_of, waste_of) -> str:
+    """One row per contender: the steady state against capacity, per busy engine-second, lag,
+    length bias, never trained; medians of the repeats (min-max), ratios per repeat (worst)."""
+    fa = {r.repeat: r for r in fa_best}
+    head = ("| contender | trained tok/s, steady, per engine-clock s | groups/s, steady | efficiency: / measured "
+            "capacity, same repeat | vs best fully async, same repeat | generated tok per busy engine-s | trained / "
+            "generated in the window | lag mean / max | length bias mean | not trained by the end (end rule) | engine clock / "
+            "time scale over the window | trained tok/s per wall s (at the time scale): window / whole run |")
+    lines = [head, "|" + "---|" * 12]
+    cap_runs = list(caps.values())
+    if cap_runs:
+        lines.append(f"| {CAPACITY} | {_cell([r.trained_tokens_per_s for r in cap_runs])} (generated) | - | 1.00 | - | "
+                     f"{_cell([per_busy_s(r) for r in cap_runs])} | - | - | - | - | {window_clock(cap_runs)} | "
+                     f"{_cell([r.run_tokens_per_s for r in cap_runs])} (generated) / - |")
+    for label, runs in rows.items():
+        ran = [r for r in runs if r.ran and r.window]
+        if not ran or ENGINES_LABEL in label:
+            continue
+        vs_fa = [r.trained_tokens_per_s / fa[r.repeat].trained_tokens_per_s for r in ran
+                 if r.repeat in fa and fa[r.repeat].trained_tokens_per_s]
+        lines.append(
+            f"| {label} | {_cell([r.trained_tokens_per_s for r in ran])} | {_cell([r.groups_per_s for r in ran], '.3f')} | "
+            f"{_ratio_cell([efficiency(r, caps) for r in ran])} | {_ratio_cell(vs_fa)} | "
+            f"{_cell([per_busy_s(r) for r in ran])} | {_cell([trained_share(r) for r in ran], '.2f')} | "
+            f"{lag_text(ran)} | {_cell([bias_of(r) for r in ran], '+.1f')} % | "
+            f"{_cell([waste_of(r) for r in ran], '.1f')} % | {window_clock(ran)} | "
+            f"{_cell([r.window.get('wall_tokens_per_s', float('nan')) for r in ran])} / "
+            f"{_cell([r.run_tokens_per_s for r in ran])} |")
+    return "\n".join(lines)
+
+
+def ceiling_lines(wl: Workload, etas: Sequence[int], caps: dict[int, Result]) -> list[str]:
+    ceilings = bound_ceilings(wl, etas)
+    if not ceilings:
+        return ["bound ceiling: scripts/bench/ceiling.py is not in this tree (issue 38 item 8); goals use capacity alone"]
+    cap = statistics.median(r.trained_tokens_per_s for r in caps.values()) if caps else float("nan")
+    out = []
+    for c in ceilings.values():
+        which = "the bound" if c.tokens_per_s < cap else "capacity"
+        out.append(f"{c.describe()}; measured capacity {cap:,.0f} tok/s engine clock: {which} binds")
+    return out
+
+
+def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload) -> str:
+    """Tokens/s against engines behind one router: each contender at 1 engine (its repeats'
+    median) and at each larger count (one run), against N x capacity and the trainer's limit."""
+    cap = statistics.median(r.trained_tokens_per_s for r in caps.values()) if caps else float("nan")
+    per_engines: dict[tuple[str, int], list[Result]] = {}
+    for label, runs in rows.items():
+        base, _, tail = label.partition(", ")
+        count = int(tail.split()[0]) if tail.endswith(ENGINES_LABEL) else 1
+        for r in runs:
+            if r.ran and r.window:
+                per_engines.setdefault((base, count), []).append(r)
+    bases = sorted({b for b, n in per_engines if n > 1})
+    counts = sorted({n for b, n in per_engines if b in bases})
+    if not bases:
+        return ""
+    head = ("| engines | N x measured capacity (tok/s, engine clock) | trainer limit: B x n x mean plan length / trainer step | "
+            + " | ".join(f"{b}: trained tok/s (efficiency vs N x capacity)" for b in bases) + " |")
+    lines = [head, "|" + "---|" * (3 + len(bases))]
+    for n in counts:
+        cells = []
+        for b in bases:
+            runs = per_engines.get((b, n), [])
+            tok = [r.trained_tokens_per_s for r in runs]
+            cells.append(f"{_cell(tok)} ({_cell([t / (n * cap) for t in tok], '.2f')})" if runs else "-")
+        plans = [float(np.mean(r.planned_lengths)) for runs in per_engines.values() for r in runs if r.planned_lengths]
+        trainer = wl.batch * wl.n * (statistics.median(plans) if plans else float("nan")) / wl.train_step_s
+        lines.append(f"| {n} | {n * cap:,.0f} | {trainer:,.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
+                 fa_best: list[Result]) -> list[Figure]:
+    """Issue 38's goals, met or missed: pipeline eta 2's steady trained tokens/s >= 0.95 of the
+    lower of measured capacity and the bound's ceiling, and >= 1x the best fully async's (same
+    repeat; median of per-repeat ratios, worst repeat >= 0.95x)."""
+    labels = [k for k in rows if k.startswith("pipeline eta 2") and ENGINES_LABEL not in k] or ["pipeline eta 2"]
+    return [f for label in labels for f in _eta2_goals(label, rows, caps, wl, fa_best)]
+
+
+def _eta2_goals(label: str, rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
+                fa_best: list[Result]) -> list[Figure]:
+    eta2 = [r for r in rows.get(label, []) if r.ran and r.window]
+    if not eta2 or not caps:
+        return [Figure(section="peer", name=f"steady state: {label} or the capacity run did not run",
+                       value=float("nan"), unit="", goal="both run", met=False)]
+    ceiling = bound_ceilings(wl, [2]).get(2)
+    figures = []
+    refs = []
+    for r in eta2:
+        cap = (caps.get(r.repeat) or next(iter(caps.values()))).trained_tokens_per_s
+        refs.append(min(cap, ceiling.tokens_per_s) if ceiling else cap)
+    ratios = [r.trained_tokens_per_s / ref for r, ref in zip(eta2, refs, strict=True)]
+    which = ("capacity" if not ceiling or statistics.median(refs) < ceiling.tokens_per_s - 1e-9
+             else "the bound's ceiling")
+    tok = statistics.median(r.trained_tokens_per_s for r in eta2)
+    figures.append(Figure(
+        section="peer", name=f"{label} steady state: trained tokens/s {tok:.0f} (median), "
+        f"{_ratio_cell(ratios)} of min(measured capacity, bound ceiling) per repeat ({which} the lower"
+        + ("" if ceiling else "; no bound ceiling in this tree") + ")",
+        value=tok, unit="tok/s", baseline=f"min(capacity, bound ceiling) (median; {which})",
+        baseline_value=statistics.median(refs), ratio=statistics.median(ratios),
+        goal=f">= {EFFICIENCY_GOAL:g}x", met=statistics.median(ratios) >= EFFICIENCY_GOAL))
+    fa = {r.repeat: r for r in fa_best}
+    vs = [r.trained_tokens_per_s / fa[r.repeat].trained_tokens_per_s for r in eta2
+          if r.repeat in fa and fa[r.repeat].trained_tokens_per_s]
+    if vs:
+        figures.append(Figure(
+            section="peer", name=f"{label} steady state vs the best fully async of the same repeat: "
+            f"{_ratio_cell(vs)} (each repeat: {', '.join(f'{x:.2f}x' for x in vs)})",
+            value=tok, unit="tok/s", baseline="best fully async, steady (median)",
+            baseline_value=statistics.median(r.trained_tokens_per_s for r in fa.values()),
+            ratio=statistics.median(vs), goal=f">= {FA_GOAL:g}x, worst repeat >= {FA_WORST_GOAL:g}x",
+            met=statistics.median(vs) >= FA_GOAL and min(vs) >= FA_WORST_GOAL))
+    return figures

@@ -30,7 +30,7 @@ import msgspec
 import yaml
 
 from pipeline.buffer import Entry
-from pipeline.config import ConfigError, EvalMode
+from pipeline.config import ConfigError
 from pipeline.keys import Keys
 from pipeline.sampling import seed_errors
 from pipeline.schema import (
@@ -44,7 +44,6 @@ from pipeline.schema import (
     decode_task_json,
     encode,
 )
-from pipeline.staleness import TrainerLoop
 
 log = logging.getLogger(__name__)
 
@@ -147,31 +146,6 @@ def dataset_metrics(name: str, groups: list[SampleGroup], failed_groups: int = 0
     m[f"eval/{name}/turns_mean"] = sum(int(s.metadata.get("turns", 1)) for s in samples) / len(samples)
     m[f"eval/{name}/response_tokens_mean"] = sum(s.response_length for s in samples) / len(samples)
     return m
-
-
-def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
-    """The `evaluation=True` branch of `pipeline.slime.generate_rollout` with eval datasets set;
-    `data_source` is its `RedisDataSource` (checked there: this module does not import it)."""
-    datasets = getattr(data_source, "_eval_datasets", None)
-    if datasets is None:  # loaded once per trainer process
-        deterministic = bool(getattr(args, "sglang_enable_deterministic_inference", False))
-        datasets = data_source._eval_datasets = load_eval_datasets(data_source.settings.eval_datasets,
-                                                                   deterministic=deterministic)
-    background = data_source.settings.eval_mode is EvalMode.BACKGROUND
-    if data_source.first_rollout_id is None:
-        data_source.publish(rollout_id)  # eval before the first rollout (train.py): workers wait for a version
-    elif background:
-        # slime calls eval(r) after step r and its push: the engines hold what the next generate
-        # call publishes (r + 2 under train_async.py, r + 1 under train.py). Published now, the
-        # round's labels are known: after the run's last step no generate call would publish them
-        # and the workers' stamps would stay at the version before the last push.
-        data_source.publish(rollout_id + (2 if data_source.settings.trainer_loop is TrainerLoop.ASYNC else 1))
-    if background:
-        from pipeline.eval_background import evaluate_in_background
-
-        return eval_output({}, evaluate_in_background(args, rollout_id, data_source, datasets))
-    data, metrics = data_source._run(run_round(data_source, rollout_id, datasets))
-    return eval_output(data, metrics)
 
 
 def eval_output(data: dict[str, dict[str, Any]], metrics: dict[str, Any]) -> Any:

@@ -614,7 +614,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     """
     if evaluation:
         if getattr(getattr(data_source, "settings", None), "eval_datasets", ""):
-            from pipeline.evaluation import evaluate  # multi-turn, through the workers (pipeline_eval_datasets)
+            from pipeline.eval_entry import evaluate  # multi-turn, through the workers (pipeline_eval_datasets)
 
             if not isinstance(data_source, RedisDataSource):
                 raise TypeError("pipeline evaluation (pipeline_eval_datasets) needs --data-source-path "

@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -536,7 +536,6 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
     from slime.rollout.data_source import RolloutDataSourceWithBuffer
     from slime.utils import async_utils, http_utils
 
-    from scripts.bench.peer_steady import mark
 
     fleet = as_fleet(engine_url)
     engine_url = fleet.engines[0]  # the trainer's clock and the slot samples: the first engine
@@ -617,7 +616,6 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
     from pipeline.local_redis import LocalRedis
     from pipeline.schema import decode_group
     from pipeline.slime import RedisDataSource, generate_rollout
-    from scripts.bench.peer_steady import mark
     from scripts.processes import ChildProcess, WorkerProcess, write_config
     from workers.sim.tokenizer import default_tokenizer_path
 
@@ -875,3 +873,28 @@ def finish(result: Result, wl: Workload) -> Result:
         # the plan of as many fresh requests as samples were trained, in the order they started
         result.planned_lengths = [min(v, wl.max_response_len) for v in result.planned_lengths[:len(result.trained_lengths)]]
     return result
+
+
+# ------------------------------------------------------------------ step marks (the steady window's counts, scripts/bench/peer_steady.py)
+
+
+def engine_totals(urls: Sequence[str]) -> tuple[int, float, float, float]:
+    """Generated tokens (answers finished or aborted, as the engines count them) and busy
+    simulated seconds, summed over the engines; the first engine's simulated clock and its busy
+    seconds."""
+    tokens, busy, clock, busy0 = 0, 0.0, float("nan"), float("nan")
+    for i, url in enumerate(urls):
+        stats = _get_json(url + "/sim/stats")
+        tokens += int(stats.get("output_tokens", 0))
+        busy += float(stats.get("busy_s", 0.0))
+        if i == 0:
+            clock, busy0 = float(stats.get("sim_time_s", float("nan"))), float(stats.get("busy_s", float("nan")))
+    return tokens, busy, clock, busy0
+
+
+def mark(result: Result, started: float, urls: Sequence[str]) -> None:
+    """A step mark: wall s since `started`, trained tokens so far, the engines' generated tokens
+    and busy seconds, the first engine's simulated clock and its own busy seconds."""
+    tokens, busy, clock, busy0 = engine_totals(urls)
+    result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, tokens, round(busy, 3),
+                              round(clock, 3), round(busy0, 3)])

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from scripts.bench.peer_contenders import Result, SlotSampler, Workload, _get_json
+from scripts.bench.peer_contenders import Result, SlotSampler, Workload, _get_json, mark
 from scripts.bench.report import Figure
 
 CAPACITY = "engine capacity (workload alone, saturated)"
@@ -97,28 +97,6 @@ def steady(r: Result, first: int, last: int, wl: Workload) -> Steady | None:
     groups = sum(r.groups_per_step[first:last + 1])
     return Steady(first=first, last=last, wall_s=b[0] - a[0], trained_tokens=int(b[1] - a[1]), groups=groups,
                   generated_tokens=int(b[2] - a[2]), busy_s=b[3] - a[3], played_s=played_s(r, wl, a, b))
-
-
-def engine_totals(urls: Sequence[str]) -> tuple[int, float, float, float]:
-    """Generated tokens (answers finished or aborted, as the engines count them) and busy
-    simulated seconds, summed over the engines; the first engine's simulated clock and its busy
-    seconds."""
-    tokens, busy, clock, busy0 = 0, 0.0, float("nan"), float("nan")
-    for i, url in enumerate(urls):
-        stats = _get_json(url + "/sim/stats")
-        tokens += int(stats.get("output_tokens", 0))
-        busy += float(stats.get("busy_s", 0.0))
-        if i == 0:
-            clock, busy0 = float(stats.get("sim_time_s", float("nan"))), float(stats.get("busy_s", float("nan")))
-    return tokens, busy, clock, busy0
-
-
-def mark(result: Result, started: float, urls: Sequence[str]) -> None:
-    """A step mark: wall s since `started`, trained tokens so far, the engines' generated tokens
-    and busy seconds, the first engine's simulated clock and its own busy seconds."""
-    tokens, busy, clock, busy0 = engine_totals(urls)
-    result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, tokens, round(busy, 3),
-                              round(clock, 3), round(busy0, 3)])
 
 
 def idle_wall_s(r: Result, t0: float, t1: float) -> float:

@@ -25,11 +25,12 @@ def evaluate(args: Any, rollout_id: int, data_source: Any) -> Any:
     background = data_source.settings.eval_mode is EvalMode.BACKGROUND
     if data_source.first_rollout_id is None:
         data_source.publish(rollout_id)  # eval before the first rollout (train.py): workers wait for a version
-    elif background:
+    else:
         # slime calls eval(r) after step r and its push: the engines hold what the next generate
-        # call publishes (r + 2 under train_async.py, r + 1 under train.py). Published now, the
-        # round's labels are known: after the run's last step no generate call would publish them
-        # and the workers' stamps would stay at the version before the last push.
+        # call publishes (r + 2 under train_async.py, r + 1 under train.py), and that call comes
+        # next on the rollout manager either way. Published now, the round's labels are known:
+        # after the run's last step no generate call would publish them and the workers' stamps
+        # would stay at the version before the last push (blocking and background alike).
         data_source.publish(rollout_id + (2 if data_source.settings.trainer_loop is TrainerLoop.ASYNC else 1))
     if background:
         return eval_output({}, evaluate_in_background(args, rollout_id, data_source, datasets))

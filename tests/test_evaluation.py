@@ -87,12 +87,16 @@ async def test_multi_turn_eval_round_pinned_and_apart_from_training(stack, redis
         config = parse_config(config_dict(redis_url, namespace, sim.url))
         ds = ps.RedisDataSource(args)
         try:
-            ds.publish(4)  # the trainer is at rollout 4: the engines hold the version its loop law gives
-            pinned = int((await redis.hget(keys.policy, "version")).decode())
+            ds.publish(4)  # the trainer is at rollout 4
+            published = int((await redis.hget(keys.policy, "version")).decode())
             await redis.hset(keys.counters, mapping={"enqueued": 7, "discarded": 2, "running": 0})
             before = await _counters(redis, keys)
             async with _worker(config):
                 out = await _evaluate(ps, args, 5, ds)
+            # eval(5) comes after step 5 and its push: it publishes what the next generate call
+            # would (the engines' version), so its labels are known even after a run's last step
+            pinned = int((await redis.hget(keys.policy, "version")).decode())
+            assert pinned > published
             after = await _counters(redis, keys)
         finally:
             ds.close()

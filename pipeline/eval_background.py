@@ -162,7 +162,7 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
     try:
         await _enqueue(redis, keys, round_id, datasets, version, settings.eval_timeout_s, enqueued, score_base=seq)
     except BaseException:
-        await _withdraw(redis, keys, list(enqueued))
+        await _withdraw(redis, keys, list(enqueued), unfinished=list(enqueued))
         await redis.hdel(keys.eval_rounds, round_id)
         raise
     log.info("eval round %s (rollout %d) in the background: %d jobs behind %d round(s) in flight",
@@ -228,8 +228,10 @@ async def collect_ended(ds: Any) -> list[Finished]:
         fin.missing = [gid for gid in wanted if gid not in fin.got and gid not in fin.failed]
         if not fin.missing and last_ms:
             fin.ended_at = last_ms / 1000
-        if fin.missing:  # past its timeout: what is still queued leaves the queue
-            await _withdraw(redis, keys, fin.missing)
+        # ended (every group back, or past its timeout): every job leaves the queue, not only the
+        # missing ones: a job whose group is back is handed back to the queue if its worker stops
+        # before arq's finish (pipeline/evaluation.py `run_round`)
+        await _withdraw(redis, keys, list(wanted), unfinished=fin.missing)
         ended.append(fin)
     return ended
 

@@ -184,10 +184,12 @@ async def run_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset, 
                         failed[gid] = fields[b"error"].decode()
                     else:
                         got[gid] = (stream_id, decode_group(fields[b"g"]))
-    except BaseException:
-        await _withdraw(redis, keys, [g for g in wanted if g not in got and g not in failed])
-        raise
     finally:
+        # every job of the round, on every ending: one whose group is in the stream is not finished in
+        # arq until its worker's finish, and a worker stopped (or killed) before that hands it back to
+        # the queue (arq: "cancelled, will be run again"), where it would run again for a round that
+        # is gone. Withdrawn, a hand-back finds no entry to return to (`RolloutWorker.finish_job`).
+        await _withdraw(redis, keys, list(wanted), unfinished=[g for g in wanted if g not in got and g not in failed])
         await redis.delete(stream)
     return _output(rollout_id, round_id, datasets, wanted, got, failed, version, time.monotonic() - started)
 
@@ -229,18 +231,41 @@ def eval_group_id(round_id: str, dataset: str, task_id: str) -> str:
     return f"eval:{round_id}:{dataset}:{task_id}"
 
 
-async def _withdraw(redis: Any, keys: Keys, gids: list[str]) -> None:
-    """Take the round's unfinished jobs out of arq's queue (one running now finishes into a
-    stream that expires)."""
-    from arq.constants import job_key_prefix
+async def _withdraw(redis: Any, keys: Keys, gids: list[str], *, unfinished: list[str] | tuple[str, ...] = ()) -> None:
+    """Take a round's jobs out of arq's queue: their entries and job keys (a worker that takes
+    one after this reads no key: arq's "expired", workers/worker_log.py), and arq's try counts.
+    A finished job has nothing left to take: harmless. A job of `unfinished` (no group or error
+    back yet) that a worker is running now is aborted as arq's `Job.abort` does (the worker
+    cancels it within `ABORT_CHECK_S`, its engine requests get `/abort_request`): no engine time
+    goes on for a round that is gone. Its hand-back, if any, finds no entry to return to."""
+    from arq.constants import abort_jobs_ss, in_progress_key_prefix, job_key_prefix, retry_key_prefix
 
     if not gids:
         return
     ids = [keys.arq_job_id(g) for g in gids]
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zrem(keys.queue, *ids)
-        pipe.delete(*(job_key_prefix + i for i in ids))
+        pipe.delete(*(job_key_prefix + i for i in ids), *(retry_key_prefix + i for i in ids))
         await pipe.execute()
+    if unfinished:
+        running = [keys.arq_job_id(g) for g in unfinished]
+        # one script: a job whose arq finish comes after this has its abort entry removed by that
+        # finish (arq's finish_job ZREMs it); one finished before has no in-progress key to match
+        await redis.eval(_ABORT_RUNNING_LUA, 1 + len(running), abort_jobs_ss,
+                         *(in_progress_key_prefix + i for i in running), int(time.time() * 1000), *running)
+
+
+# KEYS: arq's abort set, then the jobs' in-progress keys; ARGV: now (ms), then the job ids (in KEYS' order)
+_ABORT_RUNNING_LUA = """
+local n = 0
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('ZADD', KEYS[1], ARGV[1], ARGV[i])
+    n = n + 1
+  end
+end
+return n
+"""
 
 
 def _missing(rid: int, round_id: str, wanted: dict, got: dict, failed: dict, timeout_s: float, stream: str) -> str:

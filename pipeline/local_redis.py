@@ -39,6 +39,35 @@ def wait_for_pong(
     raise TimeoutError(f"{what} on port {port} not ready after {timeout}s")
 
 
+def server_pid(port: int, timeout: float = 2.0) -> int | None:
+    """The process id a Redis server on `port` reports (`INFO server`), None if it says none."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n")
+        reply = b""
+        while b"process_id:" not in reply or not reply.endswith(b"\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    for line in reply.decode(errors="replace").split("\r\n"):
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+class PortTaken(RuntimeError):
+    """A server started on a port that another server holds (picked free, taken since)."""
+
+
+def check_own_port(port: int, proc: subprocess.Popen, what: str) -> None:
+    """Raise PortTaken if the server answering on `port` is not `proc`: a port picked free may be
+    taken before the server binds it; the PONG then was the other server's, and ours exits."""
+    pid = server_pid(port)
+    if pid != proc.pid:
+        stop_process(proc, kill=True)
+        raise PortTaken(f"{what}: port {port} is answered by process {pid}, not by the one just started")
+
+
 def stop_process(proc: subprocess.Popen, *, kill: bool = False, grace_s: float = 10.0) -> None:
     """SIGTERM (or SIGKILL) a server process and reap it; SIGKILL if it outlives the grace."""
     if kill:
@@ -72,6 +101,7 @@ class LocalRedis:
             raise FileNotFoundError("redis-server not found on PATH (Debian: apt-get install redis-server)")
         self.binary = binary
         self.port = port or free_port()
+        self._may_move = port is None  # a port we picked may be picked again until the first start
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.detached = detached  # own session: a terminal's Ctrl-C does not stop it before its clients drain
@@ -94,6 +124,14 @@ class LocalRedis:
             args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=self.detached
         )
         wait_for_pong(self.port, self.proc, self._log_tail, what="redis-server")
+        try:
+            check_own_port(self.port, self.proc, "redis-server")
+        except PortTaken:
+            if not self._may_move:
+                raise
+            self.port, self._may_move = free_port(), False
+            return self.start()
+        self._may_move = False  # clients have the URL now: a restart keeps the port
         return self
 
     def _log_tail(self) -> str:

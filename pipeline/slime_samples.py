@@ -94,8 +94,12 @@ def _gc_paused() -> Iterator[None]:
     a walk (`gc.freeze()` + `gc.unfreeze()`: two list splices), where only a full collection
     looks at it; it is freed by reference counting either way. The process's other young
     objects move with it (a cycle among them waits for the next full collection). Skipped when
-    the process has frozen objects of its own: unfreeze would thaw them too.
+    the process has frozen objects of its own: unfreeze would thaw them too. Once seen, that is
+    remembered: `gc.get_freeze_count()` walks the frozen list (O(n)), and a process whose arq
+    workers froze their ~1M startup objects (workers/settings.py) spent ~25 ms a group in it
+    (the learning harness: ~40% of a run's wall time went to this one call).
     """
+    global _foreign_freeze
     if not gc.isenabled():
         yield
         return
@@ -103,10 +107,16 @@ def _gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        if gc.get_freeze_count() == 0:
+        # our own freeze + unfreeze leaves the frozen list empty, so the count is O(1) until
+        # somebody else freezes
+        _foreign_freeze = _foreign_freeze or gc.get_freeze_count() > 0
+        if not _foreign_freeze:
             gc.freeze()
             gc.unfreeze()
         gc.enable()
+
+
+_foreign_freeze = False  # this process was seen holding frozen objects of its own (they stay frozen)
 
 
 def to_trainer_group(entry: Entry, group_index: int) -> list[Any]:

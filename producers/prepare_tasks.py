@@ -322,10 +322,11 @@ def main(argv: list[str] | None = None) -> int:
             skip_invalid=args.skip_invalid, max_row_bytes=args.max_row_bytes, console=console,
         )
     except (ConfigError, PrepareError) as exc:  # exit 2: usage/config (scripts/cli.py); a traceback under --debug
-        return usage_error("prepare", exc, say=lambda line: console.print(line, style="red", markup=False, highlight=False))
+        return usage_error("prepare", exc, say=lambda line: console.print(line, style="red", markup=False, highlight=False,
+                                                                       soft_wrap=True))
     console.print(summary_table(report))
     for line in report.errors:
-        console.print(f"skipped {line}", highlight=False, markup=False)
+        console.print(f"skipped {line}", highlight=False, markup=False, soft_wrap=True)
     console.print(f"wrote {report.written} tasks to {report.output} ({report.invalid} invalid rows skipped)")
     return 0
 

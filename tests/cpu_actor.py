@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from argparse import Namespace
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,40 @@ def slime_loss_args(*, use_tis: bool = True, kl_loss_coef: float = 0.0,
     )
 
 
+@dataclass
+class TrainerClock:
+    """The trainer's step on a simulated GPU's clock: `tokens_per_s` tokens (prompt + response,
+    every sample of the step) a simulated second, played `time_scale` times faster than that
+    GPU (the engine's `--time-scale`), so the CPU actor's step lasts tokens / tokens_per_s /
+    time_scale real seconds. The CPU's own work has to fit inside: when it does not, the step
+    lasts what the CPU took and the run's seconds are no longer the simulated GPU's (`overruns`
+    says how often). tokens_per_s = 0: no clock (the step lasts what the CPU takes)."""
+
+    tokens_per_s: float = 0.0
+    time_scale: float = 1.0
+    steps: list[tuple[int, float, float]] = field(default_factory=list)  # (tokens, budget s, CPU s), real seconds
+
+    def budget_s(self, tokens: int) -> float:
+        return tokens / self.tokens_per_s / self.time_scale if self.tokens_per_s > 0 else 0.0
+
+    def fill(self, tokens: int, started: float) -> None:
+        """Sleep out the rest of the step's budget (the step began at monotonic `started`)."""
+        used = time.monotonic() - started
+        budget = self.budget_s(tokens)
+        self.steps.append((tokens, budget, used))
+        if budget > used:
+            time.sleep(budget - used)
+
+    @property
+    def overruns(self) -> int:
+        return sum(1 for _, budget, used in self.steps if budget and used > budget)
+
+    @property
+    def cpu_share(self) -> float:
+        """The largest share of a step's budget the CPU's own work took (above 1: an overrun)."""
+        return max((used / budget for _, budget, used in self.steps if budget), default=0.0)
+
+
 _PARALLEL_READY = False
 
 
@@ -93,7 +128,8 @@ def ensure_cpu_parallel_state() -> None:
 class CPUTrainer:
     """The tiny LM, its optimizer and a frozen reference copy; one GRPO step per rollout."""
 
-    def __init__(self, checkpoint: str | Path, args: Namespace, *, lr: float, seed: int, controls: Controls):
+    def __init__(self, checkpoint: str | Path, args: Namespace, *, lr: float, seed: int, controls: Controls,
+                 clock: TrainerClock | None = None):
         import torch
 
         from workers.sim.tinylm import load_model
@@ -107,6 +143,7 @@ class CPUTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
         self.rng = random.Random(seed)
         self.metrics: list[dict[str, float]] = []
+        self.clock = clock or TrainerClock()
 
     def _packed_logits(self, model: Any, tokens: list[Any]) -> Any:
         """Each sample's logits over its own tokens, concatenated as slime's packed THD batch
@@ -197,8 +234,10 @@ class CPUActor(MegatronActor):
         self.trainer, self.checkpoints = trainer, checkpoints
 
     def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
+        started = time.monotonic()
         super().async_train(rollout_id, data, external_data)
         self.trainer.train(data)
+        self.trainer.clock.fill(sum(len(t) for t in data["tokens"]), started)
 
     def update_weights(self) -> None:
         """slime's updater: pause, load the new weights with the version label, continue."""
@@ -208,7 +247,11 @@ class CPUActor(MegatronActor):
         path = self.trainer.save(self.checkpoints / f"run{self.run}-push{label}")
         for url in self.cluster.engine_urls:
             post_json(url, "/pause_generation", pause_body(self.cluster.push_mode))
-            post_json(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label})
+            # under an in_place pause the paused requests hold KV: SGLang refuses the default cache
+            # flush (HTTP 400, tests/engine_stack.py), so that push keeps the cache, as slime's
+            # updaters do (flush_cache=False on every update call)
+            post_json(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label,
+                                                         "flush_cache": self.cluster.push_mode != "in_place"})
             post_json(url, "/continue_generation", {})
 
 

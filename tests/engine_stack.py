@@ -406,6 +406,17 @@ def _sglang_limits(context_len: int) -> tuple[int, int, int]:
     return int(info[0]), int(info[4]), int(info[5])
 
 
+def _flush_after_weight_update(obj: Any, flushed: bool, message: str) -> tuple[bool, str]:
+    """SGLang's `SchedulerWeightUpdaterManager.flush_cache_after_weight_update` on the flush the
+    simulator did (or refused: a request holds the cache, as under an `in_place` pause): with
+    `flush_cache` (its default) a refused flush answers the update `success: false`, HTTP 400."""
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+
+    updater = SimpleNamespace(flush_cache=lambda empty_cache: flushed)  # the one method it calls
+    success, answer = SchedulerWeightUpdaterManager.flush_cache_after_weight_update(updater, obj, True, message)
+    return bool(success), str(answer)
+
+
 class SimScheduler:
     """SGLang's scheduler + detokenizer, played by the simulator, on the TokenizerManager's sockets."""
 
@@ -484,7 +495,10 @@ class SimScheduler:
             await engine.push_weights(obj.new_version)
             await self._reply(io.UpdateWeightVersionReqOutput(rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
         elif isinstance(obj, io.UpdateWeightFromDiskReqInput):  # the tiny policy loads the checkpoint
-            ok, message = await engine.load_weights_from_disk(obj.model_path, obj.weight_version)
+            ok, message, flushed = await engine.load_weights_from_disk(obj.model_path, obj.weight_version,
+                                                                       flush=obj.flush_cache)
+            if ok:  # a refused flush fails the call, the weights and the label loaded: SGLang's own rule
+                ok, message = _flush_after_weight_update(obj, flushed, message)
             await self._reply(io.UpdateWeightFromDiskReqOutput(success=ok, message=message, num_paused_requests=0,
                                                                rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
         elif isinstance(obj, io.GetInternalStateReq):

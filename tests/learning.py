@@ -245,6 +245,9 @@ class LearnRun:
     loop: str = "train"  # slime's train.py ("train") or train_async.py ("train_async")
     eval_interval: int = 4
     eval_samples: int = 4  # episodes per held-out task
+    # also a greedy round (temperature 0, one episode per task): no sampling noise, so a CI test can
+    # hold a margin on it (tests/test_learning.py); LearnResult.greedy
+    eval_greedy: bool = False
     lr: float = 1e-3
     use_tis: bool = True
     use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs
@@ -253,6 +256,21 @@ class LearnRun:
     workers: int = 2
     concurrency: int = 32
     sampling: dict[str, Any] = field(default_factory=lambda: {"temperature": 1.0})
+    # the trainer's step on the simulated GPU's clock (cpu_actor.TrainerClock): its token rate
+    # there and the engine's time scale; 0 = the step lasts what the CPU takes
+    trainer_tokens_per_s: float = 0.0
+    time_scale: float = 1.0
+    # the arq workers in a `rollout workers` child process (their grading and HTTP then leave the
+    # trainer's process and its GIL, as on a cluster), else `workers` of them in this process
+    worker_process: bool = False
+    # what feeds slime's loop: "pipeline" (RedisDataSource + pipeline.slime.generate_rollout, the
+    # producer and workers) or "slime_fully_async" (slime's own RolloutDataSourceWithBuffer and
+    # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`)
+    rollout: str = "pipeline"
+    two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
+    # slime's --sglang-server-concurrency (its default, slime/backends/sglang_utils/arguments.py):
+    # the fully async worker's groups in flight and slime's per-sample semaphore, x engines
+    slime_concurrency: int = 512
 
 
 @dataclass
@@ -262,14 +280,25 @@ class LearnResult:
     metrics: list[dict[str, float]]
     wall_s: float
     two_turn_samples: int = 0  # trained samples whose loss mask has an untrained stretch between two trained ones
+    trainer_overruns: int = 0  # steps whose CPU work outlasted their simulated budget (TrainerClock)
+    trainer_cpu_share: float = 0.0  # the largest share of a step's budget the CPU's work took
+    trainer_steps: list[tuple[int, float, float]] = field(default_factory=list)  # TrainerClock.steps, in order
+    samples: dict[int, list[Any]] = field(default_factory=dict)  # rollout id -> the samples slime's loop trained
+    eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # every eval round's metrics, in order
+    untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
+    greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
 
 
-def eval_file(workdir: Path, heldout: Path, samples: int) -> Path:
+def eval_file(workdir: Path, heldout: Path, samples: int, greedy: bool = False) -> Path:
     path = workdir / "eval.yaml"
     import yaml
 
-    path.write_text(yaml.safe_dump([{"name": "heldout", "env": "arith", "tasks": str(heldout), "n_samples": samples,
-                                     "sampling": {"temperature": 1.0}}]))
+    datasets = [{"name": "heldout", "env": "arith", "tasks": str(heldout), "n_samples": samples,
+                 "sampling": {"temperature": 1.0}}]
+    if greedy:
+        datasets.append({"name": "greedy", "env": "arith", "tasks": str(heldout), "n_samples": 1,
+                         "sampling": {"temperature": 0.0}})
+    path.write_text(yaml.safe_dump(datasets))
     return path
 
 
@@ -280,7 +309,7 @@ def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[s
         "rollout": {"n_samples_per_prompt": run.n, "rollout_batch_size": run.batch, "eta": run.eta,
                     "max_response_tokens": 16, "sampling": run.sampling},
         # the two-turn task is a quarter of what the producer admits (its mixing weight)
-        "environments": {"arith": math_env(), "arith2": {**two_turn_env(), "weight": 1 / 3}},
+        "environments": {"arith": math_env(), **({"arith2": {**two_turn_env(), "weight": 1 / 3}} if run.two_turn else {})},
         # liveness lenient: the CPU actor shares this process, and a stalled event loop must not
         # make a job that is starting look orphaned (it would be re-run)
         "workers": {"concurrency": run.concurrency, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02},
@@ -293,7 +322,7 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
     import asyncio
     import time
 
-    from cpu_actor import Controls, CPUActor, CPUTrainer, quiet_transformers, slime_loss_args
+    from cpu_actor import Controls, CPUActor, CPUTrainer, TrainerClock, quiet_transformers, slime_loss_args
     from slime_loop_helpers import Cluster, install, load_loop, slime_args
 
     from pipeline.config import parse_config
@@ -301,24 +330,32 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
     from producers.enqueue import ProducerOptions, run_producer
     from workers.settings import build_worker, stop_worker
 
+    if run.rollout not in ROLLOUTS:
+        raise ValueError(f"LearnRun.rollout {run.rollout!r}: one of {', '.join(ROLLOUTS)}")
+    fully_async = run.rollout == "slime_fully_async"  # no producer: the workers run the eval jobs only
     quiet_transformers()
     loop = load_loop(slime.path, run.loop)
-    config = parse_config(worker_config(redis_url, ns, engine_url, run))
-    workers = [build_worker(config, handle_signals=False) for _ in range(run.workers)]
+    raw_config = worker_config(redis_url, ns, engine_url, run)
+    config = parse_config(raw_config)  # the producer's, and the in-process workers'
+    child = _worker_process(raw_config, workdir, run) if run.worker_process else None
+    workers = [] if child else [build_worker(config, handle_signals=False) for _ in range(run.workers)]
     tasks_running = [asyncio.create_task(w.async_run()) for w in workers]
     redis = connect(redis_url)
-    producer = asyncio.create_task(run_producer(config, tasks, follow=True, epochs=1000, redis=redis,
-                                                options=ProducerOptions(poll_s=0.02)))
+    producer = None if fully_async else asyncio.create_task(run_producer(
+        config, train_tasks(tasks, run.two_turn), follow=True, epochs=1000, redis=redis,
+        options=ProducerOptions(poll_s=0.02)))
     cluster = Cluster(engine_urls)
     pipeline_args = dict(
         pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=run.batch,
         n_samples_per_prompt=run.n, pipeline_eta=run.eta, pipeline_wait_timeout_s=300.0, pipeline_wait_log_s=30.0,
         pipeline_trainer_loop="sync" if run.loop == "train" else "async",
-        pipeline_eval_datasets=str(eval_file(workdir, heldout, run.eval_samples)), pipeline_eval_timeout_s=300.0,
+        pipeline_eval_datasets=str(eval_file(workdir, heldout, run.eval_samples, run.eval_greedy)), pipeline_eval_timeout_s=300.0,
         sglang_router_ip="127.0.0.1", sglang_router_port=int(engine_url.rsplit(":", 1)[1]),
         global_batch_size=run.batch * run.n, micro_batch_size=1, use_dynamic_batch_size=False,
         cpu_actor=True, **slime_loss_args(use_tis=run.use_tis, use_rollout_logprobs=run.use_rollout_logprobs),
     )
+    if fully_async:
+        pipeline_args.update(slime_fully_async_args(run, workdir, engine_url, len(engine_urls), tasks))
     controls = run.controls or Controls()
     if controls.shuffled_rewards:
         rng = random.Random(run.seed)
@@ -330,7 +367,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
                 s.reward = r
 
         pipeline_args["before_convert"] = shuffle
-    trainer = CPUTrainer(warm, Namespace(**pipeline_args), lr=run.lr, seed=run.seed, controls=controls)
+    trainer = CPUTrainer(warm, Namespace(**pipeline_args), lr=run.lr, seed=run.seed, controls=controls,
+                         clock=TrainerClock(run.trainer_tokens_per_s, run.time_scale))
     checkpoints = workdir / "checkpoints"
 
     def actor(cluster: Cluster, run_no: int, start: int, crash_at: int | None) -> CPUActor:
@@ -340,32 +378,190 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
     args.eval_interval, args.skip_eval_before_train = run.eval_interval, run.loop != "train"
     started = time.monotonic()
     seconds: dict[int, float] = {}
+    first_eval, untrained = None, 0
     try:
         install(monkeypatch, loop, slime, cluster, actor=actor)
+        if fully_async:
+            fresh_slime_rollout_process()
+        if fully_async and args.skip_eval_before_train:  # train_async.py evaluates after steps only: the start too
+            first_eval = await asyncio.to_thread(pipeline_eval, args, 0, None)
+            first_eval_at = time.monotonic()
         await asyncio.to_thread(loop.train, args)
         wall = time.monotonic() - started
         manager = cluster.managers[-1]
         await asyncio.to_thread(manager.close)
     finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
+        if fully_async:
+            untrained = await asyncio.to_thread(stop_fully_async_worker, args)
+            close_eval_sources()
+        if producer is not None:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
         for worker, task in zip(workers, tasks_running):
             await stop_worker(worker, task)
+        if child is not None:
+            await asyncio.to_thread(child.stop)
         await redis.aclose()
-    accuracy = {}
+    accuracy, greedy = {}, {}
+    rounds = [(0, first_eval.metrics, first_eval_at)] if first_eval is not None else []
     for i, (rid, metrics, when) in enumerate(manager.evals):
-        done = 0 if (i == 0 and not args.skip_eval_before_train) else rid + 1  # train.py's eval before step 0
-        accuracy[done] = float(metrics["eval/heldout/pass@1"])
-        seconds[done] = when - started
+        rounds.append((0 if (i == 0 and not args.skip_eval_before_train) else rid + 1, metrics, when))  # train.py's eval before step 0
+    for done, metrics, when in rounds:
+        accuracy[done], seconds[done] = float(metrics["eval/heldout/pass@1"]), when - started
+        if "eval/greedy/pass@1" in metrics:
+            greedy[done] = float(metrics["eval/greedy/pass@1"])
     masks = [m for steps in cluster.trained.values() for data in steps.values() for m in data["loss_masks"]]
+    evals = ([dict(first_eval.metrics)] if first_eval is not None else []) + [m for _, m, _ in manager.evals]
     return LearnResult(accuracy=accuracy, seconds=seconds, metrics=trainer.metrics, wall_s=wall,
-                       two_turn_samples=sum(_gap_between_turns(list(m)) for m in masks))
+                       two_turn_samples=sum(_gap_between_turns(list(m)) for m in masks),
+                       trainer_overruns=trainer.clock.overruns, trainer_cpu_share=trainer.clock.cpu_share,
+                       trainer_steps=list(trainer.clock.steps),
+                       samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
+                       greedy=greedy)
+
+
+def _worker_process(config: dict[str, Any], workdir: Path, run: LearnRun) -> Any:
+    """`rollout workers` on `config`, one process with `run.workers` x its concurrency."""
+    from scripts.processes import WorkerProcess, write_config
+
+    config = {**config, "workers": {**config["workers"], "concurrency": run.workers * run.concurrency}}
+    path = write_config(config, workdir / "workers.yaml")
+    return WorkerProcess(path, log_path=str(workdir / "workers.log")).start()
 
 
 def _gap_between_turns(mask: list[int]) -> bool:
     """A 0 after a 1 and before another 1: an observation between two trained turns."""
     text = "".join("1" if v else "0" for v in mask)
     return bool(re.search("10+1", text))
+
+
+# ---------------------------------------------------------------- slime's fully async rollout
+
+ROLLOUTS = ("pipeline", "slime_fully_async")
+EVAL_FUNCTION_PATH = "learning.pipeline_eval"  # slime's --eval-function-path for slime's own rollout
+_EVAL_SOURCES: dict[tuple[str, str], Any] = {}  # (redis url, namespace) -> the eval's RedisDataSource
+
+
+def train_tasks(tasks: Path, two_turn: bool) -> Path:
+    """What the producer enqueues: tasks.jsonl as `prepare_tasks` wrote it, or (`two_turn` off)
+    its single-turn `arith` rows only, the problems slime's own generate can run."""
+    if two_turn:
+        return tasks
+    single = tasks.with_name("tasks-single-turn.jsonl")
+    rows = [line for line in tasks.read_text().splitlines() if line.strip() and json.loads(line)["env"] == "arith"]
+    single.write_text("".join(row + "\n" for row in rows))
+    return single
+
+
+def slime_fully_async_args(run: LearnRun, workdir: Path, engine_url: str, engines: int, tasks: Path) -> dict[str, Any]:
+    """slime's arguments for its own fully async rollout, as a slime user runs it:
+
+    --rollout-function-path slime.rollout.fully_async_rollout.generate_rollout_fully_async
+    --data-source-path slime.rollout.data_source.RolloutDataSourceWithBuffer
+    --prompt-data train-raw.jsonl --input-key question --label-key answer --apply-chat-template
+    --custom-rm-path workers.inslime.reward --custom-config-path <the `arith` math environment>
+    --eval-function-path learning.pipeline_eval --sglang-server-concurrency `run.slime_concurrency`
+
+    The prompts are the train split's raw problems (what `rollout prepare` turned into the
+    pipeline's `arith` tasks); slime's default generate runs one turn, so only those. The reward
+    is the project's math environment (\\boxed{} + math-verify) run in slime's process, the grader
+    of the pipeline's workers. The rest (router, sampling at temperature 1 and 16 response
+    tokens, tokenizer) is what the peer bench's contender (c) sets (peer_contenders.slime_args).
+    `pipeline_eta` concerns the eval's data source only (slime's async loop's floor)."""
+    from pipeline.staleness import TrainerLoop, lag_floor
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_contenders import slime_args as peer_slime_args
+
+    if run.two_turn:
+        raise ValueError("LearnRun(rollout='slime_fully_async'): slime's default generate runs one turn; "
+                         "set two_turn=False")
+    raw = tasks.parent / "train-raw.jsonl"  # prepare_tasks' train split, before `rollout prepare`
+    if not raw.exists():
+        raise FileNotFoundError(f"{raw}: the train split's raw problems (tests/learning.py prepare_tasks writes it)")
+    reward_config = workdir / "slime-reward.yaml"
+    reward_config.write_text(json.dumps({"environments": {"arith": math_env()}}))  # JSON is YAML
+    workload = Workload(batch=run.batch, n=run.n, max_response_len=16, concurrency=run.slime_concurrency,
+                        engines=engines)
+    slime_rollout = vars(peer_slime_args("c", workload, engine_url, raw, workdir))
+    return {
+        **slime_rollout, "input_key": "question", "label_key": "answer", "apply_chat_template": True,
+        "data_source_path": "slime.rollout.data_source.RolloutDataSourceWithBuffer",
+        "rollout_function_path": "slime.rollout.fully_async_rollout.generate_rollout_fully_async",
+        "eval_function_path": EVAL_FUNCTION_PATH,
+        "custom_rm_path": "workers.inslime.reward", "custom_config_path": str(reward_config),
+        "pipeline_eta": lag_floor(loop=TrainerLoop.SYNC if run.loop == "train" else TrainerLoop.ASYNC),
+    }
+
+
+def pipeline_eval(args: Any, rollout_id: int, data_source: Any, evaluation: bool = True) -> Any:
+    """slime's --eval-function-path for a run whose data source is not the pipeline's: the
+    pipeline's eval (`pipeline.eval_entry.evaluate`, `pipeline_eval_datasets`, through the
+    workers) on a RedisDataSource built on first use from the pipeline_* args and kept per
+    (redis, namespace) until `close_eval_sources`. No producer is needed: the workers run the eval
+    jobs. So every contender's held-out accuracy is one code, sampling and grader."""
+    from pipeline.eval_entry import evaluate
+    from pipeline.slime import RedisDataSource
+
+    if not evaluation:
+        raise ValueError("learning.pipeline_eval is an eval function (slime calls it with evaluation=True)")
+    key = (str(args.pipeline_redis_url), str(args.pipeline_namespace))
+    source = _EVAL_SOURCES.get(key)
+    if source is None:
+        source = _EVAL_SOURCES[key] = RedisDataSource(args)
+    return evaluate(args, rollout_id, source)
+
+
+def close_eval_sources() -> None:
+    while _EVAL_SOURCES:
+        _, source = _EVAL_SOURCES.popitem()
+        source.close()
+
+
+def fresh_slime_rollout_process() -> None:
+    """slime's rollout-side singletons as a new RolloutManager process has them (a Ray actor is
+    one process per run; here runs share one): no fully async worker, no HTTP client, no
+    GenerateState, no background loop (the peer bench resets the same, run_slime_contender)."""
+    from slime.rollout import fully_async_rollout
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils import async_utils, http_utils
+
+    fully_async_rollout._global_worker = None
+    http_utils._http_client = None
+    async_utils.async_loop = None
+    GenerateState.clear_instances()
+
+
+def stop_fully_async_worker(args: Any, timeout_s: float = 60.0) -> int:
+    """End slime's fully async worker and background loop; return how many finished groups it
+    left in its queue (generated, never trained: no step took them). slime's own signal first
+    (`GenerateState.aborted`: a generation not yet sent ends ABORTED at once instead of running
+    for nothing), then slime's own `_stop_global_worker` (what its atexit hook runs), whose 5 s
+    join the drain of requests in flight can outlast: the thread is joined here until it ends."""
+    from slime.rollout import fully_async_rollout
+    from slime.rollout.sglang_rollout import GenerateState
+    from slime.utils import async_utils
+    from slime.utils.types import Sample
+
+    worker = fully_async_rollout._global_worker
+    left = 0
+    if worker is not None:
+        thread = worker.worker_thread
+        worker.running = False  # no top-up from here
+        GenerateState(args).aborted = True
+        fully_async_rollout._stop_global_worker()
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise RuntimeError(f"slime's fully async worker still running {timeout_s:.0f} s after its stop")
+        done = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+        left = sum(all(s.status in done for s in group) for _, group in worker.get_completed_groups())
+    background = async_utils.async_loop  # generate_rollout_fully_async's `run` (slime.utils.async_utils)
+    if background is not None:
+        background.loop.call_soon_threadsafe(background.loop.stop)
+        background._thread.join(timeout_s)
+        background.loop.close()
+    fresh_slime_rollout_process()  # the HTTP client belonged to the worker's loop: dropped with it
+    return left
 
 
 # ---------------------------------------------------------------- the two-turn task

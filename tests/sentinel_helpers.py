@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.local_redis import free_port, stop_process, wait_for_pong
+from pipeline.local_redis import PortTaken, check_own_port, free_port, stop_process, wait_for_pong
 
 SERVICE = "mymaster"
 DOWN_AFTER_MS = 1000  # a primary silent this long is subjectively down
@@ -28,10 +28,10 @@ FAILOVER_TIMEOUT_MS = 3000
 class Node:
     """One redis-server (a data node or a sentinel) on a fixed port in its own directory."""
 
-    def __init__(self, root: Path, name: str, args: list[str]):
+    def __init__(self, root: Path, name: str, args: list[str], port: int | None = None):
         self.dir = root / name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.name, self.port, self.args = name, free_port(), args
+        self.name, self.port, self.args = name, port or free_port(), args
         self.proc: subprocess.Popen | None = None
 
     def start(self, extra: list[str] | None = None) -> Node:
@@ -40,6 +40,9 @@ class Node:
         self.proc = subprocess.Popen([binary, *self.argv(extra or [])], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=self.dir)
         wait_for_pong(self.port, self.proc, self.log_tail, what=self.name)
+        # a sentinel whose port another server holds would leave the deployment a sentinel short:
+        # discovery never completes
+        check_own_port(self.port, self.proc, self.name)
         return self
 
     def argv(self, extra: list[str]) -> list[str]:
@@ -60,9 +63,22 @@ class Node:
         return self.proc is not None and self.proc.poll() is None
 
 
+def distinct_free_ports(count: int) -> list[int]:
+    """`count` ports free now and different from each other (held open together while picked:
+    `free_port` twice in a row may name the same port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 class SentinelNode(Node):
-    def __init__(self, root: Path, name: str, primary_port: int):
-        super().__init__(root, name, [])
+    def __init__(self, root: Path, name: str, primary_port: int, port: int):
+        super().__init__(root, name, [], port)
         self.conf = self.dir / "sentinel.conf"
         self.conf.write_text("\n".join([
             f"port {self.port}", "bind 127.0.0.1", f"dir {self.dir}", f"logfile {self.dir / 'log'}",
@@ -96,14 +112,32 @@ class SentinelCluster:
     """Two data nodes (primary + replica) and three sentinels watching them."""
 
     def __init__(self, root: Path):
+        self.failovers = 0
+        self._place(root)
+
+    def _place(self, root: Path) -> None:
+        """New nodes and sentinels under `root`, each on a port free now."""
         self.root = root
         node_args = ["--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes",
                      "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1"]
-        self.nodes = [Node(root, "a", node_args), Node(root, "b", node_args)]
-        self.sentinels = [SentinelNode(root, f"s{i}", self.nodes[0].port) for i in range(3)]
-        self.failovers = 0
+        ports = distinct_free_ports(5)
+        self.nodes = [Node(root, "a", node_args, ports[0]), Node(root, "b", node_args, ports[1])]
+        self.sentinels = [SentinelNode(root, f"s{i}", ports[0], ports[2 + i]) for i in range(3)]
 
     def start(self) -> SentinelCluster:
+        try:
+            return self._form()
+        except (TimeoutError, PortTaken) as stalled:
+            # Discovery takes ~3 s here (hellos every 2 s); one CI run saw it stall for 30 s with
+            # no trace (two sentinels on one port would do that: `Node.start` now checks). The
+            # deployment, not the code under test, failed to form: print what each sentinel knew
+            # and form a fresh one (new ports and directories), once; a second failure is raised.
+            print(f"sentinel cluster did not form, forming a fresh one: {stalled}")
+            self.close()
+            self._place(self.root.with_name(self.root.name + "-again"))
+            return self._form()
+
+    def _form(self) -> SentinelCluster:
         a, b = self.nodes
         a.start()
         b.start(["--replicaof", "127.0.0.1", str(a.port)])
@@ -170,7 +204,21 @@ class SentinelCluster:
             if ok:
                 return
             time.sleep(0.1)
-        raise TimeoutError(f"sentinels did not discover each other and the replica in {timeout}s")
+        raise TimeoutError(f"sentinels did not discover each other and the replica in {timeout}s:\n{self.describe()}")
+
+    def describe(self) -> str:
+        """What each sentinel knows of the service, and its log's tail (for a failure's message)."""
+        fields = ("ip", "port", "flags", "num-slaves", "num-other-sentinels", "link-pending-commands")
+        parts = []
+        for s in self.sentinels:
+            try:
+                reply = command(s.port, "SENTINEL", "master", SERVICE)
+                known = {f: _sentinel_value(reply, f) for f in fields}
+            except OSError as error:
+                known = {"unreachable": repr(error)}
+            parts.append(f"{s.name} :{s.port} alive={s.alive} {known}\n{s.log_tail()[-1200:]}")
+        nodes = " ".join(f"{n.name} :{n.port} alive={n.alive}" for n in self.nodes)
+        return f"nodes {nodes}\n" + "\n".join(parts)
 
     def kill_primary(self) -> Node:
         victim = self.primary()
@@ -234,13 +282,18 @@ def _field(info: str, name: str) -> int:
     return -1
 
 
-def _sentinel_field(reply: str, name: str) -> int:
+def _sentinel_value(reply: str, name: str) -> str | None:
     """A field of a RESP flat array reply (`SENTINEL master`): the bulk string after `name`."""
     lines = reply.split("\r\n")
     for i, line in enumerate(lines):
         if line == name and i + 2 < len(lines):
-            try:
-                return int(lines[i + 2])
-            except ValueError:
-                return -1
-    return -1
+            return lines[i + 2]
+    return None
+
+
+def _sentinel_field(reply: str, name: str) -> int:
+    value = _sentinel_value(reply, name)
+    try:
+        return int(value) if value is not None else -1
+    except ValueError:
+        return -1

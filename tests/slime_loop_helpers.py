@@ -69,9 +69,11 @@ class RolloutManagerActor:
     """A RolloutManager actor handle: slime's own methods on a light object, one call at a time."""
 
     def __init__(self, cls: type, args: Namespace):
+        from slime.utils.http_utils import init_http_client
         from slime.utils.misc import load_function
 
         self.state = SimpleNamespace(args=args)
+        init_http_client(args)  # RolloutManager.__init__: slime's generate posts with it (no engines counted: none)
         self.state.data_source = load_function(args.data_source_path)(args)  # RolloutManager.__init__
         self.state.generate_rollout = load_function(args.rollout_function_path)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-manager")
@@ -89,7 +91,7 @@ class RolloutManagerActor:
 
         self.state.eval_generate_rollout = eval_and_record
         self.state.health_monitoring_resume = lambda: None
-        slime_eval = cls.eval.__get__(self.state)
+        slime_eval = getattr(cls, "eval").__get__(self.state)  # noqa: B009  (mypy: a type has no eval)
         self.eval_calls: list[tuple[int, float]] = []  # (rollout id, seconds the loop waited for the call)
         convert = self._converter(cls, args)
 
@@ -138,7 +140,9 @@ class RolloutManagerActor:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
-        self.data_source.close()
+        close = getattr(self.data_source, "close", None)  # the pipeline's has one; slime's own holds nothing to close
+        if close is not None:
+            close()
 
     def die(self) -> None:
         """The process is gone: the call in flight finishes (its batch is recorded), nothing closes."""
@@ -157,7 +161,7 @@ class Cluster:
         self.pushed_at: list[float] = []  # monotonic time of each weight push
         self.truth: dict[tuple[int, str], int] = {}  # (run, engine label) -> the policy version it was
         self.checkpoint: int | None = None  # the last rollout id saved
-        self.trained: dict[int, dict[int, list[Any]]] = {}  # run -> rollout id -> samples trained
+        self.trained: dict[int, dict[int, Any]] = {}  # run -> rollout id -> what the actor trained on
         self.starts: dict[int, int] = {}  # run -> its start_rollout_id
         self.managers: list[RolloutManagerActor] = []
 
@@ -237,7 +241,7 @@ def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *,
 
     def create_actor_model(args: Namespace, pgs: Any, rollout_manager: Any, actor_cls: Any = None) -> Any:
         start = 0 if cluster.checkpoint is None else cluster.checkpoint + 1  # actor.py: loaded_rollout_id + 1
-        run = rollout_manager.data_source.run_id
+        run = getattr(rollout_manager.data_source, "run_id", 0)  # slime's own data source counts no trainer runs
         return (actor or MegatronActor)(cluster, run, start, crash_at), [start]
 
     monkeypatch.setattr(rollout, "RolloutManager", RolloutManagerClass)

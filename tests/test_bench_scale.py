@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from pipeline.local_redis import LocalRedis
 from scripts.bench import scale as bench_scale
 
@@ -32,7 +34,10 @@ def test_the_poll_bench_runs_the_real_pollers_and_counts_their_commands():
     details = figures[0].details
     table, arq = details["table"], details["arq_0_28_poll"]
     assert set(table) == {2, 4} and set(table[4]) == {0, 60}
-    assert table[4][60]["exists_per_s"] <= 60 / 1.5 + 1, table  # each job at most once in the window
+    # each job looked at most twice in the window (shorter than both intervals): once by a claim's
+    # recheck (every IN_PROGRESS_RECHECK_S, 5 s) and once by the cluster's orphan sweep (every
+    # heartbeat, 5 s); both passes fall in one 1.5 s window now and then (a CI run saw 70/s)
+    assert table[4][60]["exists_per_s"] <= 2 * 60 / 1.5 + 1, table
     assert arq["exists_per_s"] > 10 * max(table[2][60]["exists_per_s"], 1.0), (arq, table[2])
     assert figures[2].baseline_value > figures[2].value  # commands per worker: arq's poll above
 
@@ -53,6 +58,9 @@ def _untimed_bytes(url: str, groups: int) -> dict[str, int]:
             if row["ttl_s"] < 0 and name not in CAPPED}
 
 
+# ~1 s alone; 65-85 s in two full runs under pytest-xdist at load 8-13: every step hands off between
+# this thread and two loop threads (LoopThread, the data source's), and each wake-up waits for a core
+@pytest.mark.timeout(300)
 def test_keys_without_a_ttl_do_not_grow_with_the_groups_through_every_ending():
     """MEMORY USAGE per key family (not key counts: a hash that keeps a field per task is one key)
     after groups ended every way: trained (some a handed-back task's), dropped by the filter, stale

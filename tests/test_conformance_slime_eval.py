@@ -48,7 +48,7 @@ async def test_background_eval_under_train_async(slime, monkeypatch, tmp_path, r
 
     monkeypatch.setattr(rollout_metrics, "log_eval_rollout_data", capture)
     # the worker runs in this process: its start-up gc.freeze() of the whole heap (a worker
-    # process's tweak) would make the trainer side's conversions walk it (gc.get_freeze_count)
+    # process's tweak) would leave it frozen, and the trainer side's conversions without their GC trick
     monkeypatch.setattr("workers.settings._quiet_garbage_collector", lambda: None)
     monkeypatch.setattr(rollout_metrics.logging_utils, "log", lambda args, metrics, step_key: logged.append(
         {**metrics, "_step_key": step_key}))

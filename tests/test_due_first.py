@@ -18,7 +18,10 @@ from scripts.processes import SimEngineProcess
 
 pytestmark = pytest.mark.slow
 
-SETUP = Setup(batch=4, n=2, steps=8, warmup=0, train_s=0.1, token_latency_s=0.002, concurrency=12, seed=7,
+# token latency 6 ms: a long group's generation, not the trainer loop's own overhead (larger on a slow
+# or loaded machine), decides when it arrives, so arrival order finds some stale on any machine (at 2 ms a
+# slow CI machine found none: every group arrived before it went stale)
+SETUP = Setup(batch=4, n=2, steps=8, warmup=0, train_s=0.1, token_latency_s=0.006, concurrency=12, seed=7,
               drain_s=30.0)
 
 

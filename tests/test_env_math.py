@@ -164,18 +164,25 @@ GIVE_UPS = [
     # (gold, answer, math-verify's timeout, its reason): right or wrong, the answer exhausts its budget
     ("1", f"\\boxed{{{NEST_200}}}", 5, "(RecursionError|timed out after 5s)"),
     ("1", f"So the answer is ${NEST_200}$.", 5, "(RecursionError|timed out after 5s)"),  # not boxed: the same rule
-    ("5", "\\boxed{10^{10^{10}}}", 1, "timed out after 1s \\(Timeout during comparison\\)"),
+    ("5", "So it is \\boxed{10^{10^{10}}}.", 1, "timed out after 1s \\(Timeout during comparison\\)"),
 ]
 
 
 @pytest.mark.parametrize("label,answer,timeout_s,why", GIVE_UPS, ids=["fraction-boxed", "fraction-plain", "power-tower"])
 async def test_an_answer_math_verify_gives_up_on_scores_zero_with_its_reason_boxed_or_not(label, answer, timeout_s, why):
     """`on_undecided: zero` (the default): a 0 with math-verify's reason and `undecided`, never
-    removed (a removed sample has no negative advantage: a verifier-timeout reward hack)."""
+    removed (a removed sample has no negative advantage: a verifier-timeout reward hack). The text
+    math-verify was given (the final box, else the response) stays in the components, capped."""
+    from workers.envs.math import final_box
+    from workers.envs.rewards import MAX_COMPONENT_CHARS, capped
+
     env = MathEnvironment("m", EnvConfig(kind="math", options={"check_in": "inline", "parse_timeout_s": timeout_s}))
     verification, reward = await _at_default_depth(lambda: _score(env, label, answer))
     assert reward == 0.0 and verification.components["undecided"] is True, verification
     assert re.search(f"math-verify gave up: .*{why}", verification.components["reason"]), verification.components
+    given = final_box(answer)[1] or answer
+    assert verification.components["answer"] == capped(given)
+    assert len(verification.components["answer"]) <= MAX_COMPONENT_CHARS + len("...")
 
 
 async def test_on_undecided_remove_makes_it_a_failed_measurement():
@@ -242,6 +249,7 @@ async def test_undecided_and_failed_measurements_through_the_runner_and_the_trai
     assert undecided.reward_components["undecided"] is True
     assert "math-verify gave up: timed out after 1s" in undecided.reward_components["reason"]
     assert "10^{10^{10}}" in undecided.response and right.reward == 1.0
+    assert undecided.reward_components["answer"] == "\\boxed{10^{10^{10}}}"  # back from the checker process
     assert removed.status is Status.FAILED and removed.reward_components == {MEASUREMENT_FAILED: True}
     assert "math-verify gave up: timed out after 1s" in removed.metadata["error"]
 
@@ -261,6 +269,7 @@ async def test_nemo_skills_grading_follows_the_same_rule():
     from tests.conformance_support import require_nemo_skills
     from workers.envs.base import TaskUngradable
     from workers.envs.nemo_skills import NemoSkillsEnvironment
+    from workers.envs.rewards import capped
 
     require_nemo_skills("nemo_skills.evaluation.math_grader")
     env = NemoSkillsEnvironment("skills", EnvConfig(kind="nemo_skills", options={"check_in": "inline"}))
@@ -275,8 +284,10 @@ async def test_nemo_skills_grading_follows_the_same_rule():
     timed_out = await verify("5", "So it is \\boxed{10^{10^{10}}}.")
     assert timed_out.reward == 0.0 and timed_out.components["undecided"] is True
     assert timed_out.components["reason"] == "math-verify gave up: Timeout during comparison"
+    assert timed_out.components["answer"] == "10^{10^{10}}"  # what NeMo-Skills' extract_answer read
     deep = await _at_default_depth(lambda: verify("1", f"\\boxed{{{NEST_200}}}"))
     assert deep.reward == 0.0 and "math-verify gave up: RecursionError" in deep.components["reason"]
+    assert deep.components["answer"] == capped(NEST_200)
     with pytest.raises(TaskUngradable, match="reads no expression from the gold answer"):
         await verify("[[[", "\\boxed{2}")
     wrong = await verify("5", "\\boxed{4}")

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import importlib
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -180,6 +181,184 @@ async def test_timeout_names_what_is_missing_and_withdraws_the_round(redis, redi
     assert await _counters(redis, keys) == {}
 
 
+async def test_a_taken_eval_job_whose_twin_ran_finds_nothing_to_run_and_says_so(redis, redis_url, keys, namespace,
+                                                                             caplog):
+    """Why arq logs "job <id> expired" for an eval job while its round completes: a worker took the
+    job (workers/settings.py `_CLAIM_LUA`: in progress, unowned until `run_eval_group` records it)
+    and stalled before arq's `run_job` read it; the liveness sweep released it as an orphan (its
+    owner unseen for half a heartbeat), another worker ran it to the end (arq's finish deletes
+    `arq:job:<id>`), and the stalled `run_job` then reads no job key: arq 0.28's only "expired"
+    (worker.py `run_job`, `if not v`). Nothing is lost: the twin pushed the group once. The worker
+    says so at INFO (workers/worker_log.py `ExpiredJobExplained`), not as a lost job."""
+    import logging
+
+    from arq.constants import in_progress_key_prefix
+
+    from pipeline.evaluation import EVAL_SCORE_MAX, EvalDataset, _enqueue
+    from tests.policy_helpers import trainer_started
+    from workers.liveness import PLACE_PREFIX, Liveness
+    from workers.settings import _CLAIM_LUA, CLAIM_SCAN
+    from workers.sim.engine import serve_sim_engine
+
+    await trainer_started(redis, keys)
+    task = Task(id="e0", env="calc", prompt="What is 2 * 7?", label="14")
+    wanted: dict = {}
+    await _enqueue(redis, keys, "r1", [(EvalDataset(env="calc", tasks="-", n_samples=2), [task])], 0, 60.0, wanted)
+    [gid] = wanted
+    job_id, stream = keys.arq_job_id(gid), keys.eval_stream("r1")
+    # the stalled worker's take (its `claim_jobs`, the script alone: its run_job waits)
+    now = int(time.time() * 1000)
+    taken = await redis.register_script(_CLAIM_LUA)(keys=[keys.queue], args=[
+        now, 1, in_progress_key_prefix, 60_000, now + 5000, PLACE_PREFIX, CLAIM_SCAN, 1, EVAL_SCORE_MAX])
+    assert taken[1:] == [job_id.encode(), b"1"], taken
+    sweeper = Liveness(redis, keys, "sweeper", heartbeat_s=0.2, dead_after_s=1.0)
+    assert await sweeper.release_orphans() == 0  # seen unowned: a suspect
+    await asyncio.sleep(0.15)
+    assert await sweeper.release_orphans() == 1  # still unowned: released at its place
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        async with _worker(config) as twin:
+            await wait_for(lambda: _xlen_is(redis, stream, 1), 30, "the twin's group")
+            await wait_for(lambda: _zcard_is(redis, keys.queue, 0), 10, "the twin's finish")
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="arq.worker"):
+                await twin.run_job(job_id, 1)  # the stalled worker's run_job, at last
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "arq.worker"]
+    assert said == [(logging.INFO, f"eval job {job_id}: nothing to run, it ended before it started here (a twin released "
+                                   "by the liveness sweeps ran it, or its round withdrew it): no work lost")], said
+    assert await redis.xlen(stream) == 1 and await redis.zcard(keys.queue) == 0  # the twin's group, once
+    await redis.delete(stream)
+
+
+def _run_eval_as(worker, body):
+    """The worker runs `body` as its eval function (arq's Function record kept: tries, timeout)."""
+    import dataclasses
+
+    from pipeline.evaluation import EVAL_FUNCTION
+
+    worker.functions[EVAL_FUNCTION] = dataclasses.replace(worker.functions[EVAL_FUNCTION], coroutine=body)
+
+
+async def _arq_keys_left(redis, namespace):
+    """This namespace's arq keys but results (arq keeps a finished job's result: KEEP_RESULT_S)."""
+    return sorted(k for k in await redis.keys(f"arq:*{namespace}:*") if not k.startswith(b"arq:result:"))
+
+
+async def test_a_round_withdraws_the_jobs_whose_groups_came_back_before_arq_finished_them(
+        redis, redis_url, keys, namespace, tmp_path):
+    """A job's group (or error) is in the round's stream before arq finishes the job (the rest of
+    `run_eval_group`, then arq's `finish_job`), and the round ends on the stream. A worker stopped
+    in between (a drain past its grace, the tests' `stop_worker`) cancels the job, which arq hands
+    back ("cancelled, will be run again": in-progress key deleted, entry kept at its place): a
+    later worker ran it again for a round that was gone (test_multi_turn_eval_round_... found the
+    ghost job left in the queue so, once in a full run). Here every job is held after
+    `run_eval_group` returned (that window, widened) while the round ends and the worker stops."""
+    import pipeline.slime as ps
+    from workers.eval_jobs import run_eval_group
+    from workers.sim.engine import serve_sim_engine
+
+    async def held(ctx, *args):
+        outcome = await run_eval_group(ctx, *args)  # the group (or error) is in the stream now
+        await asyncio.Event().wait()  # arq's finish never comes: the worker stops first
+        return outcome
+
+    datasets = [{**DATASETS[0], "n_samples": 2, "max_tasks": 2}, {"env": "ghost", "tasks": "eval_tasks.jsonl"}]
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, datasets))
+    async with serve_sim_engine() as sim:
+        # heartbeats far apart: no sweep meanwhile (a held job stays owned until arq's finish anyway,
+        # tests/test_liveness_finish.py)
+        config = parse_config(config_dict(redis_url, namespace, sim.url, heartbeat_s=10.0, dead_after_s=30.0))
+        ds = ps.RedisDataSource(args)
+        try:
+            async with _worker(config) as worker:
+                _run_eval_as(worker, held)
+                out = await _evaluate(ps, args, 1, ds)
+                assert await redis.zcard(keys.queue) == 0  # the round's end withdrew every job it enqueued
+        finally:
+            ds.close()
+    assert len(out.data["calc"]["samples"]) == 2 * 2 and out.metrics["eval/ghost/groups_failed"] == 1
+    # the stopped worker handed its jobs back to no entry: nothing to run again, no job key left
+    assert await redis.zcard(keys.queue) == 0 and await _arq_keys_left(redis, namespace) == []
+
+
+async def test_a_withdrawn_eval_job_that_retries_is_not_queued_again(redis, redis_url, keys, namespace):
+    """arq hands a job that raised `Retry` back with ZINCRBY, which adds the entry again when its
+    round withdrew it meanwhile (a round past its timeout withdraws the jobs still running): a job
+    with no key, queued for nothing. The worker's hand-back moves only an entry still queued."""
+    from arq.constants import in_progress_key_prefix
+    from arq.worker import Retry
+
+    from pipeline.evaluation import EvalDataset, _enqueue, _withdraw
+    from workers.jobs import CTX_KEY
+    from workers.sim.engine import serve_sim_engine
+
+    withdrawn = asyncio.Event()
+
+    async def retries(ctx, round_id, payload):  # run_eval_group's transient-error path, after the withdrawal
+        w = ctx[CTX_KEY]
+        await w.liveness.job_started(ctx["job_id"])  # owned while it runs, as run_eval_group's are
+        try:
+            await withdrawn.wait()
+        finally:
+            await w.liveness.job_ended(ctx["job_id"])
+        raise Retry(defer=60)
+
+    task = Task(id="e0", env="calc", prompt="What is 2 * 7?", label="14")
+    wanted: dict = {}
+    await _enqueue(redis, keys, "r1", [(EvalDataset(env="calc", tasks="-"), [task])], 0, 60.0, wanted)
+    [gid] = wanted
+    in_progress = in_progress_key_prefix + keys.arq_job_id(gid)
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        async with _worker(config) as worker:
+            _run_eval_as(worker, retries)
+            await wait_for(lambda: _exists(redis, in_progress), 30, "the job taken")
+            await _withdraw(redis, keys, [gid])
+            withdrawn.set()
+            await wait_for(lambda: _gone(redis, in_progress), 10, "arq's hand-back")
+            assert await redis.zcard(keys.queue) == 0
+    assert await redis.zcard(keys.queue) == 0 and await _arq_keys_left(redis, namespace) == []
+
+
+async def test_a_round_past_its_timeout_aborts_the_jobs_still_generating(stack, redis, redis_url, keys, namespace,
+                                                                        tmp_path):
+    """A round that passes `pipeline_eval_timeout_s` while its jobs generate withdraws them and
+    aborts them (arq's Job.abort path): each request is aborted on the engine that runs it, not
+    generated to its end (~50 s here) for a round that is gone. (The round's timeout leaves a
+    loaded machine time to start the worker and the requests.)"""
+    from arq.constants import in_progress_key_prefix
+
+    import pipeline.slime as ps
+
+    stack.configure(token_latency_s=0.5, tool_use=0.0, length_mu=4.6, length_sigma=0.01)  # ~100 tokens: ~50 s a request
+    datasets = [{**DATASETS[0], "n_samples": 2, "max_tasks": 1}]
+    args = _args(redis_url, namespace, _write_datasets(tmp_path, datasets), pipeline_eval_timeout_s=20)
+    config = parse_config(config_dict(redis_url, namespace, stack.router_url))
+    taken = in_progress_key_prefix + keys.arq_job_id("*")  # this namespace's jobs in progress
+    ds = ps.RedisDataSource(args)
+    round_ = None
+    try:
+        async with _worker(config):
+            round_ = asyncio.create_task(_evaluate(ps, args, 1, ds))
+            await wait_for(lambda: asyncio.sleep(0, stack.total_stats()["running"] == 2), 20, "the round's requests")
+            assert len(await redis.keys(taken)) == 1
+            with pytest.raises(TimeoutError, match=r"0/1 eval groups"):
+                await round_
+            await wait_for(lambda: asyncio.sleep(0, stack.total_stats()["aborted"] == 2), 5,
+                           "the engines to abort the round's requests")
+            await wait_for(lambda: _no_keys(redis, taken), 10, "arq's finish of the aborted job")
+            assert stack.total_stats()["running"] == 0
+    finally:
+        if round_ is not None:  # its thread ends at the round's timeout: ds closes after it, as a trainer's would
+            await asyncio.wait({round_}, timeout=60)
+        ds.close()
+    assert await redis.zcard(keys.queue) == 0 and await _arq_keys_left(redis, namespace) == []
+
+
+async def _no_keys(redis, pattern):
+    return not await redis.keys(pattern)
+
+
 def test_datasets_file_errors_name_the_entry(tmp_path):
     with pytest.raises(ConfigError, match="entry 0 .*no task of env 'nope'"):
         load_eval_datasets(_write_datasets(tmp_path, [{"env": "nope", "tasks": "eval_tasks.jsonl"}]))
@@ -269,6 +448,14 @@ async def _zcard_is(redis, key, n):
 
 async def _xlen_is(redis, key, n):
     return await redis.xlen(key) == n
+
+
+async def _exists(redis, key):
+    return bool(await redis.exists(key))
+
+
+async def _gone(redis, key):
+    return not await redis.exists(key)
 
 
 def _ms(stream_id: str) -> int:

@@ -6,9 +6,16 @@ import gc
 
 import pytest
 
+import pipeline.slime_samples as slime_samples
 from pipeline.buffer import Entry
 from pipeline.slime_samples import _to_trainer_group, to_trainer_group
 from pipeline.synthetic import make_group
+
+
+@pytest.fixture(autouse=True)
+def _not_seen_frozen(monkeypatch):
+    """Each test starts as a process that has not yet seen frozen objects of its own."""
+    monkeypatch.setattr(slime_samples, "_foreign_freeze", False)
 
 
 def _collections_during(fn):
@@ -71,6 +78,31 @@ def test_objects_the_process_froze_stay_frozen():
         # unfreeze would leave 0, a freeze would add at least the 32 samples it built; a few frozen
         # objects may die meanwhile (another test's thread letting go of them), so not an exact count
         assert frozen - 16 <= after <= frozen and gc.isenabled(), (frozen, after)
+    finally:
+        gc.unfreeze()
+
+
+def test_frozen_objects_once_seen_are_not_counted_again(monkeypatch):
+    """`gc.get_freeze_count()` walks the frozen list: with an arq worker's ~1M frozen objects in
+    the process (workers/settings.py), ~25 ms a group. Seen once, the count is not taken again."""
+    entry = Entry("1-0", make_group("g:4", n=4, prompt_len=8, response_len=8))
+    counts = []
+    real_count = gc.get_freeze_count
+
+    def counting():
+        counts.append(real_count())
+        return counts[-1]
+
+    monkeypatch.setattr(gc, "get_freeze_count", counting)
+    gc.unfreeze()
+    to_trainer_group(entry, 0)  # nothing frozen: the trick, and the list stays empty
+    assert counts == [0] and real_count() == 0
+    gc.freeze()
+    try:
+        for _ in range(3):
+            to_trainer_group(entry, 0)
+        assert len(counts) == 2 and counts[1] > 0  # counted once after the freeze, not per group
+        assert real_count() >= counts[1] - 16 and gc.isenabled()  # still frozen: no unfreeze
     finally:
         gc.unfreeze()
 

@@ -38,6 +38,7 @@ from pipeline.keys import Counter
 from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.state import PipelineState
 from producers.enqueue import ProducerOptions, run_producer
+from tests.policy_helpers import calc_config
 from workers.settings import build_worker, stop_worker
 
 B, N = 3, 2
@@ -117,13 +118,7 @@ def _args(redis_url: str, ns: str, *, eta: int, interval: int) -> SimpleNamespac
 
 
 def _config(redis_url: str, ns: str, *, eta: int, engine: str) -> dict[str, Any]:
-    return {
-        "redis": {"url": redis_url, "namespace": ns},
-        "engine": {"url": engine, "max_retries": 2, "retry_backoff_s": 0.05},
-        "rollout": {"n_samples_per_prompt": N, "rollout_batch_size": B, "eta": eta, "max_response_tokens": 256},
-        "environments": {"calc": {"kind": "calculator"}},
-        "workers": {"concurrency": 4, "heartbeat_s": 0.5, "dead_after_s": 5.0, "poll_delay_s": 0.02},
-    }
+    return calc_config(redis_url, ns, engine=engine, eta=eta, batch=B, n=N, max_response_tokens=256, concurrency=4)
 
 
 def _write_tasks(path, count: int) -> None:

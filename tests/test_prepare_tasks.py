@@ -205,6 +205,10 @@ def test_bad_dataset_settings_name_the_key(tmp_path, dataset, env_extra, message
 
 
 def test_cli_writes_summary_and_fails_cleanly(tmp_path, capsys):
+    # a long directory (as under pytest-xdist or a CI checkout): the error's `file:line` stays on one
+    # line, never wrapped at the console's width, so it can be copied and grepped
+    tmp_path = tmp_path / ("deep-" * 16)
+    tmp_path.mkdir()
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one", "label": "1"}, {"prompt": "two", "label": "2"}])
     cfg = tmp_path / "train_config.yaml"
     cfg.write_text("environments:\n  e:\n    kind: math\n    dataset: {source: jsonl, files: [d.jsonl]}\n")
@@ -213,4 +217,4 @@ def test_cli_writes_summary_and_fails_cleanly(tmp_path, capsys):
     assert "wrote 2 tasks" in capsys.readouterr().err
     write_jsonl(tmp_path / "d.jsonl", [{"prompt": "one", "label": "1"}, {"prompt": "", "label": "2"}])
     assert main(["--config", str(cfg), "--output", str(tmp_path / "t2.jsonl")]) == 2  # usage/config class
-    assert "d.jsonl:2: task" in capsys.readouterr().err and not (tmp_path / "t2.jsonl").exists()
+    assert f"{tmp_path / 'd.jsonl'}:2: task" in capsys.readouterr().err and not (tmp_path / "t2.jsonl").exists()

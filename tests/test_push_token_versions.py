@@ -16,6 +16,7 @@ from engine_stack import START_TIMEOUT_S, shared_stack
 
 from pipeline.staleness import TrainerLoop, label_versions
 from pipeline.weight_push import PushMode, push_weights
+from tests.policy_helpers import calc_config
 
 pytestmark = [pytest.mark.conformance, pytest.mark.timeout(START_TIMEOUT_S + 180)]
 
@@ -24,13 +25,7 @@ TRAIN_S = 0.3
 
 
 def _config(redis_url, ns, *, eta, engine):
-    return {
-        "redis": {"url": redis_url, "namespace": ns},
-        "engine": {"url": engine, "max_retries": 2, "retry_backoff_s": 0.05},
-        "rollout": {"n_samples_per_prompt": N, "rollout_batch_size": B, "eta": eta, "max_response_tokens": 1024},
-        "environments": {"calc": {"kind": "calculator"}},
-        "workers": {"concurrency": 8, "heartbeat_s": 0.5, "dead_after_s": 5.0, "poll_delay_s": 0.02},
-    }
+    return calc_config(redis_url, ns, engine=engine, eta=eta, batch=B, n=N, max_response_tokens=1024, concurrency=8)
 
 
 def _trainer(args, source, engines, mode):

@@ -8,8 +8,9 @@ never into `{ns}:groups`: no dedup marker, no `{ns}:open`, no buffered/episodes 
 A job that cannot succeed (undecodable, unknown environment, a bug, out of tries, past its
 soft deadline) pushes an `error` entry instead, so the trainer's round ends with the reason
 rather than at its timeout; nothing is dead-lettered, counted failed or handed back.
-The job is in the worker's job set while it runs (`Liveness.job_started/ended`), as every
-job must be, or the reaper's orphan scan would re-run it: that holds `running` +1 while it
+The job is in the worker's job set while it runs and until arq has finished it
+(`Liveness.job_started`; `job_ended` from `RolloutWorker.finish_job`, `workers.jobs.end_job`), as
+every job must be, or the reaper's orphan scan would re-run it: that holds `running` +1 while it
 runs and gives it back after, as the reaper does for a dead worker's jobs.
 """
 
@@ -27,11 +28,13 @@ from pipeline.redis_conn import ALREADY, REFUSED, run_once
 from pipeline.schema import SampleGroup, SchemaError, decode_job, encode
 from workers.errors import is_bug
 from workers.jobs import (
+    ARQ_WORKER_KEY,
     CTX_KEY,
     PoisonJob,
     SoftDeadline,
     WorkerContext,
     _within,
+    end_job,
     run_episodes,
     soft_deadline_s,
 )
@@ -44,13 +47,13 @@ async def run_eval_group(ctx: dict[str, Any], round_id: str, payload: bytes) -> 
     `{ns}:job_errors` goes (the reaper's note of why it was re-run): nothing else deletes it."""
     w: WorkerContext = ctx[CTX_KEY]
     job_id = str(ctx["job_id"])
-    outcome = await _run_eval_group(w, job_id, int(ctx["job_try"]), round_id, payload)
+    outcome = await _run_eval_group(w, job_id, int(ctx["job_try"]), round_id, payload, ctx.get(ARQ_WORKER_KEY))
     await w.buffer.redis.hdel(w.keys.job_errors, job_id)  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
     return outcome
 
 
-async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id: str, payload: bytes
-                          ) -> dict[str, Any]:
+async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id: str, payload: bytes,
+                          arq_worker: Any = None) -> dict[str, Any]:
     gid = w.keys.group_id_of(job_id)
     max_tries = w.config.workers.max_tries
     try:
@@ -77,7 +80,7 @@ async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id:
         log.warning("%s; retrying", reason)
         raise Retry(defer=random.uniform(0.5, 1.5) * min(30.0, 2.0**job_try)) from exc
     finally:
-        await asyncio.shield(w.liveness.job_ended(job_id))
+        await asyncio.shield(end_job(w, job_id, arq_worker))  # here, or after arq's finish (RolloutWorker)
 
 
 async def push_eval_group(w: WorkerContext, round_id: str, gid: str, group: SampleGroup | None,

@@ -114,6 +114,16 @@ class WorkerContext:
         await self.engine.close()
 
 
+async def end_job(w: WorkerContext, job_id: str, arq_worker: Any) -> None:
+    """The job function's end of `Liveness.job_started`: give the job up here only when no
+    RolloutWorker runs it (a direct call: tests, bench). Under a RolloutWorker
+    (`ends_jobs_after_finish`) the worker ends it after arq's `finish_job`: ended here, the job
+    would be in progress (arq's key and queue entry) and owned by nobody until that finish, and
+    the orphan sweep could release it for a twin to run again."""
+    if not getattr(arq_worker, "ends_jobs_after_finish", False):
+        await w.liveness.job_ended(job_id)
+
+
 async def run_group(ctx: dict[str, Any], payload: bytes) -> dict[str, Any]:
     w: WorkerContext = ctx[CTX_KEY]
     job_id, job_try = str(ctx["job_id"]), int(ctx["job_try"])
@@ -175,7 +185,7 @@ async def _run_counted(
         return await _retry_or_give_up(w, job, job_id, job_try, exc, payload)
     finally:
         # `running` -1 once: the script gives it back only if the job was still in our set
-        await asyncio.shield(w.liveness.job_ended(job_id))
+        await asyncio.shield(end_job(w, job_id, arq_worker))
 
 
 async def _duplicate(w: WorkerContext, job: PromptJob) -> dict[str, Any]:

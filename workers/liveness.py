@@ -13,6 +13,9 @@ deletes the in-progress keys of its jobs (they are still in arq's queue: due aga
 the place each had when it was taken, `PLACE_PREFIX`, and started with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
+A job leaves its worker's set only after arq's finish (`RolloutWorker.finish_job` calls
+`job_ended`): ended earlier, it would be in progress and owned by nobody, which the orphan check
+below releases.
 The sweep's orphan check releases jobs in progress that no live worker owns (`_ORPHANS_LUA`); in a
 rolling upgrade, a live worker of the version before the owners hash owns what its set holds.
 Every part of the sweep costs O(its own work): cursors that do not walk, the rolling-upgrade
@@ -318,6 +321,10 @@ class Liveness:
             return bool(await self._job(keys=self._job_keys(), args=[job_id, Counter.RUNNING, -1, self.worker_id]))
         finally:
             self._running.discard(job_id)
+
+    def runs(self, job_id: str) -> bool:
+        """Whether this process recorded the job (`job_started`) and has not ended it yet."""
+        return job_id in self._running
 
     async def reconcile(self) -> int:
         """Release the jobs our Redis set holds that this process does not run.

@@ -54,7 +54,7 @@ from workers.envs.options import check_tool_parsers
 from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
 from workers.liveness import PLACE_PREFIX, Liveness
-from workers.worker_log import LoggingBuffer, hide_job_args, wait_for_redis
+from workers.worker_log import LoggingBuffer, explain_expired_eval_jobs, hide_job_args, wait_for_redis
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ def build_worker(
     check_tool_parsers(config)  # a typo'd parser fails here, not in every episode
     hide_job_args()  # --verbose: arq's per-job lines name the job id, never its msgpack payload
     keys = Keys(config.redis.namespace)
+    explain_expired_eval_jobs(keys.arq_job_id("eval:"))  # a taken eval job whose twin ran: no loss
     wcfg = config.workers
     worker_id = worker_id or new_worker_id()
 
@@ -202,8 +203,13 @@ class RolloutWorker(Worker):
     it is due again at once or after its defer, as with arq. A poll that takes nothing backs off
     (doubling up to IDLE_POLL_MAX_S); Job.abort() is read every ABORT_CHECK_S while jobs run.
     A lost reply of the take leaves its jobs in progress with no owner: the liveness orphan
-    sweep releases them (as for a worker that died between taking a job and recording it).
+    sweep releases them (as for a worker that died between taking a job and recording it). A job
+    leaves this worker's job set after arq's finish (`finish_job`), never before: no sweep takes a
+    job that ended here but that arq has not finished yet.
     """
+
+    # the job functions leave `Liveness.job_ended` to `finish_job` (workers/jobs.py `end_job`)
+    ends_jobs_after_finish = True
 
     def __init__(self, *args: Any, eval_slots: int | None = None, eval_prefix: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -266,12 +272,38 @@ class RolloutWorker(Worker):
 
     async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
-        await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
-                                 keep_in_progress)
+        """arq's finish (every ending of a job that ran: done, failed, retried, aborted, handed
+        back by a drain), then the job leaves this worker's job set (`_job_ended`)."""
+        try:
+            await self._finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
+                                   keep_in_progress)
+        finally:
+            await self._job_ended(job_id)
+
+    async def _finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
+                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
         score = self._scores.pop(job_id, None)
-        if not finish and score is not None:
-            # handed back: its own place in the queue (+ arq's defer), not the take's recheck score
-            await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
+        if finish or score is None:
+            await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
+                                     keep_in_progress)
+            return
+        # handed back: its own place in the queue (+ arq's defer), not the take's recheck score; and
+        # only an entry still queued: arq's ZINCRBY (not issued) would add back an entry that is gone
+        # (its eval round withdrew it, a twin finished it), a job with no key to run
+        await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, None,
+                                 keep_in_progress)
+        await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
+
+    async def _job_ended(self, job_id: str) -> None:
+        """`Liveness.job_ended` for a job the function recorded (`run_group`, `run_eval_group`
+        leave it to us: `workers.jobs.end_job`), once arq's finish removed its in-progress key and
+        queue entry, or handed it back. Ended before, the job would be in progress and owned by
+        nobody meanwhile: a stall there (GIL, a loaded host) past half a heartbeat and the orphan
+        sweep released it, for a twin to run it again. Run even when the finish failed: then the
+        job, unowned, is released by the sweep rather than held until arq's key expires."""
+        w: WorkerContext | None = self.ctx.get(CTX_KEY)
+        if w is not None and w.liveness.runs(job_id):
+            await w.liveness.job_ended(job_id)
 
 
 def _set_socket_timeout(pool: Any, url: str) -> None:

@@ -10,16 +10,25 @@ advantage and loss code (tests/cpu_actor.py). Held-out accuracy is the pipeline'
 
 Contenders: sync (eta 0), this pipeline at eta 1, 2, 4, 8, eta 8 with TIS off, and the four
 controls at sync: (a) advantages of the wrong sign, (b) the loss mask one token early, (c)
-rollout log-probs of another sample, (d) rewards shuffled across groups. Seeds (engine
+rollout log-probs of another sample, (d) rewards shuffled across groups; and slime's own fully
+async rollout (slime.rollout.fully_async_rollout with slime's RolloutDataSourceWithBuffer, its
+generate and the math environment's reward, under train_async.py; tests/learning.py
+`slime_fully_async_args`). The train mix is the single-turn problems unless `--two-turn` (slime's
+generate runs one turn; the CI test keeps the two-turn task in its mix). Seeds (engine
 sampling, trainer init order, control shuffles) run seed-major, so a run cut short still has
 whole seeds. Reported: accuracy per step and per second (mean over seeds), steps and seconds to
 reach sync's final accuracy, per-step accuracy minus sync's with a bootstrap 95% interval over
-seeds, and the engine clock's rate (simulated engine seconds per real second: the engine's clock
-runs while it has work, so the rate is its busy share at time scale 1).
+seeds.
 
-The seconds are this machine's, not an H100's: the CPU actor's steps and the tiny model's own
-forward passes take real CPU time that no step table describes, and at these 10-token answers
-they, not the engine's simulated steps, set the pace.
+Seconds are a simulated H100's. The world runs `--time-scale` (default 0.025) times as fast as
+the GPUs it plays: the engine's steps are the Qwen3-0.6B H100 aiconfigurator table's, slowed by
+the scale; the trainer's step (cpu_actor.TrainerClock) lasts its tokens / `trainer_tokens_per_s()`
+simulated seconds, slowed alike, and the CPU actor's real work has to fit inside it. A run's
+seconds are its real seconds x the scale. Two checks say whether that holds, per run: how far the
+engine's steps fell behind its clock (`max_behind_sim_s`, simulated seconds; ~0 when the machine
+kept the scale) and the trainer's CPU share (the largest share of a step's budget the CPU's own
+work took; above 1 the step overran and the seconds are the CPU's, counted as overruns). Beside
+them, the engine's busy share (its clock runs while it has work: busy simulated s / the run's).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -38,7 +48,39 @@ from typing import Any
 from scripts.bench.report import Figure
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL, GPU, TIME_SCALE = "Qwen/Qwen3-0.6B", "h100_sxm", 1.0
+MODEL, GPU, TIME_SCALE = "Qwen/Qwen3-0.6B", "h100_sxm", 0.025
+
+# The trainer's speed, from the measured source the frontier's trainer step comes from (AReaL
+# v0.3's asynchronous 7B run: 1000 steps of 512 prompts x 16 answers in 25.4 h on 24 nodes of 8
+# GPUs; docs/benchmarks.md "The workload and its sources"), per GPU of that cluster (the
+# frontier's mapping: one simulated engine is one GPU's share), scaled to the engine's model by
+# parameter count (a step's FLOPs are ~6 x parameters per token): R1-Distill-Qwen-7B 7.6B,
+# Qwen3-0.6B 0.6B (their model cards).
+AREAL_PROMPTS_PER_STEP, AREAL_GPUS = 512, 24 * 8
+AREAL_PARAMS, MODEL_PARAMS = 7.6e9, 0.6e9
+
+
+SIMULATED = "simulated H100"
+
+
+def trainer_tokens_per_s() -> float:
+    """Tokens a simulated H100 trains per second for Qwen3-0.6B: AReaL's answers per step x their
+    mean length (the areal-7b workload's lognormal, capped at 27K: E[min(X, cap)]) / its step
+    time / its GPUs x the parameter ratio (~47k)."""
+    import math
+
+    from scripts.bench.peer_contenders import WORKLOADS
+
+    wl = WORKLOADS["areal-7b"]
+    mu, sigma, cap = wl.length_mu, wl.length_sigma, wl.max_response_len
+
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    mean_len = (math.exp(mu + sigma**2 / 2) * phi((math.log(cap) - mu - sigma**2) / sigma)
+                + cap * (1 - phi((math.log(cap) - mu) / sigma)))
+    per_gpu = AREAL_PROMPTS_PER_STEP * wl.n * mean_len / wl.train_step_s / AREAL_GPUS
+    return per_gpu * AREAL_PARAMS / MODEL_PARAMS
 
 
 @dataclass(frozen=True)
@@ -48,6 +90,9 @@ class Contender:
     use_tis: bool = True
     use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs: rollout log-probs are the old policy
     controls: dict[str, bool] = field(default_factory=dict)
+    rollout: str = "pipeline"  # tests/learning.py LearnRun.rollout: "pipeline" or "slime_fully_async"
+    loop: str = "train"  # slime's train.py or train_async.py
+    slime_concurrency: int = 512  # slime's --sglang-server-concurrency (its default) for slime's own rollout
 
 
 CONTENDERS = (
@@ -62,6 +107,14 @@ CONTENDERS = (
     Contender("sync, --use-rollout-logprobs", use_rollout_logprobs=True),
     Contender("(c) foreign rollout log-probs, --use-rollout-logprobs", use_rollout_logprobs=True,
               controls={"foreign_logprobs": True}),
+    # slime's own fully async rollout and data source under train_async.py, at slime's defaults
+    # (tests/learning.py slime_fully_async_args): single-turn problems only, the same eval
+    Contender("slime fully async", rollout="slime_fully_async", loop="train_async"),
+    # its staleness is its concurrency: up to that many groups in flight and as many finished ones
+    # queued (fully_async_rollout's backpressure), 2 x 512 / 16 = 64 steps at the default; at 64,
+    # the pipeline's own episodes in flight (2 workers x 32), 8 steps at most
+    Contender("slime fully async, concurrency 64", rollout="slime_fully_async", loop="train_async",
+              slime_concurrency=64),
 )
 
 
@@ -70,18 +123,31 @@ class Curve:
     contender: str
     seed: int
     accuracy: dict[int, float]
-    seconds: dict[int, float]  # real seconds since slime's loop started (this machine's)
-    clock_rate: float  # engine-clock seconds per real second over the run
+    seconds: dict[int, float]  # simulated H100 seconds since slime's loop started (real seconds x time_scale)
+    clock_rate: float  # the engine's busy share: its clock (which runs while it has work) / the run's simulated s
     wall_s: float
     error: str = ""
+    time_scale: float = 1.0
+    trainer_overruns: int = 0  # steps whose CPU work outlasted their simulated budget
+    trainer_cpu_share: float = 0.0  # the largest share of a step's budget the CPU's work took
+    seconds_are: str = "this machine's"  # or "simulated H100" (the trainer on the engine's clock)
+    engine_behind_s: float = 0.0  # the most the engine's steps fell behind its clock, in simulated s
+    untrained_groups: int = 0  # slime's fully async: finished groups its worker held at the end (never trained)
+    lag_mean: float = 0.0  # trained samples' policy lag per generate call: rollout id - weight version
+    lag_max: int = -1  # -1: not recorded (curves from before the lag was counted)
+    # `seconds` less the trainer's overruns so far (x the scale): the time had every step kept its
+    # budget. Exact where the trainer is the critical path (sync: the engine idles while it
+    # trains); a lower bound where generation is (an overrun then hides behind it)
+    seconds_kept: dict[int, float] = field(default_factory=dict)
 
 
-def _sim_time(url: str) -> float:
+def _sim_stat(url: str, key: str) -> float:
     with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as reply:
-        return float(json.loads(reply.read()).get("sim_time_s", 0.0))
+        return float(json.loads(reply.read()).get(key, 0.0))
 
 
-def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any) -> Curve:
+def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
+            time_scale: float = TIME_SCALE, two_turn: bool = False) -> Curve:
     import pytest
     from cpu_actor import Controls  # type: ignore[import-not-found]  # tests/, on sys.path after _setup
     from learning import LearnRun, run_learning  # type: ignore[import-not-found]
@@ -90,24 +156,49 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
     from scripts.processes import SimEngineProcess
 
     slime, warm, tasks, heldout = setup
-    sub = workdir / (f"{contender.name.split()[0].strip('(),')}-{contender.eta}-{int(contender.use_tis)}"
-                     f"{int(contender.use_rollout_logprobs)}-s{seed}")
+    sub = workdir / f"{re.sub(r'[^a-z0-9]+', '-', contender.name.lower()).strip('-')}-s{seed}"
     sub.mkdir(parents=True, exist_ok=True)
-    engine_args = ["--policy-path", str(warm), "--model", MODEL, "--gpu", GPU, "--time-scale", str(TIME_SCALE),
+    engine_args = ["--policy-path", str(warm), "--model", MODEL, "--gpu", GPU, "--time-scale", str(time_scale),
                    "--seed", str(seed), "--weight-version", "0"]
     run = LearnRun(steps=steps, eval_interval=eval_interval, eta=contender.eta, use_tis=contender.use_tis,
-                   use_rollout_logprobs=contender.use_rollout_logprobs, seed=seed, controls=Controls(**contender.controls))
+                   use_rollout_logprobs=contender.use_rollout_logprobs, seed=seed, controls=Controls(**contender.controls),
+                   trainer_tokens_per_s=trainer_tokens_per_s(), time_scale=time_scale, worker_process=True,
+                   rollout=contender.rollout, loop=contender.loop, slime_concurrency=contender.slime_concurrency,
+                   two_turn=two_turn and contender.rollout == "pipeline")  # slime's generate: one turn
     with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(sub / "engine.log")) as engine:
         monkeypatch = pytest.MonkeyPatch()
-        clock0, real0 = _sim_time(engine.url), time.monotonic()
+        clock0, real0 = _sim_stat(engine.url, "sim_time_s"), time.monotonic()
         try:
             result = asyncio.run(run_learning(run, slime=slime, monkeypatch=monkeypatch, workdir=sub,
                                               redis_url=server.url, ns="learn", engine_url=engine.url,
                                               engine_urls=[engine.url], warm=warm, tasks=tasks, heldout=heldout))
         finally:
             monkeypatch.undo()
-        rate = (_sim_time(engine.url) - clock0) / max(time.monotonic() - real0, 1e-9)
-    return Curve(contender.name, seed, result.accuracy, result.seconds, rate, result.wall_s)
+        rate = (_sim_stat(engine.url, "sim_time_s") - clock0) / max(time.monotonic() - real0, 1e-9) / time_scale
+        behind = _sim_stat(engine.url, "max_behind_sim_s")
+    kept = {k: (v - _overrun_before(result.trainer_steps, k)) * time_scale for k, v in result.seconds.items()}
+    return Curve(contender.name, seed, result.accuracy, {k: v * time_scale for k, v in result.seconds.items()}, rate,
+                 result.wall_s, time_scale=time_scale, trainer_overruns=result.trainer_overruns,
+                 trainer_cpu_share=result.trainer_cpu_share, seconds_are=SIMULATED, engine_behind_s=behind,
+                 untrained_groups=result.untrained_groups, seconds_kept=kept, **_lags(result.samples))
+
+
+def _overrun_before(steps: list[tuple[int, float, float]], done: int) -> float:
+    """Real seconds the first `done` trainer steps ran past their budgets (TrainerClock.steps)."""
+    return sum(max(0.0, used - budget) for _, budget, used in steps[:done] if budget)
+
+
+def _lags(batches: dict[int, list[Any]]) -> dict[str, Any]:
+    """The lag of every generate call of every trained sample: the rollout id that trained it
+    minus the weight version that answered it (the engine starts at version 0 and the CPU actor's
+    k-th push is version k, so under train.py's order a sample of rollout r made after r pushes
+    has lag 0), as the peer bench counts it (peer_contenders.record_step)."""
+    lags = []
+    for rollout_id, batch in batches.items():
+        for sample in (s for item in batch for s in (item if isinstance(item, list) else [item])):
+            if not getattr(sample, "remove_sample", False):
+                lags += [rollout_id - int(label) for label in (sample.weight_versions or [])]
+    return {"lag_mean": statistics.fmean(lags) if lags else 0.0, "lag_max": max(lags, default=0)}
 
 
 def _setup(workdir: Path) -> Any:
@@ -146,7 +237,7 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
     target = sync_acc[max(sync_acc)] if sync_acc else float("nan")
     out: dict[str, Any] = {"sync_final_accuracy": target, "contenders": {}}
     for name, runs in by.items():
-        acc, secs = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds")
+        acc, secs, kept = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds"), _mean_curve(runs, "seconds_kept")
         reach = next((s for s in sorted(acc) if acc[s] >= target), None)
         per_step = {}
         for step in sorted(acc):
@@ -161,8 +252,15 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
             "seeds": sorted(c.seed for c in runs), "accuracy": acc, "seconds": secs,
             "gain": acc[last] - acc[first], "gain_per_seed": [c.accuracy[last] - c.accuracy[first] for c in runs],
             "steps_to_sync_final": reach, "seconds_to_sync_final": secs.get(reach) if reach is not None else None,
+            "seconds_kept": kept,
             "vs_sync": per_step, "clock_rate": [round(c.clock_rate, 3) for c in runs],
             "wall_s": [round(c.wall_s, 1) for c in runs],
+            "seconds_are": sorted({c.seconds_are for c in runs}),
+            "trainer_cpu_share": [round(c.trainer_cpu_share, 2) for c in runs],
+            "trainer_overruns": [c.trainer_overruns for c in runs],
+            "engine_behind_s": [round(c.engine_behind_s, 3) for c in runs],
+            "lag_mean": [round(c.lag_mean, 2) for c in runs], "lag_max": [c.lag_max for c in runs],
+            "untrained_groups": [c.untrained_groups for c in runs],
         }
     return out
 
@@ -170,19 +268,46 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
 def table(summary: dict[str, Any]) -> str:
     lines = [f"sync's final held-out accuracy (mean of its seeds): {summary['sync_final_accuracy']:.3f}", "",
              "| contender | seeds | held-out accuracy by step (mean) | gain (per seed) | steps to sync's final | "
-             "seconds to sync's final | final step minus sync (95% bootstrap over seeds) | engine clock rate |",
-             "|---|---|---|---|---|---|---|---|"]
+             "simulated H100 s to sync's final (at step) | final step minus sync (95% bootstrap over seeds) | "
+             "simulated H100 s at the last step, mean [less overruns] | lag per generate call, mean / max | finished groups never trained | "
+             "engine busy share (behind its clock, max s) | trainer CPU share of its step, max (overruns) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in summary["contenders"].items():
         acc = ", ".join(f"{s}: {v:.3f}" for s, v in c["accuracy"].items())
         last = max(c["vs_sync"]) if c["vs_sync"] else None
         vs = (f"{c['vs_sync'][last]['diff']:+.3f} [{c['vs_sync'][last]['ci95'][0]:+.3f}, "
               f"{c['vs_sync'][last]['ci95'][1]:+.3f}]") if last is not None else "-"
         reach = c["steps_to_sync_final"]
-        secs = c["seconds_to_sync_final"]
+        secs = c["seconds_to_sync_final"] if c["seconds_are"] == [SIMULATED] else None
+        trainer = (", ".join(f"{share:.2f}" for share in c["trainer_cpu_share"])
+                   + f" ({sum(c['trainer_overruns'])})") if c["seconds_are"] == [SIMULATED] else "not on the clock"
         lines.append(f"| {name} | {len(c['seeds'])} | {acc} | {c['gain']:+.3f} ({', '.join(f'{g:+.2f}' for g in c['gain_per_seed'])}) | "
-                     f"{reach if reach is not None else 'not reached'} | {f'{secs:.0f}' if secs is not None else '-'} | "
-                     f"{vs} | {', '.join(str(r) for r in c['clock_rate'])} |")
+                     f"{reach if reach is not None else 'not reached'} | {f'{secs:.1f}' if secs is not None else '-'} | "
+                     f"{vs} | {_at_last_step(c)} | {_lag(c)} | {_sum_or_dash(c.get('untrained_groups'))} | "
+                     f"{', '.join(f'{r:.2f} ({b:.2f})' for r, b in zip(c['clock_rate'], c['engine_behind_s']))} | {trainer} |")
     return "\n".join(lines)
+
+
+def _at_last_step(c: dict[str, Any]) -> str:
+    """The mean simulated seconds at the last eval; with overruns, [what they were had every
+    trainer step kept its budget, a lower bound] beside it."""
+    if c["seconds_are"] != [SIMULATED] or not c["seconds"]:
+        return "-"
+    last = max(c["seconds"])
+    kept = c.get("seconds_kept", {}).get(last)
+    shown = f"{c['seconds'][last]:.2f}"
+    return shown + (f" [{kept:.2f}]" if kept is not None and sum(c["trainer_overruns"]) else "")
+
+
+def _lag(c: dict[str, Any]) -> str:
+    means, maxes = c.get("lag_mean") or [], c.get("lag_max") or []
+    if not maxes or min(maxes) < 0:
+        return "-"
+    return f"{statistics.fmean(means):.2f} / {max(maxes)}"
+
+
+def _sum_or_dash(values: list[int] | None) -> str:
+    return str(sum(values)) if values else "-"
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -198,31 +323,37 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         steps = list(c["accuracy"])
         color = colors((2 * i) % 20 + (2 * i) // 20)
         by_step.plot(steps, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
-        secs = [c["seconds"].get(s) for s in steps]
-        by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
+        if c["seconds_are"] == [SIMULATED] and not name.startswith("("):  # controls: by step only
+            secs = [c["seconds"].get(s) for s in steps]
+            by_time.plot(secs, [c["accuracy"][s] for s in steps], style, marker="o", label=name, color=color)
     by_step.set_xlabel("trainer steps")
-    by_time.set_xlabel("seconds since the loop started (this 2-core machine; CPU actor and model inside)")
+    by_time.set_xlabel("simulated H100 seconds since the loop started (Qwen3-0.6B step tables, trainer on the same clock)")
     for ax in (by_step, by_time):
         ax.set_ylabel("held-out pass@1 (temperature 1)")
         ax.grid(alpha=0.3)
-    by_time.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    handles, labels = by_step.get_legend_handles_labels()  # every contender; the time panel leaves the controls out
     fig.suptitle("tiny LM through the pipeline and slime's train.py (CPU actor, slime's loss): mean over seeds")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.78, 1))
+    fig.legend(handles, labels, fontsize=7, loc="center right")
     fig.savefig(path, dpi=110)
 
 
 def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_interval: int = 4,
                 deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS,
-                seed_ids: tuple[int, ...] | None = None, merge: Path | None = None) -> list[Figure]:
+                seed_ids: tuple[int, ...] | None = None, merge: Path | None = None,
+                time_scale: float = TIME_SCALE, two_turn: bool = False) -> list[Figure]:
     """Run every contender for every seed (seed-major), write learn.json / learn.txt / learn.png
     in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table).
     `seed_ids`: these seeds instead of 0..seeds-1. `merge`: an earlier learn.json whose curves
-    (and skipped runs) are kept, except those this run redoes, so the table and plot cover both."""
+    (and skipped runs) are kept, except those this run redoes, so the table and plot cover both.
+    `two_turn`: the producer's train mix has the two-turn task (off: the single-turn problems only,
+    which every contender, slime's fully async included, can train on)."""
     import tempfile
 
     if quick:
         seeds, steps = 1, 8
     workdir = Path(tempfile.mkdtemp(prefix="bench-learn-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(workdir)
     from cpu_actor import quiet_transformers  # type: ignore[import-not-found]  # tests/ is on sys.path now
 
@@ -238,12 +369,17 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                 skipped.append(f"{contender.name} seed {seed}")
                 continue
             try:
-                curve = run_one(contender, seed, steps=steps, eval_interval=eval_interval, workdir=workdir, setup=setup)
+                curve = run_one(contender, seed, steps=steps, eval_interval=eval_interval, workdir=workdir, setup=setup,
+                                time_scale=time_scale, two_turn=two_turn)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others go on
                 curve = Curve(contender.name, seed, {}, {}, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
             curves.append(curve)
             print(f"[learn] {contender.name} seed {seed}: {curve.accuracy or curve.error} "
-                  f"({curve.wall_s:.0f} s, engine clock {curve.clock_rate:.2f}x)", flush=True)
+                  f"({curve.wall_s:.0f} s real, {curve.wall_s * time_scale:.1f} s simulated; engine busy "
+                  f"{curve.clock_rate:.2f}, behind its clock by up to {curve.engine_behind_s:.2f} s; trainer CPU share {curve.trainer_cpu_share:.2f}, "
+                  f"{curve.trainer_overruns} overruns"
+                  f"{f'; {curve.untrained_groups} finished groups never trained' if curve.untrained_groups else ''})",
+                  flush=True)
             _write(curves, skipped, out_dir)
     summary = _write(curves, skipped, out_dir)
     print(table(summary))
@@ -260,7 +396,9 @@ def _load(path: Path) -> tuple[list[Curve], list[str]]:
     """An earlier run's curves (JSON keys back to step numbers) and the runs it skipped."""
     data = json.loads(path.read_text())
     curves = [Curve(**{**c, "accuracy": {int(k): v for k, v in c["accuracy"].items()},
-                       "seconds": {int(k): v for k, v in c["seconds"].items()}}) for c in data["curves"]]
+                       "seconds": {int(k): v for k, v in c["seconds"].items()},
+                       "seconds_kept": {int(k): v for k, v in c.get("seconds_kept", {}).items()}})
+              for c in data["curves"]]
     return curves, list(data["summary"].get("skipped", []))
 
 
@@ -307,12 +445,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", action="append", default=[],
                    help="a contender's exact name, or comma-separated 0-based numbers; repeatable; default all")
     p.add_argument("--seed-ids", default="", help="comma-separated seeds to run instead of 0..seeds-1")
+    p.add_argument("--time-scale", type=float, default=TIME_SCALE,
+                   help="simulated seconds per real second (engine and trainer); small enough that the CPU's work fits")
+    p.add_argument("--two-turn", action="store_true",
+                   help="the two-turn task in the train mix (default: the single-turn problems, which slime's own "
+                        "fully async rollout can run too; it trains single-turn either way)")
     p.add_argument("--merge", type=Path, default=None,
                    help="an earlier learn.json: keep its curves (those rerun here replaced) in the table and plot")
     a = p.parse_args(argv)
     seed_ids = tuple(int(s) for s in a.seed_ids.split(",")) if a.seed_ids.strip() else None
     bench_learn(seeds=a.seeds, steps=a.steps, eval_interval=a.eval_interval, deadline_s=a.deadline_s,
-                out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge)
+                out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge,
+                time_scale=a.time_scale, two_turn=a.two_turn)
     return 0
 
 

@@ -450,6 +450,8 @@ async def _families(redis: Any, ns: str) -> dict[str, dict[str, float]]:
             pipe.ttl(key)
         replies = await pipe.execute()
         for key, size, ttl in zip(batch, replies[::2], replies[1::2]):
+            if ttl == -2:  # expired between the scan and this read (the sweep lease, a short TTL): gone
+                continue
             row = out.setdefault(_family(key, ns), {"keys": 0, "bytes": 0, "ttl_s": ttl})
             row["keys"] += 1
             row["bytes"] += int(size or 0)

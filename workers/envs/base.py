@@ -86,7 +86,13 @@ class Undecided(MeasurementFailed):
     answer is wrong or adversarial, so by default it scores 0 with its reason, counted apart as
     `undecided` (`EnvConfig.on_undecided: zero`; `remove` makes it a failed measurement):
     removing it would give it no negative advantage, and a policy would learn that a
-    pathological answer costs nothing (`workers.envs.rewards.settle_undecided`)."""
+    pathological answer costs nothing (`workers.envs.rewards.settle_undecided`). `answer` is the
+    text the verifier was asked to read, whole (the components cap it); an attribute, so it
+    survives the pickle back from a checker process."""
+
+    def __init__(self, reason: str, answer: Union[str, None] = None):
+        super().__init__(reason)
+        self.answer = answer
 
 
 class TaskUngradable(MeasurementFailed):

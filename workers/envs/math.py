@@ -136,7 +136,7 @@ def check_answer(response: str, gold: str, answer: AnswerForm, timeout_s: int) -
         return Grade(0.0, None, UNREADABLE_BOX)
     if answer == "boxed" and boxed is None:
         return Grade(0.0, None, "no boxed answer")
-    with undecided_on_give_up(timeout_s) as watch:
+    with undecided_on_give_up(timeout_s, boxed or response) as watch:
         # the last box alone: math-verify parses every box of a text into one set
         predicted = parse(f"${boxed}$" if boxed else response, parsing_timeout=timeout, raise_on_error=True)
         watch.raise_if_gave_up()  # its parser's RecursionError, swallowed inside `parse`
@@ -192,7 +192,7 @@ class MathSession(ToollessSession):
                 deadline=deadline_in(timeouts.verify_deadline_s),
             )
         except Undecided as undecided:
-            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"answer": None, "gold": gold})
+            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"gold": gold})
         components = {"answer": grade.answer, "gold": gold, "correct": grade.reward == 1.0}
         if grade.reason:
             components["reason"] = grade.reason

@@ -32,8 +32,9 @@ _LOGGER = "math_verify"
 class Watch(logging.Handler):
     """What math-verify gave up on during one check, in its own words."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Union[str, None]) -> None:
         super().__init__(logging.DEBUG)
+        self.answer = answer  # the text being checked, carried by an `Undecided` on it
         self.gave_up: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -49,16 +50,16 @@ class Watch(logging.Handler):
 
     def raise_if_gave_up(self) -> None:
         if self.gave_up:
-            raise Undecided(f"math-verify gave up: {self.gave_up[0]}")
+            raise Undecided(f"math-verify gave up: {self.gave_up[0]}", self.answer)
 
 
 @contextlib.contextmanager
-def watching() -> Iterator[Watch]:
+def watching(answer: Union[str, None] = None) -> Iterator[Watch]:
     """A `Watch` over math-verify while the block runs (one check at a time: a checker process,
-    or inline in the caller's thread)."""
+    or inline in the caller's thread); `answer`, the text checked, for its `Undecided`."""
     import math_verify.parser as parser
 
-    watch = Watch()
+    watch = Watch(answer)
     original = parser.latex2sympy
 
     def watched(*args: Any, **kwargs: Any) -> Any:
@@ -85,23 +86,23 @@ def watching() -> Iterator[Watch]:
 
 
 @contextlib.contextmanager
-def undecided_on_give_up(timeout_s: Union[int, None]) -> Iterator[Watch]:
-    """`watching()`, and an exception math-verify raised on the answer (asked with
+def undecided_on_give_up(timeout_s: Union[int, None], answer: str) -> Iterator[Watch]:
+    """`watching(answer)`, and an exception math-verify raised on `answer` (asked with
     `raise_on_error`) as `Undecided` naming it."""
     from math_verify.errors import TimeoutException
 
-    with watching() as watch:
+    with watching(answer) as watch:
         try:
             yield watch
         except MeasurementFailed:
             raise
         except TimeoutException as exc:  # a BaseException: math-verify's SIGALRM bound
             during = str(exc).split(":", 1)[0] or "Timeout"  # "Timeout during parsing: <the whole text>"
-            raise Undecided(f"math-verify gave up: timed out after {timeout_s}s ({during})") from None
+            raise Undecided(f"math-verify gave up: timed out after {timeout_s}s ({during})", answer) from None
         except (RecursionError, MemoryError) as exc:
-            raise Undecided(f"math-verify gave up: {type(exc).__name__}") from None
+            raise Undecided(f"math-verify gave up: {type(exc).__name__}", answer) from None
         except Exception as exc:  # noqa: BLE001 - raise_on_error: an error inside math-verify on this answer
-            raise Undecided(f"math-verify failed: {type(exc).__name__}: {exc}"[:300]) from None
+            raise Undecided(f"math-verify failed: {type(exc).__name__}: {exc}"[:300], answer) from None
 
 
 _PLAIN_NUMBER = re.compile(r"-?\d+(\.\d+)?")

@@ -65,14 +65,13 @@ from workers.envs.convert import (
 )
 from workers.envs.local import initial_messages
 from workers.envs.options import Options, parse_options
-from workers.envs.rewards import TransientError, call_with_budget, deadline_in, shaped
+from workers.envs.rewards import MAX_COMPONENT_CHARS, TransientError, call_with_budget, capped, deadline_in, shaped
 
 _RESERVED = {"seed_session", "verify", "close_session", "aggregate_metrics", "reverify_mode", "mcp"}
 # /verify answer fields that are not components: the request echoed back, the reward,
 # and NeMo Gym's failure routing (read separately).
 _NOT_COMPONENTS = {"reward", "mask_sample", "instance_config"}
 MAX_COMPONENTS = 32
-MAX_COMPONENT_CHARS = 200
 
 
 class NemoGymOptions(Options, frozen=True):
@@ -231,6 +230,6 @@ def _small(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float)):
         return value
     if isinstance(value, str):
-        return value if len(value) <= MAX_COMPONENT_CHARS else value[:MAX_COMPONENT_CHARS] + "..."
+        return capped(value)
     text = json.dumps(value, default=str, separators=(",", ":"))
-    return value if len(text) <= MAX_COMPONENT_CHARS else text[:MAX_COMPONENT_CHARS] + "..."
+    return value if len(text) <= MAX_COMPONENT_CHARS else capped(text)

@@ -150,13 +150,13 @@ def grade_math(response: str, gold: str) -> tuple[float, Union[str, None]]:
         raise TaskUngradable(problem)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         extracted = extract_answer(response)
-        with mathverify.watching() as watch:
+        with mathverify.watching(extracted) as watch:
             try:
                 score = float(math_equal(gold, extracted))
             except TimeoutException as exc:
-                raise Undecided(f"math-verify gave up: timed out ({str(exc).split(':', 1)[0]})") from None
+                raise Undecided(f"math-verify gave up: timed out ({str(exc).split(':', 1)[0]})", extracted) from None
             except (RecursionError, MemoryError) as exc:
-                raise Undecided(f"math-verify gave up: {type(exc).__name__}") from None
+                raise Undecided(f"math-verify gave up: {type(exc).__name__}", extracted) from None
     if score == 0.0:
         watch.raise_if_gave_up()
     return score, extracted
@@ -220,6 +220,6 @@ class NemoSkillsSession(ToollessSession):
                 deadline=deadline_in(timeouts.verify_deadline_s),
             )
         except Undecided as undecided:
-            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"answer": None, "gold": self.gold})
+            return settle_undecided(self.env.config, undecided, terminal=terminal, components={"gold": self.gold})
         components = {"answer": extracted, "gold": self.gold, "correct": reward == 1.0}
         return shaped(self.env.config, [reward], terminal=terminal, components=components)

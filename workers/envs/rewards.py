@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A component string's cap: the components travel with every sample (Redis, the trainer's batch).
+MAX_COMPONENT_CHARS = 200
+
+
+def capped(text: str) -> str:
+    """`text`, or its first MAX_COMPONENT_CHARS characters and "..." when longer."""
+    return text if len(text) <= MAX_COMPONENT_CHARS else text[:MAX_COMPONENT_CHARS] + "..."
+
 _REDUCERS: dict[str, Callable[[list[float]], float]] = {
     "sum": sum,
     "mean": lambda xs: sum(xs) / len(xs),
@@ -82,11 +90,13 @@ def settle_undecided(config: EnvConfig, undecided: Undecided, *, terminal: bool,
     default) scores it 0 with its reason and `undecided: True` in the components (counted apart
     per environment); `remove` raises it back (a failed measurement: no loss). Zero, because a
     removed sample gets no negative advantage: a policy that cannot solve a task would learn that
-    a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) costs nothing."""
+    a pathological answer (`\\boxed{9^{9^{9^{9}}}}`) costs nothing. The answer it gave up on goes
+    into the components capped (`capped`): such an answer is as long as the model made it."""
     if config.on_undecided == "remove":
         raise undecided
-    return shaped(config, [0.0], terminal=terminal,
-                  components={**components, "correct": False, "undecided": True, "reason": str(undecided)})
+    answer = None if undecided.answer is None else capped(undecided.answer)
+    return shaped(config, [0.0], terminal=terminal, components={
+        **components, "answer": answer, "correct": False, "undecided": True, "reason": str(undecided)})
 
 
 def final_reward(config: EnvConfig, verification: Union[Verification, float], *, finished: bool) -> float:

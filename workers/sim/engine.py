@@ -16,7 +16,8 @@ rid that is still running ("Duplicate request ID detected"), input at or over th
 length, input + max_new_tokens over it. `n > 1` answers a JSON array, as SGLang does.
 A weight-version update aborts running requests unless told not to; under the
 `in_place`/`retract` pause modes requests survive the pause, and an update during it
-shows up as `meta_info.weight_versions` spans.
+shows up as `meta_info.weight_versions` spans; with `--policy-path` the tokens after an
+`/update_weights_from_disk` are the new weights' draws (`SimEngine.load_weights_from_disk`).
 
 The policy works on the real test tokenizer (workers.sim.tokenizer). For each turn
 it decodes the input ids, finds the last user question and:
@@ -138,6 +139,20 @@ class _Running:
     priority: int | None = None  # the `priority` it is scheduled by
     cached_tokens: int = 0  # prefix-cache hit (meta_info.cached_tokens)
     version_events: list[tuple[str, int]] = field(default_factory=list)  # (old label, tokens so far) per update
+    plan: _Plan | None = None  # the tiny policy's answer for it (`--policy-path`), once drawn
+
+
+@dataclass
+class _Plan:
+    """A tiny-policy request's answer: what it asked for and what the weights drew. `ids` is the
+    list the scheduler's SimReq steps through (`output_ids`); a weight load re-draws it past the
+    tokens already emitted, in place (`SimEngine._redraw_stale`)."""
+
+    request: Any  # workers.sim.tinylm.GenRequest
+    ids: list[int]
+    log_probs: list[float]
+    finish: dict[str, Any]
+    weights: int  # which load of the policy's weights drew the ids past the emitted ones
 
 
 class SimEngine:
@@ -158,6 +173,7 @@ class SimEngine:
         self.policy: Any = None  # workers.sim.tinylm.TinyPolicy when config.policy_path is set
         self._policy_queue: list[tuple[Any, asyncio.Future[Any]]] = []
         self._policy_busy = False
+        self._loading = asyncio.Lock()  # one weight load at a time (SGLang's scheduler runs them in turn)
         self.set_policy(config.policy_path)
         self._paused_in_place = False  # in_place/retract: running requests wait instead of aborting
         self._started_at = time.monotonic()
@@ -344,7 +360,10 @@ class SimEngine:
             return web.json_response({"detail": [{"loc": ["body", "model_path"], "msg": "Field required"}]}, status=422)
         if body.get("abort_all_requests", False):
             self._abort_all("Abort for weight update")
-        ok, message = await self.load_weights_from_disk(str(body["model_path"]), body.get("weight_version"))
+        # lenient where SGLang is not: a refused flush is no error here (this route's abort pause
+        # does not wait for the aborted requests to leave; the engine stack's front is SGLang's)
+        ok, message, _flushed = await self.load_weights_from_disk(str(body["model_path"]), body.get("weight_version"),
+                                                                  flush=bool(body.get("flush_cache", True)))
         return web.json_response({"success": ok, "message": message, "num_paused_requests": 0},
                                  status=200 if ok else 400)
 
@@ -358,37 +377,81 @@ class SimEngine:
 
         self.policy = TinyPolicy(path, self.tokenizer, seed=self.config.seed)
 
-    async def load_weights_from_disk(self, path: str, version: str | None) -> tuple[bool, str]:
-        """The weights at `path` replace the policy's (after the batch in flight), then the
-        weight version changes as a push does (push time, cache flushed, spans)."""
-        if self.policy is None:
-            return False, "this simulated engine plays the scripted policy (no --policy-path): no weights to load"
-        try:
-            await asyncio.to_thread(self.policy.load, path)
-        except (OSError, ValueError) as exc:
-            return False, f"Failed to load weights from {path}: {exc}"
-        if version is not None:
-            await self.push_weights(str(version))
-        return True, "Succeeded to update model weights."
+    async def load_weights_from_disk(self, path: str, version: str | None,
+                                     flush: bool = True) -> tuple[bool, str, bool]:
+        """The weights at `path` replace the policy's (after the batch in flight), every request
+        in flight has what it has not emitted yet re-drawn by them (`_redraw_stale`), then the
+        weight version changes as a push does (push time, spans) and, with `flush` (SGLang's
+        `flush_cache`, default true), the prefix cache is flushed if no request holds it.
+        Returns (loaded, message, flushed or not asked to flush).
 
-    async def push_weights(self, new_version: str) -> None:
+        The re-draw is here, not at /continue_generation: the step after the load is the first
+        one on the new weights whether the engine is paused (SGLang loads at once under a pause)
+        or not, and the label changes here, so the spans and the tokens change at the same token.
+        No step runs from the load to the end of the re-draw (`BatchScheduler.frozen`)."""
+        if self.policy is None:
+            return False, "this simulated engine plays the scripted policy (no --policy-path): no weights to load", True
+        async with self._loading:
+            with self.scheduler.frozen() if self.scheduler is not None else contextlib.nullcontext():
+                try:
+                    await asyncio.to_thread(self.policy.load, path)
+                except (OSError, ValueError) as exc:
+                    return False, f"Failed to load weights from {path}: {exc}", True
+                await self._redraw_stale()
+            # SGLang flushes after a load whether or not it carries a version label
+            flushed = await self.push_weights(str(version), flush=flush) if version is not None else self._flush(flush)
+        return True, "Succeeded to update model weights.", flushed
+
+    async def _redraw_stale(self) -> None:
+        """Every request in flight whose plan an earlier load drew (and that no abort ended) gets
+        the rest of its answer drawn again by the weights now loaded, in one batch: conditioned on
+        its prompt and the tokens it already emitted, at its own sampling params, within what is
+        left of its max_new_tokens, with these weights' log-probs and finish. As SGLang decodes
+        after `/update_weights_from_disk` under an `in_place` / `retract` pause, up to the KV:
+        SGLang's `in_place` keeps the prefix's KV the old weights computed, where the tiny model
+        recomputes the whole prefix on the new weights (`retract` recomputes it in SGLang too)."""
+        stale = [(running, running.plan, running.produced) for running in self._running.values()
+                 if running.plan is not None and running.plan.weights != self.policy.loads
+                 and not running.aborted.is_set() and running.produced < len(running.plan.ids)]
+        if not stale:
+            return
+        requests = [dataclasses.replace(plan.request, emitted=plan.ids[:produced]) for _, plan, produced in stale]
+        results = await asyncio.to_thread(self.policy.generate, requests)
+        for (_running, plan, produced), result in zip(stale, results):
+            plan.ids[produced:] = result.ids  # in place: the scheduler's SimReq steps through this list
+            plan.log_probs[produced:] = result.log_probs
+            plan.finish, plan.weights = result.finish, result.weights
+        self.stats["redrawn_requests"] = self.stats.get("redrawn_requests", 0) + len(stale)
+
+    async def push_weights(self, new_version: str, flush: bool = True) -> bool:
         """A weight update as the engine feels it: with a model, the GPU is busy model bytes /
-        `weight_push_gbps` (no step runs; the call returns when it is done) and the prefix
-        cache is flushed (SGLang's update_weights_* flush it; refused while requests hold it,
-        as after an in_place pause); then the label changes, and requests that survived the
-        pause record the switch (weight-version spans)."""
+        `weight_push_gbps` (no step runs; the call returns when it is done) and, with `flush`,
+        the prefix cache is flushed (SGLang's update_weights_* flush it; refused while requests
+        hold it, as after an in_place pause); then the label changes, and requests that survived
+        the pause record the switch (weight-version spans). Returns False where a flush was
+        asked for and refused."""
         scheduler, c = self.scheduler, self.config
         if scheduler is not None and self.table is not None and c.weight_push_gbps > 0:
             seconds = self.table.model_bytes / (c.weight_push_gbps * 1e9)
             scheduler.hold(seconds)
             self.stats["weight_push_s"] = self.stats.get("weight_push_s", 0.0) + seconds
             await asyncio.sleep(seconds / c.time_scale)
-        if scheduler is not None and scheduler.flush_cache():
-            self.stats["cache_flushes"] = self.stats.get("cache_flushes", 0) + 1
+        flushed = self._flush(flush)
         old, self.weight_version = self.weight_version, new_version
         for running in self._running.values():  # survivors (paused in place) record the switch
             if running.produced:  # as SGLang's record_weight_version_events: only a request with output
                 running.version_events.append((old, running.produced))
+        return flushed
+
+    def _flush(self, asked: bool) -> bool:
+        """SGLang's `flush_cache` after a weight update, if `asked`: False where it was refused
+        (a request holds the cache); without a step loop there is no cache to refuse."""
+        if not asked or self.scheduler is None:
+            return True
+        if not self.scheduler.flush_cache():
+            return False
+        self.stats["cache_flushes"] = self.stats.get("cache_flushes", 0) + 1
+        return True
 
     def _abort_all(self, message: str) -> None:
         for running in self._running.values():
@@ -412,7 +475,7 @@ class SimEngine:
             return {}
         sch = self.scheduler
         return {**sch.stats, "kv_pool_tokens": sch.config.kv_pool_tokens, "kv_used": sch.kv_used,
-                "sim_time_s": sch.sim_now, "num_waiting_reqs": len(sch.waiting)}
+                "sim_time_s": sch.sim_now, "num_waiting_reqs": len(sch.waiting), "num_running_reqs": len(sch.running)}
 
     # ------------------------------------------------------------ generate
 
@@ -562,7 +625,10 @@ class SimEngine:
     async def _run_model(
         self, running: _Running, input_ids: list[int], params: dict[str, Any]
     ) -> tuple[list[int], list[float], dict[str, Any], list[dict[str, Any]]]:
-        """The tiny LM answers at the request's own sampling params; the scheduler times it."""
+        """The tiny LM answers at the request's own sampling params; the scheduler times it. The
+        answer is drawn whole when the request arrives; a weight load while it is in flight
+        re-draws what it has not emitted yet (`load_weights_from_disk`), so every token is the
+        draw of the weights loaded at its step."""
         from workers.sim.tinylm import GenRequest
 
         budget = params.get("max_new_tokens", _DEFAULT_MAX_NEW_TOKENS)
@@ -574,12 +640,15 @@ class SimEngine:
             stop=[stops] if isinstance(stops, str) else list(stops),
             stop_token_ids=list(params.get("stop_token_ids") or []))
         result = await self._policy_generate(request)
-        produced = await self._emit(running, input_ids, result.ids, request.max_new_tokens)
-        finish = result.finish
-        if produced < len(result.ids):
+        while result.weights != self.policy.loads:  # drawn before a load that ended since: draw again
+            result = await self._policy_generate(request)
+        plan = running.plan = _Plan(request, result.ids, result.log_probs, result.finish, result.weights)
+        produced = await self._emit(running, input_ids, plan.ids, request.max_new_tokens)
+        finish = plan.finish
+        if produced < len(plan.ids):
             self.stats["aborted"] += 1
             finish = {"type": "abort", "message": running.message}
-        return result.ids[:produced], result.log_probs[:produced], finish, self._spans(running, produced)
+        return plan.ids[:produced], plan.log_probs[:produced], finish, self._spans(running, produced)
 
     async def _policy_generate(self, request: Any) -> Any:
         """Requests that arrive while a batch generates go together in the next one (one forward
@@ -883,11 +952,19 @@ def _value_error(message: str) -> web.Response:
 # ---------------------------------------------------------------- serving
 
 
+# The in-process engine (the demo's, tests') stops as an SGLang process stopped by Ctrl-C does: its
+# connections drop. aiohttp would first wait up to 60 s for handlers still running (whose clients,
+# the demo's workers, are gone: its Ctrl-C took over a minute); this is that wait. It is no SGLang
+# figure and no simulated time. `rollout engine` keeps aiohttp's drain on SIGTERM, as SGLang drains
+# its requests then.
+SHUTDOWN_GRACE_S = 2.0
+
+
 @contextlib.asynccontextmanager
 async def serve_sim_engine(config: SimConfig | None = None, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[RunningSim]:
     """Serve the simulator in the current event loop; yields a handle with `.url` and `.engine`."""
     engine = SimEngine(config or SimConfig())
-    runner = web.AppRunner(engine.app(), access_log=None)
+    runner = web.AppRunner(engine.app(), access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

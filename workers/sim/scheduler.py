@@ -44,10 +44,11 @@ Simulated time runs at `time_scale` x real time. The loop sleeps only when it is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,8 +82,11 @@ class SimReq:
 
     rid: str
     input_ids: list[int]
-    output_ids: list[int]  # everything it will produce (the simulator knows its plan)
-    max_new_tokens: int  # what it asked for (the admission budget), >= len(output_ids)
+    # everything it will produce (the simulator knows its plan); the ids past `produced` may be
+    # re-drawn, longer or shorter, while no step runs (the tiny policy after a weight load,
+    # workers/sim/engine.py): its length is read at every step, never kept
+    output_ids: list[int]
+    max_new_tokens: int  # what it asked for (the admission budget, what KV reservations use), >= len(output_ids)
     priority: int | None = None
     produced: int = 0
     cached_tokens: int = 0  # prefix-cache hit at its first admission (meta_info.cached_tokens)
@@ -127,9 +131,13 @@ class BatchScheduler:
         self._task: asyncio.Task[None] | None = None
         self._anchor: tuple[float, float] | None = None  # (real, simulated) time the clock last synced
         self._hold_until = 0.0  # simulated time a weight push keeps the GPU busy until
+        self._frozen = 0  # `frozen()` depth: no step runs while > 0
         self.stats: dict[str, float] = {"steps": 0, "prefill_steps": 0, "decode_steps": 0, "prefill_tokens": 0,
                                         "cached_tokens": 0, "retractions": 0, "preemptions": 0,
-                                        "busy_s": 0.0, "prefill_busy_s": 0.0, "decode_busy_s": 0.0, "max_kv_used": 0, "kv_used_token_s": 0.0}
+                                        "busy_s": 0.0, "prefill_busy_s": 0.0, "decode_busy_s": 0.0, "max_kv_used": 0, "kv_used_token_s": 0.0,
+                                        # the most the real clock fell behind the simulated one while
+                                        # busy, in simulated seconds: ~0 when the machine kept the scale
+                                        "max_behind_sim_s": 0.0}
 
     # ------------------------------------------------------------ interface
 
@@ -189,6 +197,19 @@ class BatchScheduler:
         self.cache.reset()
         return True
 
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """No step runs inside (aborts still leave): SGLang's scheduler loads weights inside its
+        own loop, between two batches, so no token is stepped while the engine swaps the weights
+        and re-draws what its requests have not emitted yet. The clock stops, as in a pause (the
+        push's GPU time is `hold`'s)."""
+        self._frozen += 1
+        try:
+            yield
+        finally:
+            self._frozen -= 1
+            self._wake.set()
+
     def hold(self, seconds: float) -> None:
         """The GPU is busy `seconds` of simulated time from now (a weight push): no step runs."""
         self._sync_clock()
@@ -207,14 +228,15 @@ class BatchScheduler:
                 await self._wake.wait()
                 self._sync_clock()
                 continue
-            if not self.resumed.is_set():  # paused in place: only aborts and continue move it
+            if self._frozen or not self.resumed.is_set():  # paused in place or frozen: only aborts, continue, thaw move it
                 self._anchor = None
                 self._wake.clear()
-                resumed = asyncio.ensure_future(self.resumed.wait())
-                woken = asyncio.ensure_future(self._wake.wait())
-                await asyncio.wait({resumed, woken}, return_when=asyncio.FIRST_COMPLETED)
-                resumed.cancel()
-                woken.cancel()
+                waits = {asyncio.ensure_future(self._wake.wait())}
+                if not self._frozen:
+                    waits.add(asyncio.ensure_future(self.resumed.wait()))
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for wait in waits:
+                    wait.cancel()
                 self._sync_clock()
                 continue
             if self._hold_until > self.sim_now:
@@ -246,6 +268,8 @@ class BatchScheduler:
             self._anchor = (time.monotonic(), self.sim_now - duration)
         real0, sim0 = self._anchor
         ahead = real0 + (self.sim_now - sim0) / self.config.time_scale - time.monotonic()
+        if ahead < 0:
+            self.stats["max_behind_sim_s"] = max(self.stats["max_behind_sim_s"], -ahead * self.config.time_scale)
         if ahead > _SLACK_S:
             await asyncio.sleep(ahead)
         elif self.stats["steps"] % 64 == 0:

@@ -10,7 +10,11 @@ before top-p). Requests that arrive together are generated as one padded batch w
 (`TinyPolicy.generate`), so a GRPO group costs one forward per token, not n.
 
 Weights are a transformers checkpoint directory (`save_checkpoint`), loaded the way SGLang's
-`/update_weights_from_disk {"model_path": dir}` loads them (`TinyPolicy.load`).
+`/update_weights_from_disk {"model_path": dir}` loads them (`TinyPolicy.load`). Every result
+says which load drew it (`GenResult.weights`), and a request can go on from output it already
+has (`GenRequest.emitted`): the engine re-draws the tokens a request has not emitted yet when
+new weights load while it is in flight, so each token is the draw of the weights loaded at its
+step, as SGLang decodes (workers/sim/engine.py `SimEngine.load_weights_from_disk`).
 
 torch and transformers are imported lazily: the project imports, and the demo runs, without
 them; only a policy that is asked for needs them.
@@ -43,13 +47,17 @@ class GenRequest:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # output it already has (drawn by earlier weights): the model reads it after the prompt, and
+    # the finish rules count it (the max_new_tokens budget, stop strings across the boundary)
+    emitted: list[int] = field(default_factory=list)
 
 
 @dataclass
 class GenResult:
-    ids: list[int]
+    ids: list[int]  # the new tokens (after `emitted`)
     log_probs: list[float]
-    finish: dict[str, Any]
+    finish: dict[str, Any]  # over the whole output: `emitted` + `ids`
+    weights: int = 0  # which load of the weights drew it (`TinyPolicy.loads`)
 
 
 def new_model(vocab_size: int, *, seed: int = 0, eos_id: int = 0) -> Any:
@@ -101,6 +109,7 @@ class TinyPolicy:
         self.generator = torch.Generator().manual_seed(seed)
         self.path = ""
         self.model: Any = None
+        self.loads = 0  # weights loaded so far: a result drawn under another count is stale
         self.load(path)
 
     def load(self, path: str | Path) -> None:
@@ -108,6 +117,7 @@ class TinyPolicy:
         model = load_model(path)
         with self.lock:
             self.model, self.path = model, str(path)
+            self.loads += 1
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         with self.lock:
@@ -119,22 +129,23 @@ class TinyPolicy:
         if not requests:
             return []
         batch = len(requests)
-        lengths = [len(r.input_ids) for r in requests]
+        contexts = [r.input_ids + r.emitted for r in requests]
+        lengths = [len(c) for c in contexts]
         width = max(lengths)
         pad = self.eos_id
         ids = torch.full((batch, width), pad, dtype=torch.long)
         mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, r in enumerate(requests):  # left padding: every row's next token is at the end
-            ids[i, width - lengths[i]:] = torch.tensor(r.input_ids, dtype=torch.long)
+        for i, context in enumerate(contexts):  # left padding: every row's next token is at the end
+            ids[i, width - lengths[i]:] = torch.tensor(context, dtype=torch.long)
             mask[i, width - lengths[i]:] = 1
         temps = torch.tensor([max(r.temperature, 1e-5) for r in requests]).unsqueeze(1)
         greedy = torch.tensor([r.temperature < 1e-5 or r.top_k == 1 for r in requests])
-        out: list[list[int]] = [[] for _ in requests]
+        out: list[list[int]] = [list(r.emitted) for r in requests]  # the whole output, for the finish rules
         lps: list[list[float]] = [[] for _ in requests]
         finish: list[dict[str, Any] | None] = [None] * batch
         for i, r in enumerate(requests):
-            if r.max_new_tokens <= 0:
-                finish[i] = {"type": "length", "length": 0}
+            if len(r.emitted) >= r.max_new_tokens:
+                finish[i] = {"type": "length", "length": len(r.emitted)}
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         past = None
         step_ids = ids
@@ -155,7 +166,8 @@ class TinyPolicy:
                 step_ids = chosen.unsqueeze(1)
                 mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
                 positions = positions[:, -1:] + 1
-        return [GenResult(o, lp, f or {"type": "length", "length": len(o)}) for o, lp, f in zip(out, lps, finish)]
+        return [GenResult(o[len(r.emitted):], lp, f or {"type": "length", "length": len(o)}, self.loads)
+                for r, o, lp, f in zip(requests, out, lps, finish)]
 
     def _sample(self, logits: Any, temps: Any, greedy: Any, requests: list[GenRequest]) -> tuple[Any, Any]:
         """SGLang's sampler: logits / temperature, softmax, top-k / top-p filtering of the draw

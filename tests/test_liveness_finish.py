@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
 import msgspec
 import pytest
 from arq.constants import abort_jobs_ss, in_progress_key_prefix
@@ -51,6 +52,14 @@ async def _enqueue_eval(redis: Any, redis_url: str, keys: Keys, namespace: str) 
     await _enqueue(redis, keys, "r1", [(EvalDataset(env="calc", tasks="-", n_samples=2), [task])], 0, 60.0, wanted)
     [gid] = wanted
     return keys.arq_job_id(gid), lambda: redis.xlen(keys.eval_stream("r1"))
+
+
+async def _engine_busy(url: str) -> bool:
+    """Whether the engine holds a request, read as slime's abort reads it: SGLang's GET /v1/loads."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/loads") as response:
+        response.raise_for_status()
+        [load] = (await response.json())["loads"]
+    return load["num_running_reqs"] + load["num_waiting_reqs"] > 0
 
 
 async def _running(redis: Any, keys: Keys) -> int:
@@ -113,7 +122,7 @@ async def test_a_job_between_its_end_and_arqs_finish_is_not_released_as_an_orpha
         task = asyncio.create_task(worker.async_run())
         try:
             if ending == "abort":
-                await wait_for(lambda: asyncio.sleep(0, len(sim.engine._running) > 0), 30, "the episodes' requests")
+                await wait_for(lambda: _engine_busy(sim.url), 30, "the episodes' requests")
                 await redis.zadd(abort_jobs_ss, {job_id: int(time.time() * 1000)})  # arq's Job.abort
             deadline = time.monotonic() + 30
             while not held.is_set() and time.monotonic() < deadline and not task.done():

@@ -97,7 +97,7 @@ async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_gr
     slime's generate and AsyncRolloutWorker, rewards from the project's math environment
     (workers.inslime.reward), slime's train_async.py with the CPU actor, held-out accuracy
     through the pipeline's eval. Three steps: it trains (whole groups of n, graded 0 and 1 as
-    the \\boxed{} check grades them, rollout log-probs on every sample) and evaluates; learning
+    the project's grader grades them, rollout log-probs on every sample) and evaluates; learning
     is the bench's question, not this test's. Its worker is stopped at the end."""
     import asyncio
     import re

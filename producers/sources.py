@@ -162,10 +162,16 @@ def read_jsonl(path: Path) -> Iterator[Row | RowError]:
                 raw = raw[3:]  # a UTF-8 byte-order mark, as some editors write
             if not raw.strip():
                 continue
+            # The bytes are decoded here, not by the JSON decoder: how a JSON library reports bad
+            # UTF-8 differs between versions (msgspec 0.23: "malformed JSON: Invalid UTF-8 encoded
+            # string"), and a row's message must not depend on what else is installed.
             try:
-                yield Row(where, _json_decoder.decode(raw), len(raw))
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
                 yield RowError(where, f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+                continue
+            try:
+                yield Row(where, _json_decoder.decode(text), len(raw))
             except msgspec.DecodeError as exc:
                 yield RowError(where, f"malformed JSON: {exc}")
 

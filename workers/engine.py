@@ -60,7 +60,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NoReturn, Union
 
 import aiohttp
 import msgspec
@@ -173,6 +173,9 @@ def parse_generation(body: bytes, latency_s: float) -> Generation:
             raise EngineError(f"engine returned {len(ids)} output ids without output_token_logprobs")
         log_probs = []
     finish = meta.finish_reason
+    spans = tuple((span.version, span.start, span.end) for span in meta.weight_versions or ())
+    if spans:
+        check_version_spans(spans, len(ids))
     return Generation(
         output_ids=ids,
         log_probs=log_probs,
@@ -183,9 +186,36 @@ def parse_generation(body: bytes, latency_s: float) -> Generation:
         cached_tokens=meta.cached_tokens or 0,
         latency_s=latency_s,
         weight_versions=tuple(span.version for span in meta.weight_versions or ()) or (str(meta.weight_version),),
-        version_spans=tuple((span.version, span.start, span.end) for span in meta.weight_versions or ())
-        or ((str(meta.weight_version), 0, len(ids)),),
+        version_spans=spans or ((str(meta.weight_version), 0, len(ids)),),
     )
+
+
+class BadVersionSpans(EngineError):
+    """`meta_info.weight_versions` that do not tile the answer's output tokens: the episode fails
+    with this reason (a version per token cannot be trusted), it is not retried."""
+
+
+def check_version_spans(spans: Sequence[tuple[str, int, int]], n_tokens: int) -> None:
+    """Raises `BadVersionSpans` unless the spans tile output tokens [0, n_tokens) exactly: in
+    order, each starting where the last ended, none empty, the last ending at n_tokens. SGLang
+    (`compute_weight_version_spans`, `add_weight_versions_to_meta_info`) makes them so; the one
+    empty span it sends is `[label, 0, 0]` alone, for an answer with no token."""
+    if n_tokens == 0 and len(spans) == 1 and spans[0][1:] == (0, 0):
+        return
+    at = 0
+    for index, (label, start, end) in enumerate(spans):
+        if start != at:
+            _bad_spans(spans, n_tokens, f"span {index} {[label, start, end]} starts at {start}, not {at}")
+        if end <= start:
+            _bad_spans(spans, n_tokens, f"span {index} {[label, start, end]} is empty or reversed")
+        at = end
+    if at != n_tokens:
+        _bad_spans(spans, n_tokens, f"they end at token {at}")
+
+
+def _bad_spans(spans: Sequence[tuple[str, int, int]], n_tokens: int, why: str) -> NoReturn:
+    shown = [list(span) for span in spans[:8]] + (["..."] if len(spans) > 8 else [])
+    raise BadVersionSpans(f"engine's weight-version spans {shown} do not tile its {n_tokens} output tokens: {why}")
 
 
 def _error_message(body: bytes) -> str:
@@ -605,6 +635,8 @@ class EngineClient:
                 return parse_generation(payload, time.monotonic() - started)
             except msgspec.DecodeError as exc:  # garbage or truncated JSON from a proxy: transient, like a 502
                 return f"undecodable /generate answer: {exc}"
+            except BadVersionSpans as exc:  # the engine's own bookkeeping: the same again on a retry
+                raise BadVersionSpans(f"rid {rid}: {exc}") from None
         message = _error_message(payload)
         if status >= 500 or status == 429:
             return f"HTTP {status}: {message}"

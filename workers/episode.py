@@ -377,15 +377,14 @@ class EpisodeRunner:
 
 def _token_versions(gen: Generation) -> list[int]:
     """The policy version of each output token of one call: its span's label read through the
-    call's stamp (`PolicyStamp.version_of`), the call's own version where no span covers a token,
-    -1 throughout without a stamp."""
+    call's stamp (`PolicyStamp.version_of`), the call's own version without spans, -1 throughout
+    without a stamp. The engine client has checked that the spans tile the output tokens
+    (`check_version_spans`): one version per token, never more or fewer."""
     if gen.policy is None:
         return [-1] * len(gen.output_ids)
-    versions = [gen.policy.version_of(gen.weight_versions)] * len(gen.output_ids)
-    for label, start, end in gen.version_spans:
-        end = min(end, len(versions))
-        versions[start:end] = [gen.policy.version_of([label])] * max(0, end - start)
-    return versions
+    if not gen.version_spans:
+        return [gen.policy.version_of(gen.weight_versions)] * len(gen.output_ids)
+    return [version for label, start, end in gen.version_spans for version in [gen.policy.version_of([label])] * (end - start)]
 
 
 def _turn_meta(turn: _Turn, text: str, parsed: ParsedTurn, gen_s: float) -> dict[str, Any]:

@@ -107,7 +107,13 @@ def require_slime(*modules: str) -> types.SimpleNamespace:
 
 
 def require_nemo_rl(*modules: str) -> types.SimpleNamespace:
+    """The pinned NeMo-RL snapshot on sys.path; imports torch, `nemo_rl` and `modules`.
+
+    torch always: a NeMo-RL environment answers `step` with torch tensors (`EnvironmentReturn`),
+    and `import nemo_rl` alone succeeds without it, so a test of an environment of its own
+    (no NeMo-RL module beyond the package) would otherwise fail, not skip, without torch."""
     path = _on_path("NEMO_RL_PATH", "nemo_rl")
+    _import_all("nemo_rl", ("torch",), _CONFORMANCE_HINT)
     mods = _import_all("nemo_rl", ("nemo_rl", *modules), _CONFORMANCE_HINT)
     return types.SimpleNamespace(path=path, modules=dict(zip(("nemo_rl", *modules), mods)))
 

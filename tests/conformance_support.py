@@ -1,8 +1,9 @@
 """Conformance tests run upstream code (slime, SGLang, NeMo-RL, NeMo-Skills) against this pipeline.
 
 The upstream packages are test-only: slime, NeMo-RL and NeMo-Skills come from the pinned
-snapshots in `<repo>/../shared/third_party/` (or `$SLIME_PATH`, `$NEMO_RL_PATH`,
-`$NEMO_SKILLS_PATH`), put on `sys.path` here and nowhere else; SGLang, torch, ray and
+snapshots that `scripts/upstream.py` locates (`$SLIME_PATH`, `$NEMO_RL_PATH`, `$NEMO_SKILLS_PATH`,
+else `$ROLLOUT_THIRD_PARTY/<name>`, else `<repo>/../shared/third_party/<name>`; it also fetches
+them: `scripts/run_conformance.sh`), put on `sys.path` here and nowhere else; SGLang, torch, ray and
 megatron-core are installed by `.ci/run` (`pip install torch==2.13.0` then `-e ".[test,conformance]"`).
 
 Each `require_*()` imports what a test needs and skips the test with the reason when it
@@ -35,11 +36,9 @@ from typing import Any, NoReturn
 
 import pytest
 
+from scripts import upstream
+
 REPO = Path(__file__).resolve().parent.parent
-# `../shared/third_party` beside the checkout; a checkout elsewhere (a CI clone) falls back to
-# the workspace's shared folder.
-_CANDIDATES = (REPO.parent / "shared" / "third_party", Path("/work/shared/third_party"))
-THIRD_PARTY = next((p for p in _CANDIDATES if p.is_dir()), _CANDIDATES[0])
 REQUIRE_ENV = "ROLLOUT_REQUIRE_CONFORMANCE"
 
 
@@ -54,14 +53,14 @@ def unavailable(reason: str) -> NoReturn:
     pytest.skip(f"conformance: {reason}")
 
 
-def snapshot_path(env_var: str, name: str) -> Path:
-    return Path(os.environ.get(env_var) or THIRD_PARTY / name).resolve()
-
-
-def _on_path(env_var: str, name: str) -> Path:
-    path = snapshot_path(env_var, name)
-    if not (path / name).is_dir():
-        unavailable(f"no {name} snapshot at {path} (set ${env_var} to a checkout holding {name}/)")
+def _on_path(name: str) -> Path:
+    path = upstream.snapshot_path(name)
+    if not upstream.is_present(name):
+        pinned = upstream.BY_NAME[name]
+        unavailable(
+            f"no {name} snapshot at {path} ({pinned.repository} @ {pinned.commit[:12]}; set ${pinned.env_var} "
+            f"or ${upstream.THIRD_PARTY_ENV}, or {upstream.FETCH_HINT})"
+        )
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     return path
@@ -93,7 +92,7 @@ def require_slime(*modules: str) -> types.SimpleNamespace:
     Returns a namespace with the path, `Sample`, `DataSource`, `RolloutFnTrainOutput` and each
     extra module under its dotted name (`ns.modules["slime.ray.rollout"]`).
     """
-    path = _on_path("SLIME_PATH", "slime")
+    path = _on_path("slime")
     _import_all("slime", SLIME_MODULES, _CONFORMANCE_HINT)
     extra = _import_all("slime", modules, _CONFORMANCE_HINT)
     from slime.rollout.base_types import RolloutFnTrainOutput
@@ -112,14 +111,14 @@ def require_nemo_rl(*modules: str) -> types.SimpleNamespace:
     torch always: a NeMo-RL environment answers `step` with torch tensors (`EnvironmentReturn`),
     and `import nemo_rl` alone succeeds without it, so a test of an environment of its own
     (no NeMo-RL module beyond the package) would otherwise fail, not skip, without torch."""
-    path = _on_path("NEMO_RL_PATH", "nemo_rl")
+    path = _on_path("nemo_rl")
     _import_all("nemo_rl", ("torch",), _CONFORMANCE_HINT)
     mods = _import_all("nemo_rl", ("nemo_rl", *modules), _CONFORMANCE_HINT)
     return types.SimpleNamespace(path=path, modules=dict(zip(("nemo_rl", *modules), mods)))
 
 
 def require_nemo_skills(*modules: str) -> types.SimpleNamespace:
-    path = _on_path("NEMO_SKILLS_PATH", "nemo_skills")
+    path = _on_path("nemo_skills")
     mods = _import_all("nemo_skills", ("nemo_skills", *modules), _CONFORMANCE_HINT)
     return types.SimpleNamespace(path=path, modules=dict(zip(("nemo_skills", *modules), mods)))
 

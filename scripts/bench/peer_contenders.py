@@ -52,6 +52,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from scripts import upstream
+
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "scripts" / "demo_tasks.jsonl"
 CONTENDERS = {
@@ -435,14 +437,8 @@ class CpuMeter:
 
 
 def slime_path() -> Path:
-    """The pinned slime snapshot, found as the conformance tests find it."""
-    try:
-        from tests.conformance_support import snapshot_path
-
-        return snapshot_path("SLIME_PATH", "slime")
-    except ImportError:  # tests/ not importable (an installed copy): the same rule
-        env = os.environ.get("SLIME_PATH")
-        return Path(env) if env else REPO.parent / "shared" / "third_party" / "slime"
+    """The pinned slime snapshot, found as the conformance tests find it (scripts/upstream.py)."""
+    return upstream.snapshot_path("slime")
 
 
 def write_inputs(workdir: Path) -> tuple[Path, Path]:

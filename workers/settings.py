@@ -5,6 +5,8 @@
 - the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
   looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
   that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
+  the same script records each job it takes as this worker's (liveness job set, owner, `running`),
+  so no orphan sweep ever sees a job in progress without its owner (issue 47);
   eval jobs (queued ahead of training, scores below EVAL_SCORE_MAX) take at most
   `workers.eval_share` of the slots (`eval_slots`): the rest go to training jobs (issue 40);
 - arq's `max_tries` is ours + 1, so a job that comes back after its last try (its

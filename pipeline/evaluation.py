@@ -232,8 +232,8 @@ def eval_group_id(round_id: str, dataset: str, task_id: str) -> str:
 
 
 async def _withdraw(redis: Any, keys: Keys, gids: list[str], *, unfinished: list[str] | tuple[str, ...] = ()) -> None:
-    """Take a round's jobs out of arq's queue: their entries and job keys (a worker that takes
-    one after this reads no key: arq's "expired", workers/worker_log.py), and arq's try counts.
+    """Take a round's jobs out of arq's queue: their entries and job keys (a worker that took one
+    before this and starts it after reads no key: arq's "expired"), and arq's try counts.
     A finished job has nothing left to take: harmless. A job of `unfinished` (no group or error
     back yet) that a worker is running now is aborted as arq's `Job.abort` does (the worker
     cancels it within `ABORT_CHECK_S`, its engine requests get `/abort_request`): no engine time

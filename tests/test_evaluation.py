@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import importlib
 import sys
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -179,55 +178,6 @@ async def test_timeout_names_what_is_missing_and_withdraws_the_round(redis, redi
         ds.close()
     assert await redis.zcard(keys.queue) == 0 and await redis.keys(f"arq:job:{namespace}:*eval*") == []  # this test's own (the server is shared)
     assert await _counters(redis, keys) == {}
-
-
-async def test_a_taken_eval_job_whose_twin_ran_finds_nothing_to_run_and_says_so(redis, redis_url, keys, namespace,
-                                                                             caplog):
-    """Why arq logs "job <id> expired" for an eval job while its round completes: a worker took the
-    job (workers/settings.py `_CLAIM_LUA`: in progress, unowned until `run_eval_group` records it)
-    and stalled before arq's `run_job` read it; the liveness sweep released it as an orphan (its
-    owner unseen for half a heartbeat), another worker ran it to the end (arq's finish deletes
-    `arq:job:<id>`), and the stalled `run_job` then reads no job key: arq 0.28's only "expired"
-    (worker.py `run_job`, `if not v`). Nothing is lost: the twin pushed the group once. The worker
-    says so at INFO (workers/worker_log.py `ExpiredJobExplained`), not as a lost job."""
-    import logging
-
-    from arq.constants import in_progress_key_prefix
-
-    from pipeline.evaluation import EVAL_SCORE_MAX, EvalDataset, _enqueue
-    from tests.policy_helpers import trainer_started
-    from workers.liveness import PLACE_PREFIX, Liveness
-    from workers.settings import _CLAIM_LUA, CLAIM_SCAN
-    from workers.sim.engine import serve_sim_engine
-
-    await trainer_started(redis, keys)
-    task = Task(id="e0", env="calc", prompt="What is 2 * 7?", label="14")
-    wanted: dict = {}
-    await _enqueue(redis, keys, "r1", [(EvalDataset(env="calc", tasks="-", n_samples=2), [task])], 0, 60.0, wanted)
-    [gid] = wanted
-    job_id, stream = keys.arq_job_id(gid), keys.eval_stream("r1")
-    # the stalled worker's take (its `claim_jobs`, the script alone: its run_job waits)
-    now = int(time.time() * 1000)
-    taken = await redis.register_script(_CLAIM_LUA)(keys=[keys.queue], args=[
-        now, 1, in_progress_key_prefix, 60_000, now + 5000, PLACE_PREFIX, CLAIM_SCAN, 1, EVAL_SCORE_MAX])
-    assert taken[1:] == [job_id.encode(), b"1"], taken
-    sweeper = Liveness(redis, keys, "sweeper", heartbeat_s=0.2, dead_after_s=1.0)
-    assert await sweeper.release_orphans() == 0  # seen unowned: a suspect
-    await asyncio.sleep(0.15)
-    assert await sweeper.release_orphans() == 1  # still unowned: released at its place
-    async with serve_sim_engine() as sim:
-        config = parse_config(config_dict(redis_url, namespace, sim.url))
-        async with _worker(config) as twin:
-            await wait_for(lambda: _xlen_is(redis, stream, 1), 30, "the twin's group")
-            await wait_for(lambda: _zcard_is(redis, keys.queue, 0), 10, "the twin's finish")
-            caplog.clear()
-            with caplog.at_level(logging.INFO, logger="arq.worker"):
-                await twin.run_job(job_id, 1)  # the stalled worker's run_job, at last
-    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "arq.worker"]
-    assert said == [(logging.INFO, f"eval job {job_id}: nothing to run, it ended before it started here (a twin released "
-                                   "by the liveness sweeps ran it, or its round withdrew it): no work lost")], said
-    assert await redis.xlen(stream) == 1 and await redis.zcard(keys.queue) == 0  # the twin's group, once
-    await redis.delete(stream)
 
 
 def _run_eval_as(worker, body):

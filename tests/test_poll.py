@@ -15,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from arq import Retry
 from arq.constants import in_progress_key_prefix
+from arq.utils import to_unix_ms
 from arq.worker import func
 
 from pipeline.evaluation import EVAL_SCORE
@@ -150,13 +151,17 @@ async def test_arqs_semantics_are_kept(namespace):
             assert await redis.zscore(queue, f"{queue}:slow") is None
 
             handed = f"{namespace}-handed"
-            await pool.enqueue_job("note", handed, 30.0, _job_id=f"{queue}:h", _queue_name=queue)
-            enqueued_score = await redis.zscore(queue, f"{queue}:h")
+            job = await pool.enqueue_job("note", handed, 30.0, _job_id=f"{queue}:h", _queue_name=queue)
+            # its place: the score arq enqueued it at (its enqueue time, no defer), read from its job key,
+            # which no take moves (its queue entry may be taken, and its score moved, before a ZSCORE here)
+            place = to_unix_ms((await job.info()).enqueue_time)
             await wait_for(lambda: asyncio.sleep(0, handed in RAN), 10, "the job to hand back")
+            first_take = worker._scores[f"{queue}:h"]
             worker.tasks[f"{queue}:h"].cancel()  # what a drain does to a job past its grace: arq re-runs it
             await wait_for(lambda: asyncio.sleep(0, len(RAN[handed]) == 2), 10, "the re-run of the handed-back job")
             assert RAN[handed][1] - RAN[handed][0] < IN_PROGRESS_RECHECK_S
-            assert worker._scores[f"{queue}:h"] == int(enqueued_score)  # the re-run was taken at its own place
+            assert first_take == place
+            assert worker._scores[f"{queue}:h"] == place  # the re-run was taken at its own place
             await stop_worker(worker, task)
         finally:
             await redis.aclose()

@@ -8,10 +8,10 @@ never into `{ns}:groups`: no dedup marker, no `{ns}:open`, no buffered/episodes 
 A job that cannot succeed (undecodable, unknown environment, a bug, out of tries, past its
 soft deadline) pushes an `error` entry instead, so the trainer's round ends with the reason
 rather than at its timeout; nothing is dead-lettered, counted failed or handed back.
-The job is in the worker's job set while it runs and until arq has finished it
-(`Liveness.job_started`; `job_ended` from `RolloutWorker.finish_job`, `workers.jobs.end_job`), as
-every job must be, or the reaper's orphan scan would re-run it: that holds `running` +1 while it
-runs and gives it back after, as the reaper does for a dead worker's jobs.
+The job is in the worker's job set from its take until arq has finished it (a RolloutWorker's
+take records it, and the worker ends it once arq's `run_job` returned: `workers.jobs.start_job`,
+`end_job`), as every job must be, or the reaper's orphan scan would re-run it: that holds
+`running` +1 while it runs and gives it back after, as the reaper does for a dead worker's jobs.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from workers.jobs import (
     end_job,
     run_episodes,
     soft_deadline_s,
+    start_job,
 )
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id:
         return await _give_up(w, round_id, gid, f"eval job {job_id}: {exc}")
     if job_try > max_tries:  # its worker died on the last try
         return await _give_up(w, round_id, gid, f"eval job {job_id}: out of tries ({max_tries})")
-    await w.liveness.job_started(job_id)
+    await start_job(w, job_id, arq_worker)  # or, under a RolloutWorker, its take did
     soft_s = soft_deadline_s(w.config.workers)
     try:
         group = await _within(run_episodes(w, job, job_try), soft_s)

@@ -2,7 +2,9 @@
 
 `run_group(ctx, payload)`:
 1. decode the PromptJob (poison -> dead-letter stream, counted failed + discarded, no retry);
-2. `running` +1, record the job in this worker's job set (for the reaper), in one script;
+2. `running` +1, record the job in this worker's job set (for the reaper), in one script: under a
+   RolloutWorker its take did that already, in the script that marked the job in progress
+   (`start_job`), so the job is never in progress without its owner;
 3. run the n episodes concurrently under a soft deadline (`soft_deadline_s`, below arq's
    `job_timeout` with a margin), build the SampleGroup (group_id = job id);
 4. push it with the buffer's atomic dedup transaction, which applies the
@@ -114,13 +116,28 @@ class WorkerContext:
         await self.engine.close()
 
 
+def _recorded_by_its_take(arq_worker: Any) -> bool:
+    """Whether the worker running the job recorded it as its own in the take that marked it in
+    progress, and ends it after arq's finish (`RolloutWorker.records_jobs_in_take`)."""
+    return bool(getattr(arq_worker, "records_jobs_in_take", False))
+
+
+async def start_job(w: WorkerContext, job_id: str, arq_worker: Any) -> None:
+    """Record the job as this worker's (`Liveness.job_started`: job set, owner, `running` +1)
+    only when no RolloutWorker runs it (a direct call: tests, bench). A RolloutWorker's take did
+    it, in the script that marked the job in progress: recorded here, the job was in progress and
+    owned by nobody from the take until now, and two orphan sweeps in that window released it for
+    a twin to run (issue 47)."""
+    if not _recorded_by_its_take(arq_worker):
+        await w.liveness.job_started(job_id)
+
+
 async def end_job(w: WorkerContext, job_id: str, arq_worker: Any) -> None:
-    """The job function's end of `Liveness.job_started`: give the job up here only when no
-    RolloutWorker runs it (a direct call: tests, bench). Under a RolloutWorker
-    (`ends_jobs_after_finish`) the worker ends it after arq's `finish_job`: ended here, the job
-    would be in progress (arq's key and queue entry) and owned by nobody until that finish, and
-    the orphan sweep could release it for a twin to run again."""
-    if not getattr(arq_worker, "ends_jobs_after_finish", False):
+    """The job function's end of `start_job`: give the job up here only when no RolloutWorker
+    runs it. A RolloutWorker ends it after arq's `finish_job`: ended here, the job would be in
+    progress (arq's key and queue entry) and owned by nobody until that finish, and the orphan
+    sweep could release it for a twin to run again."""
+    if not _recorded_by_its_take(arq_worker):
         await w.liveness.job_ended(job_id)
 
 
@@ -150,7 +167,7 @@ async def _run_counted(
     w: WorkerContext, job: PromptJob, job_id: str, job_try: int, payload: bytes, arq_worker: Any = None
 ) -> dict[str, Any]:
     """Run with `running` held +1 while the job is in this worker's job set."""
-    await w.liveness.job_started(job_id)  # running +1 and the reaper's record, atomically
+    await start_job(w, job_id, arq_worker)  # running +1 and the reaper's record, atomically (or the take's)
     started = time.monotonic()
     soft_s = soft_deadline_s(w.config.workers)
     try:

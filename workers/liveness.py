@@ -13,9 +13,10 @@ deletes the in-progress keys of its jobs (they are still in arq's queue: due aga
 the place each had when it was taken, `PLACE_PREFIX`, and started with job_try + 1), notes the cause as the jobs'
 last error, gives back the `running` count of every job in its set and forgets the worker.
 A job that is re-run pushes its group through the dedup marker, so it is stored once.
-A job leaves its worker's set only after arq's finish (`RolloutWorker.finish_job` calls
-`job_ended`): ended earlier, it would be in progress and owned by nobody, which the orphan check
-below releases.
+A job enters its worker's set in the take that marks it in progress (workers/settings.py
+`_CLAIM_LUA`, with `RECORD_OWNER_LUA`) and leaves it only after arq's finish (`RolloutWorker`
+calls `job_ended` once `run_job` has returned): recorded later or ended earlier, it would be in
+progress and owned by nobody, which the orphan check below releases for a twin to run.
 The sweep's orphan check releases jobs in progress that no live worker owns (`_ORPHANS_LUA`); in a
 rolling upgrade, a live worker of the version before the owners hash owns what its set holds.
 Every part of the sweep costs O(its own work): cursors that do not walk, the rolling-upgrade
@@ -40,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 
 import redis.asyncio as aioredis
 from arq.constants import in_progress_key_prefix
@@ -102,11 +104,14 @@ return {#dead, released}
 """
 
 
-# Jobs in progress (arq's in-progress key) that no live worker owns: a worker died between
-# taking the job and recording it (or the reply of its take was lost). Ownership is read per job
+# Jobs in progress (arq's in-progress key) that no live worker owns: a take by a worker of the
+# version before this one (it recorded the owner after its take, in the job function) whose
+# worker died in between, a job whose end was recorded while arq's finish failed, a take by
+# plain arq. This version's take records the owner in the script that marks the job in progress,
+# so its jobs are never seen so. Ownership is read per job
 # from the owners hash (O(1) each), never by walking every worker's set. Each sweep first
-# re-checks the suspects of earlier sweeps (released once seen unowned for `min age`: the
-# take-to-record window is ms long), then looks at the next ORPHAN_SCAN queue entries from a
+# re-checks the suspects of earlier sweeps (released once seen unowned for `min age`: the old
+# version's take-to-record window is ms long), then looks at the next ORPHAN_SCAN queue entries from a
 # ZSCAN cursor: O(ORPHAN_SCAN) a sweep (no offset walked), and an entry present for a whole pass
 # is seen in it whatever its score does meanwhile (this version's poll moves the scores of jobs in
 # progress, workers/settings.py), so a queue of any length is covered in turns.
@@ -197,18 +202,28 @@ if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end
 return 0
 """
 
+# A job recorded as a worker's: in its job set, its owner entry, `running` +1, all or nothing
+# (SADD that added it), in the script that runs it: `_JOB_LUA` (`job_started`) and the worker's
+# take (workers/settings.py `_CLAIM_LUA`, which marks the job in progress in the same script, so
+# no sweep ever sees a job of this version in progress without its owner).
+RECORD_OWNER_LUA = """
+local function record_owner(job_set, counters, owners, job, worker, running)
+  if redis.call('SADD', job_set, job) == 0 then return 0 end
+  redis.call('HSET', owners, job, worker)
+  redis.call('HINCRBY', counters, running, 1)
+  return 1
+end
+"""
+
 # KEYS: worker job set, counters hash, job owners hash
 # ARGV: job id, running counter, +1 (start) or -1 (end), worker id
-_JOB_LUA = """
-local changed
-if tonumber(ARGV[3]) > 0 then
-  changed = redis.call('SADD', KEYS[1], ARGV[1])
-  if changed == 1 then redis.call('HSET', KEYS[3], ARGV[1], ARGV[4]) end
-else
-  changed = redis.call('SREM', KEYS[1], ARGV[1])
-  if changed == 1 and redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[4] then redis.call('HDEL', KEYS[3], ARGV[1]) end
+_JOB_LUA = RECORD_OWNER_LUA + """
+if tonumber(ARGV[3]) > 0 then return record_owner(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[4], ARGV[2]) end
+local changed = redis.call('SREM', KEYS[1], ARGV[1])
+if changed == 1 then
+  if redis.call('HGET', KEYS[3], ARGV[1]) == ARGV[4] then redis.call('HDEL', KEYS[3], ARGV[1]) end
+  redis.call('HINCRBY', KEYS[2], ARGV[2], -1)
 end
-if changed == 1 then redis.call('HINCRBY', KEYS[2], ARGV[2], tonumber(ARGV[3])) end
 return changed
 """
 
@@ -271,9 +286,13 @@ class Liveness:
         self._job = redis.register_script(_JOB_LUA)
         self._leave = redis.register_script(_LEAVE_LUA)
         self._reconcile = redis.register_script(_RECONCILE_LUA)
-        # the arq job ids this process really runs: added before the job's SADD, removed after
-        # its SREM, so our Redis set is always a subset of it unless Redis lost writes
+        # the arq job ids this process really runs: added before the job's SADD (`job_started`) or
+        # by the take that recorded it (under `_taking`), removed after its SREM, so our Redis set is
+        # a subset of it outside a take unless Redis lost writes or the reply of a take was lost
         self._running: set[str] = set()
+        # held by a take while its script records jobs in our Redis set that `_running` does not
+        # hold yet; a reconcile that read the set then would release them (`reconcile`)
+        self._taking = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         prefix, _, suffix = keys.worker_jobs("\x00").partition("\x00")
         self._set_prefix, self._set_suffix = prefix, suffix
@@ -323,29 +342,57 @@ class Liveness:
             self._running.discard(job_id)
 
     def runs(self, job_id: str) -> bool:
-        """Whether this process recorded the job (`job_started`) and has not ended it yet."""
+        """Whether this process recorded the job (`job_started`, or its take: `taking`) and has not
+        ended it yet."""
         return job_id in self._running
+
+    def take_keys(self) -> list[str]:
+        """KEYS a take script passes to `RECORD_OWNER_LUA`'s `record_owner`: our job set, the
+        counters, the owners hash."""
+        return self._job_keys()
+
+    def take_args(self) -> list[str]:
+        """ARGV a take script passes to `record_owner`: our worker id, the `running` counter."""
+        return [self.worker_id, Counter.RUNNING]
+
+    @contextlib.asynccontextmanager
+    async def taking(self) -> AsyncIterator[Callable[[str], None]]:
+        """Hold while a take script records jobs as ours (`RECORD_OWNER_LUA`); call what it
+        yields with each job id the take returned. A reconcile does not read our set meanwhile:
+        it would see the jobs recorded and not yet run here, and release them for a twin. A take
+        whose reply is lost leaves jobs recorded and never run: the next reconcile releases them."""
+        async with self._taking:
+            yield self._running.add
 
     async def reconcile(self) -> int:
         """Release the jobs our Redis set holds that this process does not run.
 
-        Only a Redis that lost acknowledged writes (restarted from an AOF missing its last
-        second after a machine crash) gets there: a job that ended in the lost second is back in
+        Two things get there. A Redis that lost acknowledged writes (restarted from an AOF missing
+        its last second after a machine crash): a job that ended in the lost second is back in
         our set (its SREM lost) and in arq's queue with its in-progress key, so neither arq nor
-        the reaper (we are alive) would ever re-run it, and its admission slot stays held. The
-        re-run pushes through the dedup marker: stored once."""
-        recorded = {job.decode() for job in await self.redis.smembers(self.keys.worker_jobs(self.worker_id))}  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
-        ghosts = sorted(recorded - self._running)
+        the reaper (we are alive) would ever re-run it, and its admission slot stays held. And a
+        take whose reply was lost: its jobs are recorded as ours (owned by a live worker, so the
+        orphan sweep leaves them) and never run here. The re-run pushes through the dedup marker:
+        stored once.
+
+        Not while a take is recording jobs (`taking`): this beat's reconcile is skipped then and
+        the next one reads the set; a take waits at most for a reconcile's one read of it."""
+        if self._taking.locked():
+            return 0
+        async with self._taking:
+            recorded = {job.decode() for job in await self.redis.smembers(self.keys.worker_jobs(self.worker_id))}  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
+            ghosts = sorted(recorded - self._running)
         if not ghosts:
             return 0
         released = int(await self._reconcile(
             keys=[*self._job_keys()[:2], self.keys.job_errors, self.keys.job_owners, self.keys.queue],
-            args=[Counter.RUNNING, in_progress_key_prefix, "its worker no longer ran it (Redis lost writes)",
+            args=[Counter.RUNNING, in_progress_key_prefix,
+                  "its worker no longer ran it (Redis lost writes, or the reply of its take was lost)",
                   self.worker_id, _now_ms(), *ghosts],
         ))
         if released:
-            log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes?)",
-                        released)
+            log.warning("released %d job(s) recorded as ours that this worker does not run (Redis lost writes, "
+                        "or a take's lost reply?)", released)
         return released
 
     def start(self) -> None:

@@ -5,6 +5,8 @@
 - the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
   looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
   that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
+  the same script records each job it takes as this worker's (liveness job set, owner, `running`),
+  so no orphan sweep ever sees a job in progress without its owner (issue 47);
   eval jobs (queued ahead of training, scores below EVAL_SCORE_MAX) take at most
   `workers.eval_share` of the slots (`eval_slots`): the rest go to training jobs (issue 40);
 - arq's `max_tries` is ours + 1, so a job that comes back after its last try (its
@@ -53,8 +55,8 @@ from workers.engine import EngineClient, EngineLocator
 from workers.envs.options import check_tool_parsers
 from workers.eval_jobs import run_eval_group
 from workers.jobs import ARQ_WORKER_KEY, CTX_KEY, WorkerContext, run_group
-from workers.liveness import PLACE_PREFIX, Liveness
-from workers.worker_log import LoggingBuffer, explain_expired_eval_jobs, hide_job_args, wait_for_redis
+from workers.liveness import PLACE_PREFIX, RECORD_OWNER_LUA, Liveness
+from workers.worker_log import LoggingBuffer, hide_job_args, wait_for_redis
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,6 @@ def build_worker(
     check_tool_parsers(config)  # a typo'd parser fails here, not in every episode
     hide_job_args()  # --verbose: arq's per-job lines name the job id, never its msgpack payload
     keys = Keys(config.redis.namespace)
-    explain_expired_eval_jobs(keys.arq_job_id("eval:"))  # a taken eval job whose twin ran: no loss
     wcfg = config.workers
     worker_id = worker_id or new_worker_id()
 
@@ -156,14 +157,16 @@ CLAIM_SCAN = 64  # queue entries one poll looks at, at most (a short script unde
 IDLE_POLL_MAX_S = 1.0  # a poll that took nothing doubles the wait before the next, up to this
 ABORT_CHECK_S = 1.0  # Job.abort() is read this often, and only while jobs run here
 
-_CLAIM_LUA = """
--- KEYS: queue zset
+_CLAIM_LUA = RECORD_OWNER_LUA + """
+-- KEYS: queue zset, then (a worker with liveness) its job set, the counters, the job owners hash
 -- ARGV: now (ms, the enqueuers' clock), slots, in-progress key prefix, in-progress ttl (ms),
 --       the score of an entry looked at (now + recheck, ms), the place prefix, entries to look at,
---       eval slots free (of slots), the eval scores' bound (ms: eval jobs below it, training above)
+--       eval slots free (of slots), the eval scores' bound (ms: eval jobs below it, training above),
+--       then (with liveness) the worker id, the running counter
 -- -> {1 if it stopped at the look budget (more may be due) else 0, job id, its score, ...} for
 --    the jobs taken (in-progress key set to the place prefix + the job's score: its place in the
---    queue, which every release restores, workers/liveness.py)
+--    queue, which every release restores, workers/liveness.py), each recorded as the worker's
+--    (job set, owner, `running` +1) in this script: no sweep sees it in progress without its owner
 local now, slots, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[7])
 local taken, looked = {0}, 0
 local function scan(low, high, want)
@@ -177,6 +180,7 @@ local function scan(low, high, want)
       looked = looked + 1
       if redis.call('EXISTS', ARGV[3] .. job) == 0 then
         redis.call('SET', ARGV[3] .. job, ARGV[6] .. due[i + 1], 'PX', ARGV[4])
+        if KEYS[2] then record_owner(KEYS[2], KEYS[3], KEYS[4], job, ARGV[10], ARGV[11]) end
         table.insert(taken, job)
         table.insert(taken, due[i + 1])
         got = got + 1
@@ -202,14 +206,16 @@ class RolloutWorker(Worker):
     a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it), so
     it is due again at once or after its defer, as with arq. A poll that takes nothing backs off
     (doubling up to IDLE_POLL_MAX_S); Job.abort() is read every ABORT_CHECK_S while jobs run.
-    A lost reply of the take leaves its jobs in progress with no owner: the liveness orphan
-    sweep releases them (as for a worker that died between taking a job and recording it). A job
-    leaves this worker's job set after arq's finish (`finish_job`), never before: no sweep takes a
-    job that ended here but that arq has not finished yet.
+    A job is this worker's (its liveness job set, owner entry, `running` +1) from the take that
+    marks it in progress, in the same script, until arq's `run_job` has returned (`_run_taken`:
+    after arq's finish, whichever way the job ended, or failed to): no sweep sees it in progress
+    and unowned at any point, so none releases it for a twin (issue 47). A lost reply of the take
+    leaves its jobs recorded as ours and not run here: the next heartbeat's reconcile releases them.
     """
 
-    # the job functions leave `Liveness.job_ended` to `finish_job` (workers/jobs.py `end_job`)
-    ends_jobs_after_finish = True
+    # the take records the job as ours and `_run_taken` ends it: the job functions do neither
+    # (workers/jobs.py `start_job`, `end_job`)
+    records_jobs_in_take = True
 
     def __init__(self, *args: Any, eval_slots: int | None = None, eval_prefix: str = "", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -250,21 +256,50 @@ class RolloutWorker(Worker):
             self._claim_script = self.pool.register_script(_CLAIM_LUA)
         now_ms = timestamp_ms()
         eval_free = self.eval_slots - sum(job_id.startswith(self.eval_prefix) for job_id in self._scores)
-        taken = await self._claim_script(
-            keys=[self.queue_name],
-            args=[now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
-                  now_ms + int(IN_PROGRESS_RECHECK_S * 1000), PLACE_PREFIX, CLAIM_SCAN,
-                  max(0, eval_free), EVAL_SCORE_MAX])
-        more, pairs = bool(int(taken[0])), taken[1:]
-        for job_id_b, score_b in zip(pairs[::2], pairs[1::2]):
+        jobs, more = await self._take([now_ms, slots, in_progress_key_prefix, int(self.in_progress_timeout_s * 1000),
+                                       now_ms + int(IN_PROGRESS_RECHECK_S * 1000), PLACE_PREFIX, CLAIM_SCAN,
+                                       max(0, eval_free), EVAL_SCORE_MAX])
+        for job_id, score in jobs:
             await self.sem.acquire()  # free: slots <= max_jobs - job_counter
             self.job_counter = self.job_counter + 1
-            job_id, score = job_id_b.decode(), int(float(score_b))
             self._scores[job_id] = score
-            t = self.loop.create_task(self.run_job(job_id, score))
+            t = self.loop.create_task(self._run_taken(job_id, score))
             t.add_done_callback(functools.partial(self._job_task_done, job_id))
             self.tasks[job_id] = t
-        return len(pairs) // 2, more
+        return len(jobs), more
+
+    async def _take(self, args: list[Any]) -> tuple[list[tuple[str, int]], bool]:
+        """Run the take script: ([(job id, its score)] taken, whether it stopped at its look budget).
+        With liveness, the script records each job as ours and `_running` notes it (`taking`)."""
+        liveness = self._liveness()
+        if liveness is None:
+            return _taken_jobs(await self._claim_script(keys=[self.queue_name], args=args))
+        async with liveness.taking() as ours:
+            jobs, more = _taken_jobs(await self._claim_script(keys=[self.queue_name, *liveness.take_keys()],
+                                                              args=[*args, *liveness.take_args()]))
+            for job_id, _ in jobs:
+                ours(job_id)
+        return jobs, more
+
+    def _liveness(self) -> Liveness | None:
+        """This worker's liveness (None for a plain RolloutWorker: tests, benchmarks)."""
+        w: WorkerContext | None = self.ctx.get(CTX_KEY)
+        return None if w is None else w.liveness
+
+    async def _run_taken(self, job_id: str, score: int) -> None:
+        """arq's `run_job`, then the job leaves this worker's job set (`Liveness.job_ended`): after
+        arq's finish of every ending (done, failed, retried, aborted, handed back by a drain, and
+        the early ones: arq's "expired", out of tries, aborted before start), never before. Ended
+        before, the job would be in progress and owned by nobody meanwhile: a stall there (GIL, a
+        loaded host) past half a heartbeat and the orphan sweep released it, for a twin to run it
+        again. Ended also when `run_job` failed (a Redis error before its finish): then the job,
+        unowned, is released by the sweep rather than held until arq's key expires."""
+        try:
+            await self.run_job(job_id, score)
+        finally:
+            liveness = self._liveness()
+            if liveness is not None and liveness.runs(job_id):
+                await asyncio.shield(liveness.job_ended(job_id))
 
     def _job_task_done(self, job_id: str, _task: asyncio.Task[None]) -> None:
         self._scores.pop(job_id, None)
@@ -272,16 +307,7 @@ class RolloutWorker(Worker):
 
     async def finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
-        """arq's finish (every ending of a job that ran: done, failed, retried, aborted, handed
-        back by a drain), then the job leaves this worker's job set (`_job_ended`)."""
-        try:
-            await self._finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
-                                   keep_in_progress)
-        finally:
-            await self._job_ended(job_id)
-
-    async def _finish_job(self, job_id: str, finish: bool, result_data: bytes | None, result_timeout_s: float | None,
-                          keep_result_forever: bool, incr_score: int | None, keep_in_progress: float | None) -> None:
+        """arq's finish of a job that ran (done, failed, retried, aborted, handed back by a drain)."""
         score = self._scores.pop(job_id, None)
         if finish or score is None:
             await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, incr_score,
@@ -294,16 +320,11 @@ class RolloutWorker(Worker):
                                  keep_in_progress)
         await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
 
-    async def _job_ended(self, job_id: str) -> None:
-        """`Liveness.job_ended` for a job the function recorded (`run_group`, `run_eval_group`
-        leave it to us: `workers.jobs.end_job`), once arq's finish removed its in-progress key and
-        queue entry, or handed it back. Ended before, the job would be in progress and owned by
-        nobody meanwhile: a stall there (GIL, a loaded host) past half a heartbeat and the orphan
-        sweep released it, for a twin to run it again. Run even when the finish failed: then the
-        job, unowned, is released by the sweep rather than held until arq's key expires."""
-        w: WorkerContext | None = self.ctx.get(CTX_KEY)
-        if w is not None and w.liveness.runs(job_id):
-            await w.liveness.job_ended(job_id)
+
+def _taken_jobs(reply: list[Any]) -> tuple[list[tuple[str, int]], bool]:
+    """The take script's reply: ([(job id, its score)], whether it stopped at its look budget)."""
+    pairs = reply[1:]
+    return [(job_id.decode(), int(float(score))) for job_id, score in zip(pairs[::2], pairs[1::2])], bool(int(reply[0]))
 
 
 def _set_socket_timeout(pool: Any, url: str) -> None:

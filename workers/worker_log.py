@@ -8,8 +8,6 @@
 - `HideJobArgs`: arq's per-job line (`--verbose`) names the job id, never the job's arguments:
   arq 0.28 logs `'%6.2fs → %s(%s)%s'` with `args_to_string(args, kwargs)` (arq/worker.py,
   `run_job`), which for a prompt job is the repr of the msgpack payload, prompts included.
-- `ExpiredJobExplained`: arq's WARNING "job <id> expired" (its job key was gone when `run_job`
-  read it) is no lost eval job, so it is said at INFO, with what happened.
 """
 
 from __future__ import annotations
@@ -136,34 +134,6 @@ def _looks_like_payload(value: object) -> bool:
 
 HIDE_JOB_ARGS = HideJobArgs()
 
-ARQ_JOB_EXPIRED = "job %s expired"  # arq 0.28 worker.py `run_job`: no `arq:job:<id>` when it starts the job
-EXPIRED_EXPLAINED = ("eval job %s: nothing to run, it ended before it started here (a twin released by the "
-                     "liveness sweeps ran it, or its round withdrew it): no work lost")
-
-
-class ExpiredJobExplained(logging.Filter):
-    """arq's "job <id> expired" for an eval job at INFO, with its cause. An eval job's key goes
-    only with its queue entry (arq's finish, `pipeline.evaluation._withdraw`: one transaction
-    each) or by its TTL (the round's timeout + 1 h: its round had timed out an hour before). So a
-    worker that took an eval job and reads no key stalled between its take and arq's read: the
-    liveness sweep released the job as an orphan (unowned for half a heartbeat,
-    workers/liveness.py) and a twin ran it to its end (its group pushed once), or its round
-    withdrew it. arq then only clears the job's keys (`finish_failed_job`). A training job's
-    "expired" stays arq's WARNING: its key's TTL (7 days) is a wait no job should reach."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.eval_prefixes: set[str] = set()  # arq job ids of eval jobs begin with one of these
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if (record.msg == ARQ_JOB_EXPIRED and isinstance(record.args, tuple) and record.args
-                and str(record.args[0]).startswith(tuple(self.eval_prefixes))):
-            record.msg, record.levelno, record.levelname = EXPIRED_EXPLAINED, logging.INFO, "INFO"
-        return True
-
-
-EXPIRED_JOB_EXPLAINED = ExpiredJobExplained()
-
 
 def hide_job_args() -> None:
     """Install the filter on arq's worker logger (idempotent)."""
@@ -171,11 +141,3 @@ def hide_job_args() -> None:
     if HIDE_JOB_ARGS not in logger.filters:
         logger.addFilter(HIDE_JOB_ARGS)
 
-
-def explain_expired_eval_jobs(eval_prefix: str) -> None:
-    """Say arq's "expired" of the eval jobs whose ids begin with `eval_prefix` at INFO, with its
-    cause (`ExpiredJobExplained`; idempotent)."""
-    logger = logging.getLogger("arq.worker")
-    EXPIRED_JOB_EXPLAINED.eval_prefixes.add(eval_prefix)
-    if EXPIRED_JOB_EXPLAINED not in logger.filters:
-        logger.addFilter(EXPIRED_JOB_EXPLAINED)

@@ -476,7 +476,7 @@ def test_a_burst_of_slow_answers_is_admitted_within_the_latency_budget_and_the_r
         async def scenario():
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
                 warm = []  # the checker processes started, the service time observed (their start included)
-                for _ in range(3):
+                for _ in range(4):
                     warm += await asyncio.gather(*(_post_timed(http, f"{base}/math", body) for _ in range(2)))
                 burst = await asyncio.gather(*(_post_timed(http, f"{base}/math", body) for _ in range(24)),
                                              _slime_after_a_503(http))
@@ -496,11 +496,12 @@ def test_a_burst_of_slow_answers_is_admitted_within_the_latency_budget_and_the_r
         process.send_signal(signal.SIGTERM)
         out, _ = process.communicate(timeout=30)
     assert process.returncode == 0, out
-    assert [status for status, *_ in warm] == [200] * 6, warm
+    assert [status for status, *_ in warm] == [200] * 8, warm
     admitted = [seconds for status, seconds, _, _ in burst if status == 200]
     refused = [(seconds, retry, answer) for status, seconds, retry, answer in burst if status == 503]
-    print(f"burst of {len(burst)}: {len(admitted)} admitted, max {max(admitted):.2f}s; {len(refused)} refused, "
-          f"max {max(s for s, _, _ in refused):.3f}s; slime's remote_rm: {slime_reward} after {slime_s:.1f}s")
+    print(f"burst of {len(burst)}: {len(admitted)} admitted, max {max(admitted, default=0):.2f}s; {len(refused)} "
+          f"refused, max {max((s for s, _, _ in refused), default=0):.3f}s; slime's remote_rm: {slime_reward} after "
+          f"{slime_s:.1f}s")
     assert len(admitted) + len(refused) == len(burst) and len(admitted) >= 2 and len(refused) >= 8, burst
     assert max(admitted) <= budget_s, sorted(admitted)  # every admitted answer within the budget ...
     assert all(seconds < 0.5 and retry is not None and int(retry) >= 1 for seconds, retry, _ in refused), refused
@@ -511,9 +512,9 @@ def test_a_burst_of_slow_answers_is_admitted_within_the_latency_budget_and_the_r
     slime_503s = busy - len(refused) - 1  # the probe's
     assert slime_503s >= 0
     assert metrics[("rollout_rm_answered_total", (("status", "503"),))] == busy
-    assert metrics[("rollout_rm_answered_total", (("status", "200"),))] == 6 + len(admitted) + 1
-    assert metrics[("rollout_rm_undecided_total", (("env", "math"),))] == 6 + len(admitted) + 1
-    assert metrics[("rollout_rm_latency_seconds_count", (("env", "math"),))] == 6 + len(burst) + 2 + slime_503s
+    assert metrics[("rollout_rm_answered_total", (("status", "200"),))] == 8 + len(admitted) + 1
+    assert metrics[("rollout_rm_undecided_total", (("env", "math"),))] == 8 + len(admitted) + 1
+    assert metrics[("rollout_rm_latency_seconds_count", (("env", "math"),))] == 8 + len(burst) + 2 + slime_503s
     assert metrics[("rollout_rm_verifier_workers", (("env", "math"),))] == 2
     assert metrics[("rollout_rm_latency_budget_seconds", (("env", "math"),))] == budget_s
 
@@ -579,7 +580,7 @@ async def test_every_answer_is_counted_on_the_tokened_metrics_endpoint_and_in_a_
     assert metrics[("rollout_rm_busy_total", (("env", "math"), ("reason", "max_pending")))] == 1
     assert metrics[("rollout_rm_latency_seconds_count", math_env)] == 2 + 1 + len(nan_golds) + 3
     assert metrics[("rollout_rm_latency_seconds_count", strict)] == 1
-    assert 0 < metrics[("rollout_rm_service_seconds", math_env)] < 2.0  # observed: below the 2 s prior
+    assert 0 < metrics[("rollout_rm_service_seconds", math_env)] < 2.0  # observed: the 10 s prior replaced
     lines = [r.getMessage() for r in caplog.records if "(since the last line)" in r.getMessage()]
     assert lines and all(TOKEN not in line for line in caplog.text.splitlines()), caplog.text
     logged: collections.Counter[int] = collections.Counter()  # the lines' counts, summed

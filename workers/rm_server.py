@@ -22,19 +22,27 @@ tries, backoff up to 30 s), then raised. So this server answers:
   `label` where the environment grades against one; for `math`, `arithmetic`, `calculator` a
   label that is an object, a list, true/false or NaN: the label is the gold answer); a body that
   is not JSON or is nested too deeply (`'[' * 100000`); and, with `"task_error": true`, a label
-  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it). 404
-  for an unknown environment. Each is counted (`Scorer.answered`).
+  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it), or
+  the text "NaN" (any case), a data set's missing value that math-verify would read. 404 for an
+  unknown environment; 413 for a body over `--max-body-mib`.
 - 503 for an outage: the environment could not score (its server down, a judge that failed, a
-  masked NeMo Gym verification, a timeout); and, with `Retry-After`, when `--max-pending`
-  verifications are in flight (`ServerLimits`). 408 for a body that did not arrive within
-  `--body-timeout-s`; a connection that sent no whole request head within `--header-timeout-s`
-  is closed. 422 for a failed measurement (`MeasurementFailed`: a checker process that died,
-  an answer the verifier gave up on under `on_undecided: remove`). 500 for a bug of ours or of
-  an in-process environment. Never a 0 that would be trained. An answer the verifier gave up on
-  is a 200 0.0 under the default `on_undecided: zero`, counted in `Scorer.undecided` per
-  environment. slime's `remote_rm` retries every error status alike (`except Exception`, 10
-  tries, about 2.5 minutes) and then raises, which ends the slime run; `workers.rm_client.reward`
-  (`--custom-rm-path`) removes the sample of a 422 or a long outage instead.
+  masked NeMo Gym verification, a timeout); and, with `Retry-After`, at once, when
+  `--max-pending` requests are in flight or the environment's verifier pool could not answer
+  this one within `--latency-budget-s` (`ServerLimits`, `workers.rm_stats.Admission`). 408 for a
+  body that did not arrive within `--body-timeout-s`; a connection that sent no whole request
+  head within `--header-timeout-s` is closed. 422 for a failed measurement (`MeasurementFailed`:
+  a checker process that died, an answer the verifier gave up on under `on_undecided: remove`).
+  500 for a bug of ours or of an in-process environment. Never a 0 that would be trained. An
+  answer the verifier gave up on is a 200 0.0 under the default `on_undecided: zero`, counted as
+  undecided per environment. slime's `remote_rm` retries every error status alike (`except
+  Exception`, 10 tries, about 2.5 minutes) and then raises, which ends the slime run;
+  `workers.rm_client.reward` (`--custom-rm-path`) removes the sample of a 422 or a long outage
+  instead.
+- `GET /<token>/metrics` (`/metrics` without a token): every answer counted by status, busy 503s
+  by reason, 400s, undecided answers, failed measurements, latency per environment, as
+  Prometheus text (`workers.rm_stats.ServerStats`); the same summed up in a log line every
+  `--stats-interval-s`. At start, `--max-body-mib` x `--max-pending` (the request bodies held
+  at once) must fit `--memory-budget-mib` (`check_limits`).
 
 The task: `prompt` (a string or chat messages) and `label`; a label that is a JSON object
 (or a string holding one) is the task's data row as well, `metadata` (a NeMo Gym row with
@@ -108,7 +116,7 @@ class ServerLimits:
     body_timeout_s: float = 30.0
     retry_after_s: int = 1
     latency_budget_s: float = 30.0
-    service_prior_s: float = 2.0
+    service_prior_s: float = 10.0
     max_body_mib: int = 16
     memory_budget_mib: int = 1024
     stats_interval_s: float = 60.0
@@ -118,14 +126,14 @@ def check_limits(limits: ServerLimits) -> None:
     """`ConfigError` for limits out of range, or bodies that could outgrow the memory budget
     (naming both numbers)."""
     if limits.max_pending < 1 or limits.max_body_mib < 1 or limits.memory_budget_mib < 1:
-        raise ConfigError("rollout rm-server: --max-pending, --max-body-mib and --memory-budget-mib must be >= 1")
+        raise ConfigError("--max-pending, --max-body-mib and --memory-budget-mib must be >= 1")
     if min(limits.header_timeout_s, limits.body_timeout_s, limits.latency_budget_s, limits.service_prior_s,
            limits.stats_interval_s) <= 0:
-        raise ConfigError("rollout rm-server: the timeouts, --latency-budget-s, --service-prior-s and "
+        raise ConfigError("the timeouts, --latency-budget-s, --service-prior-s and "
                           "--stats-interval-s must be > 0")
     held = limits.max_body_mib * limits.max_pending
     if held > limits.memory_budget_mib:
-        raise ConfigError(f"rollout rm-server: request bodies can hold {held} MiB at once (--max-body-mib "
+        raise ConfigError(f"request bodies can hold {held} MiB at once (--max-body-mib "
                           f"{limits.max_body_mib} x --max-pending {limits.max_pending}), over the memory budget "
                           f"--memory-budget-mib {limits.memory_budget_mib}: lower either, or raise the budget")
 

@@ -8,7 +8,11 @@
   holds a worker; before the first, a stated prior). The issue's `(queue + 1) x service /
   workers`, rounded up to whole rounds of the pool, so that it bounds the wait of requests that
   take the average time rather than averaging it. A request that finds a worker free is always
-  admitted: its own verification is no longer than it is, whatever the budget says.
+  admitted: its own verification is no longer than it is, whatever the budget says. The prior
+  (`--service-prior-s`, 10 s) is cautious: a cold burst admits `budget / prior x workers`
+  requests (6 with the defaults) until the first answer replaces it with a measured time.
+  It is an estimate: a burst of slow answers that arrives while the average was set by fast
+  ones is admitted on the fast figure.
 - `ServerStats`: the counters (answered by status, busy 503s by reason, 400s, undecided,
   failed measurements), a latency histogram per environment, served as Prometheus text
   (`GET /<token>/metrics`) and summed up in a periodic log line.
@@ -45,8 +49,8 @@ BUSY_PENDING = "max_pending"  # --max-pending requests were in flight
 def verifier_workers(name: str, config: EnvConfig, fallback: int) -> int:
     """How many verifications of environment `name` run at once: the checker processes of the
     kinds that check in a local pool (math, nemo_skills: `processes`; 1 with `check_in:
-    inline`, which runs in the server's event loop); else `fallback` (--max-pending): a remote
-    verifier's own concurrency is not known here, and its queueing shows in the service time."""
+    inline`, which runs in the server's event loop); else `fallback` (--max-pending): their
+    verifier's concurrency is not known here, so only --max-pending bounds what they admit."""
     options: Union[MathOptions, NemoSkillsOptions]
     if config.kind == "math":
         options = parse_options(name, config, MathOptions)
@@ -92,8 +96,9 @@ class Admission:
                 self.observe(time.monotonic() - started)
 
     def observe(self, service_s: float) -> None:
+        """One verification's time: the first replaces the prior, later ones move the average."""
         self.observed += 1
-        self.service_s += SMOOTHING * (service_s - self.service_s)
+        self.service_s = service_s if self.observed == 1 else self.service_s + SMOOTHING * (service_s - self.service_s)
 
 
 class ServerStats:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,6 +213,11 @@ def test_rm_server_on_a_public_address_needs_its_token_which_no_line_shows(rm_hu
     short = _rollout_rm_server(config, "--host", "0.0.0.0", "--token", "s3cr3t-short", token=None)
     out, _ = short.communicate(timeout=60)
     assert short.returncode == 2 and "at least 16 characters" in out and "s3cr3t-short" not in out, out
+    # 64 MiB bodies x 64 in flight (the limits before issue 47) outgrow the default 1 GiB budget: said at start
+    greedy = _rollout_rm_server(config, "--max-body-mib", "64", "--port", str(free_port()), token=None)
+    out, _ = greedy.communicate(timeout=60)
+    assert greedy.returncode == 2 and ("request bodies can hold 4096 MiB at once (--max-body-mib 64 x --max-pending "
+                                       "64), over the memory budget --memory-budget-mib 1024") in out, out
 
     port = free_port()
     process = _rollout_rm_server(config, "--host", "0.0.0.0", "--port", str(port), token=TOKEN)
@@ -228,12 +235,17 @@ def test_rm_server_on_a_public_address_needs_its_token_which_no_line_shows(rm_hu
                     async with http.post(base + path, json={"prompt": QUESTION, "response": "\\boxed{2}", "label": "2"}) as resp:
                         statuses.append(resp.status)
                         bodies.append(await resp.text())
+                for path in ("/metrics", f"/{TOKEN[:-1]}x/metrics", f"/{TOKEN}/metrics"):  # the operator's view too
+                    async with http.get(base + path) as resp:
+                        statuses.append(resp.status)
+                        bodies.append(await resp.text())
             await rm_hub._shared_session.close()
             return right, statuses, bodies
 
         right, statuses, bodies = asyncio.run(scenario())
         assert right == 1.0
-        assert statuses == [401, 401, 401, 401, 503], (statuses, bodies)
+        assert statuses == [401, 401, 401, 401, 503, 401, 401, 200], (statuses, bodies)
+        assert 'rollout_rm_answered_total{status="401"} 4.0' in bodies[-1] and "rollout_rm_busy_total" in bodies[-1]
         assert "must begin with this rm-server's token" in bodies[0]
     finally:
         process.send_signal(signal.SIGTERM)
@@ -265,7 +277,7 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
         started = time.monotonic()
         no_label = await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{2}", None), tries=3)
         retried_s = time.monotonic() - started
-        assert (no_label, scorer.answered[400]) == (400, 3)  # slime's three tries, three requests: no more
+        assert (no_label, scorer.stats.answered[400]) == (400, 3)  # slime's three tries, three requests: no more
         assert retried_s >= 1.0  # slime's own backoff between them (1 s, then 2 s, plus jitter)
         assert await slime_status(f"{base}/math", _sample(rm_hub, "\\boxed{2}", "2", prompt=5)) == 400
         assert await slime_status(f"{base}/code", _sample(rm_hub, "```python\nprint(1)\n```", "1")) == 400
@@ -293,7 +305,7 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
                 async with http.post(f"{base}/math", data=data) as resp:
                     errors[case] = (resp.status, (await resp.json())["error"])
         await rm_hub._shared_session.close()
-    assert undecided == 0.0 and scorer.undecided == {"math": 1} and right == 1.0
+    assert undecided == 0.0 and scorer.stats.undecided == {"math": 1} and right == 1.0
     assert all(status == 400 for status, _ in errors.values()), errors
     assert "'label' is an object: the math environment's label is the gold answer" in errors["object label"][1]
     assert "'label' is NaN" in errors["nan label"][1]
@@ -303,7 +315,7 @@ async def test_a_callers_mistake_is_400_naming_the_field_and_slime_meets_it_as_s
     assert "'prompt' is a number: it must be a string or a list of chat messages" in errors["prompt"][1]
     assert "has no 'prompt'" in errors["no prompt"][1] and "'response' is null, not a string" in errors["response"][1]
     assert "no usable tests: metadata.tests must be a non-empty list" in errors["tests"][1]
-    assert scorer.answered == {400: 3 + 2 + 5 + 3 + 2, 404: 1, 200: 2}
+    assert scorer.stats.answered == {400: 3 + 2 + 5 + 3 + 2, 404: 1, 200: 2}
 
 
 # ------------------------------------------------------------------ a hostile client (issue 39 items 10, 14, 15)
@@ -386,7 +398,7 @@ async def test_past_max_pending_a_request_is_503_with_retry_after_and_slow_heads
     assert late.startswith(b"HTTP/1.1 408") and b"did not arrive within 1s" in late and late_s < 4.0, (late, late_s)
     assert after == (200, 1.0)  # the place is free again
     assert head == b"" and head_s < 3.0, (head, head_s)  # closed after the header timeout, nothing answered
-    assert scorer.busy == 1 and scorer.answered == {503: 1, 408: 1, 200: 1}
+    assert scorer.stats.busy == {("math", "max_pending"): 1} and scorer.stats.answered == {503: 1, 408: 1, 200: 1}
 
 
 async def test_slimes_custom_rm_path_through_the_rm_server_removes_a_failed_measurement(rm_hub, monkeypatch):
@@ -420,3 +432,159 @@ async def test_slimes_custom_rm_path_through_the_rm_server_removes_a_failed_meas
     assert "rm-server 422: math: failed measurement: math-verify gave up: timed out after 1s" in failed.metadata["error"]
     assert no_gold.remove_sample and "reads no expression from the gold answer" in no_gold.metadata["error"]
     assert outage.remove_sample and "rm-server unavailable after 2 tries" in outage.metadata["error"]
+
+
+# ------------------------------------------------------------------ an operator's view, a latency bound (issue 47 items 8, 9)
+
+SLOW = "\\boxed{10^{10^{10}}}"  # math-verify exhausts its parse timeout on it: undecided, a 0
+
+
+def _scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text as {(sample name, sorted labels): value}, read by prometheus-client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def _post_timed(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, float, str | None, object]:
+    started = time.monotonic()
+    async with http.post(url, json=body) as resp:
+        answer = await resp.json()
+        return resp.status, time.monotonic() - started, resp.headers.get("Retry-After"), answer
+
+
+def test_a_burst_of_slow_answers_is_admitted_within_the_latency_budget_and_the_rest_is_503_at_once(rm_hub, tmp_path):
+    """`rollout rm-server` as a process on loopback, its math pool 2 checker processes, each
+    slow answer about 1 s (math-verify's parse timeout), `--latency-budget-s 5`: of a burst of
+    24 slow requests, those admitted are answered within the budget, the rest at once with 503
+    and Retry-After; slime's own remote_rm meets a 503, backs off and gets the reward on a
+    later try (a 503 is never a reward); /metrics counts each refusal and answer."""
+    budget_s = 5.0
+    config = tmp_path / "pipeline.yaml"
+    math_env = {"kind": "math", "options": {"processes": 2, "parse_timeout_s": 1}}
+    config.write_text(json.dumps({"environments": {"math": math_env}}))
+    port = free_port()
+    process = _rollout_rm_server(config, "--port", str(port), "--latency-budget-s", str(budget_s),
+                                 "--service-prior-s", "1.5", token=None)
+    base = f"http://127.0.0.1:{port}"
+    body = {"prompt": QUESTION, "response": SLOW, "label": "5"}
+    try:
+        assert process.stdout is not None
+        assert "listening on" in process.stdout.readline()
+
+        async def scenario():
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+                warm = []  # the checker processes started, the service time observed (their start included)
+                for _ in range(4):
+                    warm += await asyncio.gather(*(_post_timed(http, f"{base}/math", body) for _ in range(2)))
+                burst = await asyncio.gather(*(_post_timed(http, f"{base}/math", body) for _ in range(24)),
+                                             _slime_after_a_503(http))
+                async with http.get(f"{base}/metrics") as resp:
+                    return warm, burst[:-1], burst[-1], await resp.text()
+
+        async def _slime_after_a_503(http: aiohttp.ClientSession):
+            await asyncio.sleep(0.3)  # the burst is in: the pool is full
+            status, _, _, _ = await _post_timed(http, f"{base}/math", body)
+            started = time.monotonic()
+            reward = await rm_hub.remote_rm(_args(f"{base}/math"), _sample(rm_hub, SLOW, "5"), max_retries=8)
+            await rm_hub._shared_session.close()
+            return status, reward, time.monotonic() - started
+
+        warm, burst, (probe, slime_reward, slime_s), text = asyncio.run(scenario())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, out
+    assert [status for status, *_ in warm] == [200] * 8, warm
+    admitted = [seconds for status, seconds, _, _ in burst if status == 200]
+    refused = [(seconds, retry, answer) for status, seconds, retry, answer in burst if status == 503]
+    print(f"burst of {len(burst)}: {len(admitted)} admitted, max {max(admitted, default=0):.2f}s; {len(refused)} "
+          f"refused, max {max((s for s, _, _ in refused), default=0):.3f}s; slime's remote_rm: {slime_reward} after "
+          f"{slime_s:.1f}s")
+    assert len(admitted) + len(refused) == len(burst) and len(admitted) >= 2 and len(refused) >= 8, burst
+    assert max(admitted) <= budget_s, sorted(admitted)  # every admitted answer within the budget ...
+    assert all(seconds < 0.5 and retry is not None and int(retry) >= 1 for seconds, retry, _ in refused), refused
+    assert "over --latency-budget-s 5" in refused[0][2]["error"]  # ... the rest refused at once, saying why
+    assert probe == 503 and slime_reward == 0.0  # slime retried its 503s and took the verification's 0 (undecided)
+    metrics = _scrape(text)
+    busy = metrics[("rollout_rm_busy_total", (("env", "math"), ("reason", "latency_budget")))]
+    slime_503s = busy - len(refused) - 1  # the probe's
+    assert slime_503s >= 0
+    assert metrics[("rollout_rm_answered_total", (("status", "503"),))] == busy
+    assert metrics[("rollout_rm_answered_total", (("status", "200"),))] == 8 + len(admitted) + 1
+    assert metrics[("rollout_rm_undecided_total", (("env", "math"),))] == 8 + len(admitted) + 1
+    assert metrics[("rollout_rm_latency_seconds_count", (("env", "math"),))] == 8 + len(burst) + 2 + slime_503s
+    assert metrics[("rollout_rm_verifier_workers", (("env", "math"),))] == 2
+    assert metrics[("rollout_rm_latency_budget_seconds", (("env", "math"),))] == budget_s
+
+
+async def test_every_answer_is_counted_on_the_tokened_metrics_endpoint_and_in_a_periodic_log_line(caplog, capsys):
+    """`GET /<token>/metrics` (401 without the token) counts each kind of answer: scored, undecided
+    (a 0), a failed measurement (422), a caller's mistake and a gold that is the text "NaN" (400,
+    the latter a task error as any gold math-verify cannot read), a body over --max-body-mib (413),
+    busy (503 past --max-pending), a body that never came (408); latency per environment. A log line every `stats_interval_s` sums
+    up the same, without the token."""
+    import logging
+
+    from workers.rm_server import ServerLimits
+
+    caplog.set_level(logging.INFO, logger="workers.rm_server")
+    environments = {
+        "math": {"kind": "math", "options": {"check_in": "inline", "parse_timeout_s": 1}},
+        "strict": {"kind": "math", "on_undecided": "remove", "options": {"check_in": "inline", "parse_timeout_s": 1}},
+    }
+    limits = ServerLimits(max_pending=1, body_timeout_s=1.0, stats_interval_s=0.3, max_body_mib=1)
+    scorer = Scorer(parse_config({"environments": environments}), limits)
+    nan_golds = ["NaN", "nan", " -NAN ", "Natalia sold none.\n#### NaN"]
+    async with rm_server(environments, scorer=scorer, token=TOKEN) as base:
+        port = int(base.rsplit(":", 1)[1])
+        url = f"{base}/{TOKEN}"
+        answers = {}
+        async with aiohttp.ClientSession() as http:
+            for case, env, response, label in [("right", "math", "\\boxed{2}", "2"), ("undecided", "math", SLOW, "5"),
+                                               ("failed", "strict", SLOW, "5"), ("no response", "math", None, "2"),
+                                               *((f"nan {gold!r}", "math", "\\boxed{nan}", gold) for gold in nan_golds)]:
+                async with http.post(f"{url}/{env}", json={"prompt": QUESTION, "response": response, "label": label}) as resp:
+                    answers[case] = (resp.status, await resp.json())
+            async with http.post(f"{url}/math", data=b" " * (1024 * 1024 + 1)) as resp:  # over --max-body-mib 1
+                answers["large"] = (resp.status, await resp.json())
+            trickle = asyncio.ensure_future(_raw(port, f"POST /{TOKEN}/math HTTP/1.1\r\nHost: x\r\n"
+                                                       "Content-Length: 100\r\n\r\n{".encode()))
+            while scorer.in_flight == 0:
+                await asyncio.sleep(0.01)
+            async with http.post(f"{url}/math", json={"prompt": QUESTION, "response": "\\boxed{2}", "label": "2"}) as resp:
+                answers["busy"] = (resp.status, await resp.json())
+            assert (await trickle).startswith(b"HTTP/1.1 408")
+            async with http.get(f"{base}/metrics") as resp:
+                untokened = resp.status
+            async with http.get(f"{url}/metrics") as resp:
+                content_type, text = resp.headers["Content-Type"], await resp.text()
+            await asyncio.sleep(0.6)  # a stats line
+    print(text)
+    assert [answers[c][0] for c in ("right", "undecided", "failed", "no response", "large", "busy")] == [
+        200, 200, 422, 400, 413, 503], answers
+    assert answers["large"][1]["error"] == "bad request: the body is over --max-body-mib 1 MiB"
+    nans = [answers[f"nan {gold!r}"] for gold in nan_golds]
+    assert all(status == 400 and body["task_error"] and f"the gold answer is {gold.strip()!r}" in body["error"]
+               for (status, body), gold in zip(nans, nan_golds)), nans
+    assert untokened == 401 and content_type.startswith("text/plain")
+    metrics = _scrape(text)
+    assert {labels[0][1]: v for (name, labels), v in metrics.items() if name == "rollout_rm_answered_total"} == {
+        "200": 2, "400": 1 + len(nan_golds), "413": 1, "422": 1, "503": 1, "408": 1}
+    math_env, strict = (("env", "math"),), (("env", "strict"),)
+    assert metrics[("rollout_rm_bad_requests_total", math_env)] == 1 + len(nan_golds)
+    assert metrics[("rollout_rm_undecided_total", math_env)] == 1
+    assert metrics[("rollout_rm_measurements_failed_total", strict)] == 1
+    assert metrics[("rollout_rm_measurements_failed_total", math_env)] == len(nan_golds)
+    assert metrics[("rollout_rm_busy_total", (("env", "math"), ("reason", "max_pending")))] == 1
+    assert metrics[("rollout_rm_latency_seconds_count", math_env)] == 2 + 1 + len(nan_golds) + 3
+    assert metrics[("rollout_rm_latency_seconds_count", strict)] == 1
+    assert 0 < metrics[("rollout_rm_service_seconds", math_env)] < 2.0  # observed: the 10 s prior replaced
+    lines = [r.getMessage() for r in caplog.records if "(since the last line)" in r.getMessage()]
+    assert lines and all(TOKEN not in line for line in caplog.text.splitlines()), caplog.text
+    logged: collections.Counter[int] = collections.Counter()  # the lines' counts, summed
+    for line in lines:
+        for status, n in re.findall(r"(\d{3}): (\d+)", line.partition(" answered (")[2].partition(")")[0]):
+            logged[int(status)] += int(n)
+    assert logged == scorer.stats.answered and any("busy 503: max_pending 1; latency mean" in line for line in lines)

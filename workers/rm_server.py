@@ -22,19 +22,27 @@ tries, backoff up to 30 s), then raised. So this server answers:
   `label` where the environment grades against one; for `math`, `arithmetic`, `calculator` a
   label that is an object, a list, true/false or NaN: the label is the gold answer); a body that
   is not JSON or is nested too deeply (`'[' * 100000`); and, with `"task_error": true`, a label
-  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it). 404
-  for an unknown environment. Each is counted (`Scorer.answered`).
+  the verifier cannot read as a gold (`TaskUngradable`: no answer could score against it), or
+  the text "NaN" (any case), a data set's missing value that math-verify would read. 404 for an
+  unknown environment; 413 for a body over `--max-body-mib`.
 - 503 for an outage: the environment could not score (its server down, a judge that failed, a
-  masked NeMo Gym verification, a timeout); and, with `Retry-After`, when `--max-pending`
-  verifications are in flight (`ServerLimits`). 408 for a body that did not arrive within
-  `--body-timeout-s`; a connection that sent no whole request head within `--header-timeout-s`
-  is closed. 422 for a failed measurement (`MeasurementFailed`: a checker process that died,
-  an answer the verifier gave up on under `on_undecided: remove`). 500 for a bug of ours or of
-  an in-process environment. Never a 0 that would be trained. An answer the verifier gave up on
-  is a 200 0.0 under the default `on_undecided: zero`, counted in `Scorer.undecided` per
-  environment. slime's `remote_rm` retries every error status alike (`except Exception`, 10
-  tries, about 2.5 minutes) and then raises, which ends the slime run; `workers.rm_client.reward`
-  (`--custom-rm-path`) removes the sample of a 422 or a long outage instead.
+  masked NeMo Gym verification, a timeout); and, with `Retry-After`, at once, when
+  `--max-pending` requests are in flight or the environment's verifier pool could not answer
+  this one within `--latency-budget-s` (`ServerLimits`, `workers.rm_stats.Admission`). 408 for a
+  body that did not arrive within `--body-timeout-s`; a connection that sent no whole request
+  head within `--header-timeout-s` is closed. 422 for a failed measurement (`MeasurementFailed`:
+  a checker process that died, an answer the verifier gave up on under `on_undecided: remove`).
+  500 for a bug of ours or of an in-process environment. Never a 0 that would be trained. An
+  answer the verifier gave up on is a 200 0.0 under the default `on_undecided: zero`, counted as
+  undecided per environment. slime's `remote_rm` retries every error status alike (`except
+  Exception`, 10 tries, about 2.5 minutes) and then raises, which ends the slime run;
+  `workers.rm_client.reward` (`--custom-rm-path`) removes the sample of a 422 or a long outage
+  instead.
+- `GET /<token>/metrics` (`/metrics` without a token): every answer counted by status, busy 503s
+  by reason, 400s, undecided answers, failed measurements, latency per environment, as
+  Prometheus text (`workers.rm_stats.ServerStats`); the same summed up in a log line every
+  `--stats-interval-s`. At start, `--max-body-mib` x `--max-pending` (the request bodies held
+  at once) must fit `--memory-budget-mib` (`check_limits`).
 
 The task: `prompt` (a string or chat messages) and `label`; a label that is a JSON object
 (or a string holding one) is the task's data row as well, `metadata` (a NeMo Gym row with
@@ -47,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import hmac
 import ipaddress
 import json
@@ -57,18 +64,22 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Union
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.schema import SchemaError, Status, Task
 from workers.envs.base import Environment, EpisodeRecord, MeasurementFailed, TaskUngradable
+from workers.envs.math import gold_answer
 from workers.envs.registry import build_environment
 from workers.envs.rewards import final_reward
 from workers.errors import is_bug
+from workers.rm_stats import BUSY_LATENCY, BUSY_PENDING, Admission, ServerStats, verifier_workers
 from workers.validate import task_problem
 
 log = logging.getLogger(__name__)
@@ -84,19 +95,47 @@ class BadRequest(ValueError):
     """The body is not slime's remote-RM request."""
 
 
+MIB = 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one client (or many) can hold of the server. Past `max_pending` verifications in
-    flight (waiting for a checker included) a request is answered 503 with `Retry-After` at once
-    instead of queueing without bound (slime gives up on a request after 120 s and sends it
-    again, adding to the queue). A connection that has not sent a whole request head within
-    `header_timeout_s` (aiohttp's keep-alive timer, armed from the connection's start) is
-    closed; a body that has not arrived within `body_timeout_s` is answered 408."""
+    """What one client (or many) can hold of the server. Past `max_pending` requests in flight
+    (from their body's read to their answer) a request is answered 503 with `Retry-After` at
+    once instead of queueing without bound; so is one that its environment's verifier pool could
+    not answer within `latency_budget_s` (`workers.rm_stats.Admission`: slime gives up on a
+    request after 120 s and sends it again, adding to the queue; `service_prior_s` is the
+    service time assumed before the first is observed). A connection that has not sent a whole
+    request head within `header_timeout_s` (aiohttp's keep-alive timer, armed from the
+    connection's start) is closed; a body that has not arrived within `body_timeout_s` is
+    answered 408, one over `max_body_mib` 413. `max_body_mib` x `max_pending` bodies can be held
+    at once: at most `memory_budget_mib` (`check_limits`)."""
 
     max_pending: int = 64
     header_timeout_s: float = 30.0
     body_timeout_s: float = 30.0
     retry_after_s: int = 1
+    latency_budget_s: float = 30.0
+    service_prior_s: float = 10.0
+    max_body_mib: int = 16
+    memory_budget_mib: int = 1024
+    stats_interval_s: float = 60.0
+
+
+def check_limits(limits: ServerLimits) -> None:
+    """`ConfigError` for limits out of range, or bodies that could outgrow the memory budget
+    (naming both numbers)."""
+    if limits.max_pending < 1 or limits.max_body_mib < 1 or limits.memory_budget_mib < 1:
+        raise ConfigError("--max-pending, --max-body-mib and --memory-budget-mib must be >= 1")
+    if min(limits.header_timeout_s, limits.body_timeout_s, limits.latency_budget_s, limits.service_prior_s,
+           limits.stats_interval_s) <= 0:
+        raise ConfigError("the timeouts, --latency-budget-s, --service-prior-s and "
+                          "--stats-interval-s must be > 0")
+    held = limits.max_body_mib * limits.max_pending
+    if held > limits.memory_budget_mib:
+        raise ConfigError(f"request bodies can hold {held} MiB at once (--max-body-mib "
+                          f"{limits.max_body_mib} x --max-pending {limits.max_pending}), over the memory budget "
+                          f"--memory-budget-mib {limits.memory_budget_mib}: lower either, or raise the budget")
 
 
 class Scorer:
@@ -106,14 +145,18 @@ class Scorer:
         self.config = config
         self.limits = limits or ServerLimits()
         self.environments: dict[str, Environment] = {}
-        self.scored = 0
-        self.failed = 0
-        self.busy = 0  # requests refused with 503 because `limits.max_pending` verifications were in flight
-        self.in_flight = 0
-        self.answered: collections.Counter[int] = collections.Counter()  # HTTP status -> requests answered
-        self.undecided: collections.Counter[str] = collections.Counter()  # env -> answers scored 0 undecided
-        self.measurements_failed: collections.Counter[str] = collections.Counter()  # env -> 422s
+        self.in_flight = 0  # requests from their body's read to their answer, all environments
+        self.stats = ServerStats()
         self._task_checks: dict[str, Any] = {}
+
+    def admission(self, name: str) -> Admission:
+        """Environment `name`'s verifier pool as admission sees it (`workers.rm_stats`)."""
+        pool = self.stats.admissions.get(name)
+        if pool is None:
+            workers = verifier_workers(name, self.config.env(name), self.limits.max_pending)
+            pool = Admission(workers, self.limits.latency_budget_s, self.limits.service_prior_s)
+            self.stats.admissions[name] = pool
+        return pool
 
     def env_name(self, path: str) -> str:
         name = path.strip("/")
@@ -141,16 +184,18 @@ class Scorer:
         if problem:  # what the environment's `start` needs of the task (a math task's label)
             raise BadRequest(f"{problem} (the body's 'label' is the task's label; a JSON object there is its data row)")
         env = self.environment(name)
-        session = await env.start(task)
-        try:
-            response = body["response"]
-            messages = [*session.messages, {"role": "assistant", "content": response}]
-            record = EpisodeRecord(task=task, messages=messages, response_text=response, status=Status.COMPLETED, turns=1)
-            verification = await session.verify(record)
-        finally:
-            await asyncio.shield(session.close())
+        async with self.admission(name).worker():  # a caller's mistake above waits for no worker
+            session = await env.start(task)
+            try:
+                response = body["response"]
+                messages = [*session.messages, {"role": "assistant", "content": response}]
+                record = EpisodeRecord(task=task, messages=messages, response_text=response, status=Status.COMPLETED,
+                                       turns=1)
+                verification = await session.verify(record)
+            finally:
+                await asyncio.shield(session.close())
         if verification.components.get("undecided"):
-            self.undecided[name] += 1
+            self.stats.undecided[name] += 1
         return final_reward(env.config, verification, finished=False)
 
     async def aclose(self) -> None:
@@ -214,13 +259,21 @@ def _kind(value: Any) -> str:
 
 # kinds whose label is the gold answer itself: a JSON object there is the caller's mistake, not a gold
 _GOLD_LABEL_KINDS = ("math", "arithmetic", "calculator")
+_NAN_GOLDS = ("nan", "+nan", "-nan")  # a data set's missing value, as text
 
 
 def _gold_label(label: Any, kind: str) -> Any:
     """The label as the gold answer for the kinds that grade against one: a number becomes its
     text; NaN, infinities, true/false, and (for math, arithmetic, calculator) an object or a list
-    are a caller's mistake (`BadRequest`), never a gold that no answer could match."""
-    if kind not in (*_GOLD_LABEL_KINDS, "nemo_skills") or label is None or isinstance(label, str):
+    are a caller's mistake (`BadRequest`), never a gold that no answer could match; the text
+    "NaN" (any case, or a GSM8K label ending `#### NaN`) is a task error (`TaskUngradable`), as a
+    gold math-verify cannot read is."""
+    if kind not in (*_GOLD_LABEL_KINDS, "nemo_skills") or label is None:
+        return label
+    if isinstance(label, str):
+        if gold_answer(label).strip().lower() in _NAN_GOLDS:  # math-verify reads it: \boxed{nan} would score 1
+            raise TaskUngradable(f"the gold answer is {label.strip()[-40:]!r}, not a number any answer should "
+                                 "match (a missing value in the data set?)")
         return label
     if isinstance(label, bool) or (isinstance(label, float) and not math.isfinite(label)):
         raise BadRequest(f"'label' is {json.dumps(label)}: the {kind} environment's label is the gold answer "
@@ -246,44 +299,84 @@ def _row(label: Any) -> dict[str, Any]:
 
 
 def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
-    """The remote-RM app; with `token`, every path must begin with `/<token>` (`tokened_path`)."""
+    """The remote-RM app (POST) and its Prometheus metrics (GET `/metrics`); with `token`, every
+    path must begin with `/<token>` (`tokened_path`)."""
+    stats = scorer.stats
 
     async def handle(request: web.Request) -> web.Response:
+        started = time.monotonic()
+        name: Union[str, None] = None
         try:
-            response = await _answer(request)
+            found = _environment_named(request)
+            if isinstance(found, str):
+                name = found
+                response = await _admitted(request, name)
+            else:
+                response = found
         except Exception as exc:  # noqa: BLE001 - a bug of ours: answered and counted like any other
             log.error("rm-server: bug answering a request: %s", scrub(traceback.format_exc(), token))
             response = web.json_response({"error": f"bug: {type(exc).__name__}"}, status=500)
-        scorer.answered[response.status] += 1
+        stats.answer(response.status, name, time.monotonic() - started)
         return response
 
-    async def _answer(request: web.Request) -> web.Response:
+    def _environment_named(request: web.Request) -> Union[str, web.Response]:
+        """The environment the path names, or the 401 / 404 that answers the request."""
         path = tokened_path(request.path, token)
-        if path is None:  # nothing of the request is echoed or logged: the path may hold a near-miss token
-            return web.json_response({"error": "unauthorized: the URL path must begin with this rm-server's token "
-                                               f"(--rm-url http://host:port/<token>/<env>, the token from --token or ${TOKEN_ENV})"},
-                                     status=401)
+        if path is None:
+            return _unauthorized()
         try:
             name = scorer.env_name(path)
             scorer.config.env(name)
         except ConfigError as exc:
             return web.json_response({"error": str(exc)}, status=404)
-        limits = scorer.limits
+        return name
+
+    async def _admitted(request: web.Request, name: str) -> web.Response:
+        pool = scorer.admission(name)
+        refused = _refusal(name, pool)
+        if refused is not None:  # before the body: a flood costs no memory
+            return refused
         # a request holds its place from its body's read (bounded by body_timeout_s) to its answer
-        if scorer.in_flight >= limits.max_pending:  # before the body: a flood costs no memory
-            scorer.busy += 1
-            return web.json_response({"error": f"busy: {scorer.in_flight} verifications in flight (--max-pending "
-                                               f"{limits.max_pending}); retry after {limits.retry_after_s}s"},
-                                     status=503, headers={"Retry-After": str(limits.retry_after_s)})
         scorer.in_flight += 1
+        pool.in_flight += 1
         try:
             return await _scored(request, name)
         finally:
             scorer.in_flight -= 1
+            pool.in_flight -= 1
+
+    def _refusal(name: str, pool: Admission) -> Union[web.Response, None]:
+        """503 with Retry-After when `max_pending` requests are in flight, or when the environment's
+        verifier pool could not answer this one within the latency budget; None: admitted."""
+        limits = scorer.limits
+        if scorer.in_flight >= limits.max_pending:
+            stats.busy[(name, BUSY_PENDING)] += 1
+            return _busy(f"{scorer.in_flight} verifications in flight (--max-pending {limits.max_pending})",
+                         limits.retry_after_s)
+        over_s = pool.over_budget_s()
+        if over_s > 0:
+            stats.busy[(name, BUSY_LATENCY)] += 1
+            return _busy(f"{name}: {pool.in_flight} requests ahead would answer this one in about "
+                         f"{pool.estimate_s():.3g}s ({pool.service_s:.3g}s each, {pool.workers} at a time), over "
+                         f"--latency-budget-s {pool.budget_s:g}", max(limits.retry_after_s, math.ceil(over_s)))
+        return None
+
+    async def metrics(request: web.Request) -> web.Response:
+        path = tokened_path(request.path, token)
+        if path is None:
+            return _unauthorized()
+        if path.rstrip("/") != "/metrics":
+            return web.json_response({"error": "GET serves /metrics only (POST /<env> scores)"}, status=404)
+        return web.Response(body=stats.prometheus_text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _scored(request: web.Request, name: str) -> web.Response:
         try:
             raw = await asyncio.wait_for(request.read(), scorer.limits.body_timeout_s)
+        except web.HTTPRequestEntityTooLarge:
+            large = web.json_response({"error": f"bad request: the body is over --max-body-mib "
+                                                f"{scorer.limits.max_body_mib} MiB"}, status=413)
+            large.force_close()  # its unread rest would be read as the next request
+            return large
         except asyncio.TimeoutError:
             late = web.json_response({"error": f"the body did not arrive within {scorer.limits.body_timeout_s:g}s"},
                                      status=408)
@@ -302,26 +395,37 @@ def app_for(scorer: Scorer, token: Union[str, None] = None) -> web.Application:
         except BadRequest as exc:
             return web.json_response({"error": f"bad request: {exc}"[:600]}, status=400)
         except TaskUngradable as exc:  # the caller's label: no answer could score against it
-            scorer.measurements_failed[name] += 1
+            stats.measurements_failed[name] += 1
             return web.json_response({"error": f"bad request: {name}: the label is no gold answer the verifier "
                                                f"can read: {exc}"[:600], "task_error": True}, status=400)
         except MeasurementFailed as exc:  # the verifier could not decide: no outage, no 0 either
-            scorer.measurements_failed[name] += 1
+            stats.measurements_failed[name] += 1
             return _failed(name, exc, 422)
         except Exception as exc:  # noqa: BLE001 - an outage is an error slime retries, never a 0
             return _failed(name, exc, 500 if is_bug(exc) else 503)
-        scorer.scored += 1
         return web.json_response(reward)
 
     def _failed(name: str, exc: BaseException, status: int) -> web.Response:
-        scorer.failed += 1
         what = {500: "bug", 422: "failed measurement"}.get(status, "environment failed")
         log.warning("rm-server: %s %s: %s: %s", name, what, status, scrub(repr(exc), token))
         return web.json_response({"error": f"{name}: {what}: {exc}"[:600]}, status=status)
 
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=scorer.limits.max_body_mib * MIB)
     app.router.add_post("/{path:.*}", handle)
+    app.router.add_get("/{path:.*}", metrics)
     return app
+
+
+def _unauthorized() -> web.Response:
+    """Nothing of the request is echoed or logged: the path may hold a near-miss token."""
+    return web.json_response({"error": "unauthorized: the URL path must begin with this rm-server's token "
+                                       f"(--rm-url http://host:port/<token>/<env>, the token from --token or ${TOKEN_ENV})"},
+                             status=401)
+
+
+def _busy(why: str, retry_after_s: int) -> web.Response:
+    return web.json_response({"error": f"busy: {why}; retry after {retry_after_s}s"}, status=503,
+                             headers={"Retry-After": str(retry_after_s)})
 
 
 def scrub(text: str, token: Union[str, None]) -> str:
@@ -411,6 +515,7 @@ async def serve(
     (`RequestLog`): the path holds the token. `limits` (or the scorer's): `ServerLimits`."""
     check_listen(host, token)
     scorer = scorer or Scorer(config, limits)
+    check_limits(scorer.limits)
     # lingering_time: how long aiohttp reads the unread rest of a refused body before closing (10 s by default)
     runner = web.AppRunner(app_for(scorer, token), access_log=None, logger=RequestLog(),
                            keepalive_timeout=scorer.limits.header_timeout_s, lingering_time=1.0)
@@ -427,9 +532,11 @@ async def serve(
     print(f"rollout rm-server: listening on http://{host}:{port}; --rm-url {names}{whose}", flush=True)
     if ready is not None:
         ready.set()
+    stats_lines = asyncio.ensure_future(scorer.stats.log_every(scorer.limits.stats_interval_s))
     try:
         await asyncio.Event().wait()
     finally:
+        stats_lines.cancel()
         await runner.cleanup()
         await scorer.aclose()
 
@@ -456,11 +563,26 @@ def main(argv: Union[list[str], None] = None) -> int:
                         f"keep-alive time (default {defaults.header_timeout_s:g})")
     p.add_argument("--body-timeout-s", type=float, default=defaults.body_timeout_s,
                    help=f"a body not received in this time is answered 408 (default {defaults.body_timeout_s:g})")
+    p.add_argument("--latency-budget-s", type=float, default=defaults.latency_budget_s,
+                   help="a request the environment's verifier pool could not answer in this time (from the requests "
+                        "in flight and the observed service time) is answered 503 with Retry-After at once "
+                        f"(default {defaults.latency_budget_s:g}; slime's remote_rm gives up after 120)")
+    p.add_argument("--service-prior-s", type=float, default=defaults.service_prior_s,
+                   help="the service time of one verification assumed before the first is observed "
+                        f"(default {defaults.service_prior_s:g})")
+    p.add_argument("--max-body-mib", type=int, default=defaults.max_body_mib,
+                   help=f"a larger body is answered 413 (default {defaults.max_body_mib})")
+    p.add_argument("--memory-budget-mib", type=int, default=defaults.memory_budget_mib,
+                   help="--max-body-mib x --max-pending must fit in it, or the server does not start "
+                        f"(default {defaults.memory_budget_mib})")
+    p.add_argument("--stats-interval-s", type=float, default=defaults.stats_interval_s,
+                   help=f"seconds between the log lines of counts and latency (default {defaults.stats_interval_s:g})")
     args = p.parse_args(argv)
-    if args.max_pending < 1 or args.header_timeout_s <= 0 or args.body_timeout_s <= 0:
-        raise ConfigError("rollout rm-server: --max-pending must be >= 1 and the timeouts > 0")
     limits = ServerLimits(max_pending=args.max_pending, header_timeout_s=args.header_timeout_s,
-                          body_timeout_s=args.body_timeout_s)
+                          body_timeout_s=args.body_timeout_s, latency_budget_s=args.latency_budget_s,
+                          service_prior_s=args.service_prior_s, max_body_mib=args.max_body_mib,
+                          memory_budget_mib=args.memory_budget_mib, stats_interval_s=args.stats_interval_s)
+    check_limits(limits)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     check_listen(args.host, token)
     config = load_config(args.config)

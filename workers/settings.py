@@ -292,7 +292,7 @@ class RolloutWorker(Worker):
         # (its eval round withdrew it, a twin finished it), a job with no key to run
         await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, None,
                                  keep_in_progress)
-        await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
+        await self.pool.zadd(self.queue_name, {job_id: back_in_queue_at(score, incr_score)}, xx=True)
 
     async def _job_ended(self, job_id: str) -> None:
         """`Liveness.job_ended` for a job the function recorded (`run_group`, `run_eval_group`
@@ -304,6 +304,15 @@ class RolloutWorker(Worker):
         w: WorkerContext | None = self.ctx.get(CTX_KEY)
         if w is not None and w.liveness.runs(job_id):
             await w.liveness.job_ended(job_id)
+
+
+def back_in_queue_at(score: int, incr_score: int | None) -> int:
+    """The queue score of a job handed back (a drain, `Retry`): its own place + what arq adds (for
+    a `Retry(defer=...)`: now + defer - place). An eval job (a score below EVAL_SCORE_MAX) keeps
+    its place: at now + defer it would queue behind the training jobs, and the claim would count it
+    as one (outside `workers.eval_share`); its function waits out its own backoff instead
+    (workers/eval_jobs.py)."""
+    return score if score < EVAL_SCORE_MAX else score + (incr_score or 0)
 
 
 def _set_socket_timeout(pool: Any, url: str) -> None:

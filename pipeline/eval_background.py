@@ -168,8 +168,11 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
         await _enqueue(redis, keys, round_id, datasets, version, settings.eval_timeout_s, enqueued, score_base=seq)
     except BaseException:  # no round: the call, if made again, starts one
         await _withdraw(redis, keys, list(enqueued), unfinished=list(enqueued))
-        await redis.hdel(keys.eval_rounds, round_id)
-        await redis.hdel(keys.eval_calls, str(rollout_id))
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(keys.eval_rounds, round_id)
+            pipe.hdel(keys.eval_calls, str(rollout_id))
+            pipe.hincrby(keys.eval_stats, "started", -1)
+            await pipe.execute()
         raise
     log.info("eval round %s (rollout %d) in the background: %d jobs behind %d round(s) in flight",
              round_id, rollout_id, len(wanted), in_flight)

@@ -401,10 +401,7 @@ async def test_eval_episodes_at_the_engine_are_capped_by_the_share(redis, redis_
     training samples, share 0.5, hold 4 eval episodes at once, though a pass@8 eval job is 8
     requests (issue 47: 2 eval slots x 8 = 16 at the engine). Its default keeps training a share."""
     import pipeline.slime as ps
-    from workers.eval_jobs import eval_episode_slots
 
-    assert parse_config(config_dict(redis_url, namespace, "http://127.0.0.1:1")).workers.eval_share == 0.5
-    assert eval_episode_slots(0.5, 4, 2) == 4 and eval_episode_slots(0.01, 4, 2) == 1
     args = _background(redis_url, namespace, tmp_path, [{**DATASETS[0], "n_samples": 8}])
     async with serve_sim_engine(SimConfig(token_latency_s=0.01, length_mu=3.0, length_sigma=0.1)) as sim:
         config = parse_config({**config_dict(redis_url, namespace, sim.url, eval_share=0.5, concurrency=4),
@@ -419,3 +416,7 @@ async def test_eval_episodes_at_the_engine_are_capped_by_the_share(redis, redis_
         finally:
             ds.close()
     assert sim.engine.stats["requests"] >= N_TASKS * 8 and sim.engine.stats["max_running"] == 4
+    from workers.eval_jobs import eval_episode_slots
+
+    assert parse_config(config_dict(redis_url, namespace, sim.url)).workers.eval_share == 0.5  # the default
+    assert eval_episode_slots(0.5, 4, 2) == 4 and eval_episode_slots(0.01, 4, 2) == 1

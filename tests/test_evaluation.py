@@ -197,6 +197,26 @@ async def test_a_retried_eval_job_keeps_its_place_ahead_of_training_jobs(redis, 
     await redis.delete(keys.eval_stream("r1"))
 
 
+def test_eval_reward_mean_leaves_out_failed_samples_and_counts_them():
+    """As the trainer's `reward_mean/<env>` (pipeline/slime.py): a failed episode's 0 is no
+    measurement; it is counted beside the mean (`samples_failed`), and never passes."""
+    from pipeline.evaluation import dataset_metrics
+    from pipeline.schema import Sample, SampleGroup, Status
+
+    def sample(reward, status):
+        return Sample.build(tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], rollout_log_probs=[0.0, 0.0],
+                            reward=reward, status=status)
+
+    groups = [SampleGroup(group_id=f"g{i}", task=Task(id=f"t{i}", env="calc", prompt="?", label="1"),
+                          admission_version=0, n_samples=2, samples=pair)
+              for i, pair in enumerate([[sample(1.0, Status.COMPLETED), sample(0.0, Status.FAILED)],
+                                        [sample(0.5, Status.COMPLETED), sample(1.0, Status.TRUNCATED)]])]
+    m = dataset_metrics("calc", groups)
+    assert m["eval/calc/reward_mean"] == pytest.approx((1.0 + 0.5 + 1.0) / 3)
+    assert m["eval/calc/samples_failed"] == 1 and m["eval/calc/failure_rate"] == 0.25
+    assert m["eval/calc/pass@1"] == pytest.approx((0.5 + 0.5) / 2)
+
+
 async def test_eval_jobs_run_before_queued_training_jobs(stack, redis, redis_url, keys, namespace, tmp_path):
     import pipeline.slime as ps
 

@@ -18,17 +18,22 @@ after every `--update-weights-interval` steps), so a round's groups are split by
 versions of their tokens (`Sample.token_version_runs`, from the engines' labels): a group whose
 every token came from version v is reported under v, at slime's rollout step `v - 1` (the step
 whose training produced v, where slime's own blocking eval after that step logs it; v = 0 at
-step 0); a group with tokens of several versions is "mixed": left out of every version's
-figures, counted (`eval/<name>/groups_mixed`) and named (the round's summary and log). Each
+step 0); a group with tokens of several versions is "mixed": reported under the version most
+of its tokens came from (`reported_version`), counted there (`eval/<name>/groups_mixed`) and
+named (the round's summary and log), so that every task with a result is in one version's
+figure (left out, the slow tasks, whose answers span a push, would be in none). Each
 version's slice is logged with slime's own `log_eval_rollout_data` (so `eval/<name>`, its
 pass rate and response lengths are slime's, and `--custom-eval-rollout-log-function-path` is
 honoured), with the pipeline's `eval/<name>/pass@k` beside them.
 
 Reporting a round, in order: the ledger (`<ledger>/eval/step-<rollout>.parquet`, the round's
 groups, and `round-<rollout>.json`, its summary: both rewritten identically after a crash), the
-log (wandb/tensorboard through slime), then one transaction that retires the record into
-`{ns}:eval_done` and deletes the stream. A crash before the transaction reports the round again
-(at-least-once to wandb); no job is ever enqueued twice. A round whose every group failed (its
+mark `<rollout id>:logged` in `{ns}:eval_calls`, the log (wandb/tensorboard through slime), then
+one transaction that retires the record into `{ns}:eval_done`, writes each dataset's result for
+the monitor (`{ns}:eval_results`) and deletes the stream. A crash after the mark retires the round
+unlogged on the next report: at most once to wandb. A round starts once per rollout id (the
+`<rollout id>` field of `{ns}:eval_calls`, written with its record): a resumed trainer that
+replays an eval call starts no second round; no job is ever enqueued twice. A round whose every group failed (its
 engines died: episodes fail, workers report errors) or that passed `pipeline_eval_timeout_s`
 (its queued jobs withdrawn, the missing tasks named) is reported failed.
 """

@@ -11,8 +11,9 @@ group into this round's own stream `{ns}:eval:<round>`: never the training buffe
 (`pipeline_eval_timeout_s`, then an error naming what is missing, with the round's queued
 jobs withdrawn) and returns slime's `RolloutFnEvalOutput`: `data[name] = {rewards,
 truncated, samples}` as slime's `eval_rollout` builds it, and per-dataset metrics
-(`eval/<name>/pass@1`, `pass@<n>`, `reward_mean`, `failure_rate`, `turns_mean`,
-`response_tokens_mean`).
+(`eval/<name>/pass@1`, `pass@<n>`, `reward_mean` (over the samples that did not fail),
+`samples_failed`, `failure_rate`, `turns_mean`, `response_tokens_mean`); each dataset's result
+also goes to `{ns}:eval_results` for the monitor (`DatasetResult`).
 """
 
 from __future__ import annotations

@@ -199,7 +199,8 @@ class RolloutWorker(Worker):
 
     arq's semantics are kept: the in-progress key (with arq's TTL) marks a job taken, arq's
     `run_job` runs it (tries, retry key, aborts, results), and a job handed back (cancelled by
-    a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it), so
+    a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it; an eval
+    job its place alone: `back_in_queue_at`), so
     it is due again at once or after its defer, as with arq. A poll that takes nothing backs off
     (doubling up to IDLE_POLL_MAX_S); Job.abort() is read every ABORT_CHECK_S while jobs run.
     A lost reply of the take leaves its jobs in progress with no owner: the liveness orphan

@@ -127,9 +127,11 @@ class WorkersSection(_Section, frozen=True):
     heartbeat_s: PosFloat = 5.0
     dead_after_s: PosFloat = 20.0  # a worker silent this long has its jobs released
     drain_grace_s: NonNegFloat = 30.0  # SIGTERM: finish running groups within this, then hand back
-    # the most of a process's slots eval jobs (pipeline/evaluation.py) may hold at once: at most
-    # max(1, floor(eval_share x concurrency)); 1.0 = every free slot (eval jobs are queued first)
-    eval_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    # eval jobs' (pipeline/evaluation.py) share of a process: of its slots, max(1, floor(eval_share x
+    # concurrency)), and of its requests at the engine, max(1, floor(eval_share x concurrency x
+    # rollout.n_samples_per_prompt)) eval episodes at once (workers/eval_jobs.py); eval jobs are queued
+    # first, so training keeps the rest while a round runs. 1.0: a round may take the whole worker
+    eval_share: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.5
 
     def __post_init__(self) -> None:
         if self.dead_after_s <= 2 * self.heartbeat_s:

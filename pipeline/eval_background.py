@@ -18,17 +18,22 @@ after every `--update-weights-interval` steps), so a round's groups are split by
 versions of their tokens (`Sample.token_version_runs`, from the engines' labels): a group whose
 every token came from version v is reported under v, at slime's rollout step `v - 1` (the step
 whose training produced v, where slime's own blocking eval after that step logs it; v = 0 at
-step 0); a group with tokens of several versions is "mixed": left out of every version's
-figures, counted (`eval/<name>/groups_mixed`) and named (the round's summary and log). Each
+step 0); a group with tokens of several versions is "mixed": reported under the version most
+of its tokens came from (`reported_version`), counted there (`eval/<name>/groups_mixed`) and
+named (the round's summary and log), so that every task with a result is in one version's
+figure (left out, the slow tasks, whose answers span a push, would be in none). Each
 version's slice is logged with slime's own `log_eval_rollout_data` (so `eval/<name>`, its
 pass rate and response lengths are slime's, and `--custom-eval-rollout-log-function-path` is
 honoured), with the pipeline's `eval/<name>/pass@k` beside them.
 
 Reporting a round, in order: the ledger (`<ledger>/eval/step-<rollout>.parquet`, the round's
 groups, and `round-<rollout>.json`, its summary: both rewritten identically after a crash), the
-log (wandb/tensorboard through slime), then one transaction that retires the record into
-`{ns}:eval_done` and deletes the stream. A crash before the transaction reports the round again
-(at-least-once to wandb); no job is ever enqueued twice. A round whose every group failed (its
+mark `<rollout id>:logged` in `{ns}:eval_calls`, the log (wandb/tensorboard through slime), then
+one transaction that retires the record into `{ns}:eval_done`, writes each dataset's result for
+the monitor (`{ns}:eval_results`) and deletes the stream. A crash after the mark retires the round
+unlogged on the next report: at most once to wandb. A round starts once per rollout id (the
+`<rollout id>` field of `{ns}:eval_calls`, written with its record): a resumed trainer that
+replays an eval call starts no second round; no job is ever enqueued twice. A round whose every group failed (its
 engines died: episodes fail, workers report errors) or that passed `pipeline_eval_timeout_s`
 (its queued jobs withdrawn, the missing tasks named) is reported failed.
 """
@@ -47,11 +52,15 @@ import msgspec
 from pipeline.buffer import Entry
 from pipeline.evaluation import (
     SHOW,
+    DatasetResult,
     EvalDataset,
     _enqueue,
     _withdraw,
     dataset_metrics,
+    dataset_result,
     eval_group_id,
+    sample_versions,
+    stage_results,
 )
 from pipeline.schema import SampleGroup, Status, Task, decode_group
 
@@ -88,6 +97,7 @@ class RoundSummary(msgspec.Struct, kw_only=True, frozen=True):
     round_s: float  # from its start to its last group (or its timeout)
     reported_after_s: float  # from its start to its report
     reason: str = ""
+    results: dict[str, DatasetResult] = {}  # per dataset: the round's figures over every task (the monitor)
 
 
 class Finished(msgspec.Struct, kw_only=True):
@@ -140,6 +150,8 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
                       ) -> RoundRecord | None:
     """Enqueue the round behind the rounds in flight, or skip it when `eval_max_rounds` are."""
     redis, keys, settings = ds._redis, ds.keys, ds.settings
+    if await _started_for(redis, keys, rollout_id):  # a resumed trainer replays the call: neither run nor skipped
+        return None
     in_flight = await redis.hlen(keys.eval_rounds)
     if in_flight >= settings.eval_max_rounds:
         skipped = await redis.hincrby(keys.eval_stats, "skipped", 1)
@@ -151,23 +163,58 @@ async def start_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset
     round_id = f"{rollout_id}-{uuid.uuid4().hex[:8]}"
     wanted = [(eval_group_id(round_id, d.key, t.id), d.key, i, t.id) for d, tasks in datasets
               for i, t in enumerate(tasks)]
-    seq = int(await redis.hincrby(keys.eval_stats, "seq", len(wanted))) - len(wanted)
     record = RoundRecord(round_id=round_id, rollout_id=rollout_id, version=version, started_at=await _now(redis),
                          names=[d.key for d, _ in datasets], wanted=wanted)
-    async with redis.pipeline(transaction=True) as pipe:  # the record first: a crash then leaves a round that times out
-        pipe.hset(keys.eval_rounds, round_id, msgspec.json.encode(record))
-        pipe.hincrby(keys.eval_stats, "started", 1)
-        await pipe.execute()
+    seq = await _record_round(redis, keys, record)
+    if seq is None:
+        return None
     enqueued: dict[str, tuple[str, int, str]] = {}
     try:
         await _enqueue(redis, keys, round_id, datasets, version, settings.eval_timeout_s, enqueued, score_base=seq)
-    except BaseException:
+    except BaseException:  # no round: the call, if made again, starts one
         await _withdraw(redis, keys, list(enqueued), unfinished=list(enqueued))
-        await redis.hdel(keys.eval_rounds, round_id)
+        async with redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(keys.eval_rounds, round_id)
+            pipe.hdel(keys.eval_calls, str(rollout_id))
+            pipe.hincrby(keys.eval_stats, "started", -1)
+            await pipe.execute()
         raise
     log.info("eval round %s (rollout %d) in the background: %d jobs behind %d round(s) in flight",
              round_id, rollout_id, len(wanted), in_flight)
     return record
+
+
+async def _record_round(redis: Any, keys: Any, record: RoundRecord) -> int | None:
+    """One transaction: the round's rollout id marked started (`{ns}:eval_calls`), its record,
+    and its first queue position (`seq`); None, and nothing written, when that rollout id's
+    call started a round already (a resumed trainer replaying the call). The record first, the
+    jobs after: a crash between them leaves a round that times out, never a second one."""
+    from redis.exceptions import WatchError
+
+    while True:
+        async with redis.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(keys.eval_calls, keys.eval_stats)
+                if await _started_for(pipe, keys, record.rollout_id):
+                    return None
+                seq = int(await pipe.hget(keys.eval_stats, "seq") or 0)
+                pipe.multi()
+                pipe.hset(keys.eval_calls, str(record.rollout_id), record.round_id)
+                pipe.hset(keys.eval_rounds, record.round_id, msgspec.json.encode(record))
+                pipe.hincrby(keys.eval_stats, "seq", len(record.wanted))
+                pipe.hincrby(keys.eval_stats, "started", 1)
+                await pipe.execute()
+                return seq
+            except WatchError:
+                continue  # a worker never writes these: another trainer (or a monitor test) did; read again
+
+
+async def _started_for(redis: Any, keys: Any, rollout_id: int) -> bool:
+    earlier = await redis.hget(keys.eval_calls, str(rollout_id))
+    if earlier is not None:
+        log.warning("eval at rollout %d: round %s was started for it already (a resumed trainer replays the "
+                    "call); no second round", rollout_id, earlier.decode())
+    return earlier is not None
 
 
 async def _now(redis: Any) -> float:
@@ -192,10 +239,22 @@ def report_finished(args: Any, ds: Any) -> int:
     for fin in done:
         summary, logs = split_round(fin)
         _write_ledger(ds, fin, summary)
-        for step, data, metrics in logs:
-            log_eval(args, step, data, metrics)
+        if ds._run(_claim_log(ds, summary)):
+            for step, data, metrics in logs:
+                log_eval(args, step, data, metrics)
+        else:
+            log.warning("eval round %s (rollout %d) was handed to the logger before a restart: not logged again",
+                        summary.round_id, summary.rollout_id)
         ds._run(_retire(ds, summary))
     return len(done)
+
+
+async def _claim_log(ds: Any, summary: RoundSummary) -> bool:
+    """Mark the round's rollout id logged (`{ns}:eval_calls`), before the log: False when an
+    earlier trainer marked it and crashed before the retire. Marked first, a crash inside the log
+    call itself loses that round's log lines (the ledger and `{ns}:eval_done` keep the round);
+    marked after, every crash between the log and the retire would log it twice."""
+    return bool(await ds._redis.hsetnx(ds.keys.eval_calls, f"{summary.rollout_id}:logged", summary.round_id))
 
 
 async def collect_ended(ds: Any) -> list[Finished]:
@@ -236,11 +295,31 @@ async def collect_ended(ds: Any) -> list[Finished]:
     return ended
 
 
-def sample_versions(sample: Any) -> set[int]:
-    """The policy versions of a sample's generated tokens (per token where recorded, else the
-    per-call stamps)."""
-    runs = {v for v, n in sample.token_version_runs if v >= 0 and n > 0}
-    return runs or set(sample.policy_versions)
+def version_tokens(group: SampleGroup) -> dict[int, float]:
+    """The generated tokens of a group's measured (not failed) samples, by the policy version
+    that made them: per token where the engines said (`token_version_runs`), else a sample's
+    tokens shared evenly by its per-call stamps."""
+    counts: dict[int, float] = {}
+    for sample in group.samples:
+        if sample.status is Status.FAILED:
+            continue
+        runs = [(v, float(n)) for v, n in sample.token_version_runs if v >= 0 and n > 0]
+        if not runs:
+            stamps = set(sample.policy_versions)
+            runs = [(v, sample.response_length / len(stamps)) for v in stamps]
+        for version, tokens in runs:
+            counts[version] = counts.get(version, 0.0) + tokens
+    return counts
+
+
+def reported_version(group: SampleGroup) -> tuple[int | None, bool]:
+    """The version a group's result is reported under, and whether it is mixed (tokens of several
+    versions): the version most of its tokens came from, the newer on a tie; None when every
+    episode failed (no result)."""
+    counts = version_tokens(group)
+    if not counts:
+        return None, False
+    return max(counts, key=lambda v: (counts[v], v)), len(counts) > 1
 
 
 def step_of_version(version: int) -> int:
@@ -254,20 +333,21 @@ def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict
     record = fin.record
     by_version: dict[int, dict[str, list[Entry]]] = {}
     mixed: dict[str, list[str]] = {}
+    mixed_under: dict[tuple[int, str], int] = {}  # (version, dataset) -> mixed groups reported under it
     failed_groups: dict[str, int] = {name: 0 for name in record.names}
     for gid, name, _pos, task_id in record.wanted:  # task order
         if gid not in fin.got:
             failed_groups[name] += 1
             continue
         stream_id, group = fin.got[gid]
-        live = [s for s in group.samples if s.status is not Status.FAILED]
-        versions = set().union(*(sample_versions(s) for s in live)) if live else set()
-        if not versions:
+        version, is_mixed = reported_version(group)
+        if version is None:
             failed_groups[name] += 1  # every episode failed (an engine down, say): no result at all
-        elif len(versions) > 1:
+            continue
+        if is_mixed:  # in a figure all the same: left out, the slow tasks would be missing from every one
             mixed.setdefault(name, []).append(task_id)
-        else:
-            by_version.setdefault(versions.pop(), {}).setdefault(name, []).append(Entry(stream_id, group))
+            mixed_under[version, name] = mixed_under.get((version, name), 0) + 1
+        by_version.setdefault(version, {}).setdefault(name, []).append(Entry(stream_id, group))
     logs: list[tuple[int, dict, dict]] = []
     for version in sorted(by_version):
         data: dict[str, dict[str, Any]] = {}
@@ -280,16 +360,22 @@ def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict
             metrics.update(dataset_metrics(name, [e.group for e in entries]))
             metrics.pop(f"eval/{name}/groups_failed", None)  # the round's line counts those
             metrics[f"eval/{name}/groups"] = len(entries)
+            metrics[f"eval/{name}/groups_mixed"] = mixed_under.get((version, name), 0)  # of those groups
             wire = [s for e in entries for s in e.group.samples]
             data[name] = {"rewards": [s.reward for s in wire], "truncated": [s.status is Status.TRUNCATED for s in wire],
                           "samples": trainer_samples(entries)}
         logs.append((step_of_version(version), data, metrics))
     groups_failed = sum(failed_groups.values())
+    results = {name: dataset_result(
+        record.rollout_id, record.round_id, sum(w[1] == name for w in record.wanted),
+        [e.group for by_name in by_version.values() for e in by_name.get(name, [])],
+        {v for v, by_name in by_version.items() if by_name.get(name)}, len(mixed.get(name, [])))
+        for name in record.names}
     reason = ""
     if fin.missing:
         reason = (f"{len(fin.missing)} of {len(record.wanted)} groups missing after pipeline_eval_timeout_s; "
                   f"their queued jobs were withdrawn")
-    state = "failed" if not by_version and not mixed else "finished"  # failed: no group has a result
+    state = "failed" if not by_version else "finished"  # failed: no group has a result
     if state == "failed" and not reason:
         errors = list(fin.failed.values())[:1]
         reason = f"every group failed ({errors[0] if errors else 'every episode failed'})"
@@ -298,7 +384,8 @@ def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict
         versions={v: sum(len(e) for e in by_name.values()) for v, by_name in sorted(by_version.items())},
         groups=len(record.wanted), groups_failed=groups_failed, groups_mixed=sum(len(t) for t in mixed.values()),
         mixed=[f"{name}/{t}" for name, tasks in mixed.items() for t in tasks][:MIXED_NAMED],
-        started_at=record.started_at, round_s=fin.ended_at - record.started_at, reported_after_s=fin.now - record.started_at, reason=reason)
+        started_at=record.started_at, round_s=fin.ended_at - record.started_at, reported_after_s=fin.now - record.started_at, reason=reason,
+        results=results)
     line: dict[str, Any] = {"eval/pipeline/round_failed": float(state == "failed"),
                             "eval/pipeline/round_s": summary.round_s, "eval/pipeline/round_versions": len(by_version)}
     for name in record.names:
@@ -306,8 +393,9 @@ def split_round(fin: Finished) -> tuple[RoundSummary, list[tuple[int, dict, dict
         line[f"eval/{name}/groups_mixed"] = len(mixed.get(name, []))
     logs.append((record.rollout_id, {}, line))
     if mixed:
-        log.info("eval round %s: %d mixed group(s) (tokens of several versions), not reported: %s", record.round_id,
-                 summary.groups_mixed, ", ".join(summary.mixed[:SHOW]))
+        log.info("eval round %s: %d mixed group(s) (tokens of several versions), each reported under the version "
+                 "most of its tokens came from: %s", record.round_id, summary.groups_mixed,
+                 ", ".join(summary.mixed[:SHOW]))
     (log.error if state == "failed" else log.info)(
         "eval round %s (rollout %d) %s after %.1fs: versions %s, %d failed, %d mixed%s", record.round_id,
         record.rollout_id, state, summary.round_s, summary.versions, groups_failed, summary.groups_mixed,
@@ -360,4 +448,5 @@ async def _retire(ds: Any, summary: RoundSummary) -> None:
         pipe.hset(keys.eval_done, summary.round_id, msgspec.json.encode(summary))
         pipe.hincrby(keys.eval_stats, "failed" if summary.state == "failed" else "reported", 1)
         pipe.delete(keys.eval_stream(summary.round_id))
+        stage_results(pipe, keys, summary.results)
         await pipe.execute()

@@ -11,8 +11,9 @@ group into this round's own stream `{ns}:eval:<round>`: never the training buffe
 (`pipeline_eval_timeout_s`, then an error naming what is missing, with the round's queued
 jobs withdrawn) and returns slime's `RolloutFnEvalOutput`: `data[name] = {rewards,
 truncated, samples}` as slime's `eval_rollout` builds it, and per-dataset metrics
-(`eval/<name>/pass@1`, `pass@<n>`, `reward_mean`, `failure_rate`, `turns_mean`,
-`response_tokens_mean`).
+(`eval/<name>/pass@1`, `pass@<n>`, `reward_mean` (over the samples that did not fail),
+`samples_failed`, `failure_rate`, `turns_mean`, `response_tokens_mean`); each dataset's result
+also goes to `{ns}:eval_results` for the monitor (`DatasetResult`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,45 @@ class EvalDataset(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     @property
     def key(self) -> str:
         return self.name or self.env
+
+
+class DatasetResult(msgspec.Struct, kw_only=True, frozen=True):
+    """One dataset's figures of the last round reported (`{ns}:eval_results`, the monitor)."""
+
+    rollout_id: int  # slime's eval call that started the round
+    round_id: str
+    versions: list[int]  # the versions its results are reported under (one, unless the round spanned pushes)
+    tasks: int  # the dataset's tasks in the round
+    failed: int  # tasks with no result (the job failed for good, every episode failed, or timed out)
+    mixed: int = 0  # tasks whose tokens came from several versions (background mode; counted in `versions`)
+    samples_failed: int = 0  # failed episodes of the tasks with a result (left out of reward_mean)
+    pass_at_1: float | None = None  # over the tasks with a result; None: none has one
+    reward_mean: float | None = None  # over the measured (not failed) samples
+    reported_at: float = 0.0  # time.time()
+
+
+def dataset_result(rollout_id: int, round_id: str, tasks: int, groups: list[SampleGroup], versions: set[int],
+                   mixed: int = 0) -> DatasetResult:
+    """A dataset's `DatasetResult` from the groups of the round that have a result."""
+    m = dataset_metrics("d", groups)
+    pass_at_1 = m.get("eval/d/pass@1")
+    reward_mean = m.get("eval/d/reward_mean")
+    return DatasetResult(rollout_id=rollout_id, round_id=round_id, versions=sorted(versions), tasks=tasks,
+                         failed=tasks - len(groups), mixed=mixed, samples_failed=int(m.get("eval/d/samples_failed", 0)),
+                         pass_at_1=None if pass_at_1 is None else float(pass_at_1),
+                         reward_mean=None if reward_mean is None else float(reward_mean), reported_at=time.time())
+
+
+def stage_results(pipe: Any, keys: Keys, results: dict[str, DatasetResult]) -> None:
+    """Queue the datasets' last results into `{ns}:eval_results` on a Redis pipeline."""
+    if results:
+        pipe.hset(keys.eval_results, mapping={name: msgspec.json.encode(r) for name, r in results.items()})
+
+
+async def read_results(redis: Any, keys: Keys) -> dict[str, DatasetResult]:
+    """The last reported result of every dataset (the monitor's eval view)."""
+    raw = await redis.hgetall(keys.eval_results)
+    return {k.decode(): msgspec.json.decode(v, type=DatasetResult) for k, v in sorted(raw.items())}
 
 
 @dataclass
@@ -141,8 +181,13 @@ def dataset_metrics(name: str, groups: list[SampleGroup], failed_groups: int = 0
     passes = [sum(s.reward >= PASS_REWARD and s.status is not Status.FAILED for s in g.samples) for g in groups]
     m[f"eval/{name}/pass@1"] = sum(pass_at_k(n, c, 1) for c in passes) / len(groups)
     m[f"eval/{name}/pass@{n}"] = sum(pass_at_k(n, c, n) for c in passes) / len(groups)
-    m[f"eval/{name}/reward_mean"] = sum(s.reward for s in samples) / len(samples)
-    m[f"eval/{name}/failure_rate"] = sum(s.status is Status.FAILED for s in samples) / len(samples)
+    # a failed sample's 0 is no measurement (the trainer gives it no loss, pipeline/slime.py): the
+    # mean is over the measured samples, their failed ones counted beside it
+    measured = [s.reward for s in samples if s.status is not Status.FAILED]
+    if measured:
+        m[f"eval/{name}/reward_mean"] = sum(measured) / len(measured)
+    m[f"eval/{name}/samples_failed"] = len(samples) - len(measured)
+    m[f"eval/{name}/failure_rate"] = (len(samples) - len(measured)) / len(samples)
     m[f"eval/{name}/turns_mean"] = sum(int(s.metadata.get("turns", 1)) for s in samples) / len(samples)
     m[f"eval/{name}/response_tokens_mean"] = sum(s.response_length for s in samples) / len(samples)
     return m
@@ -191,7 +236,12 @@ async def run_round(ds: Any, rollout_id: int, datasets: list[tuple[EvalDataset, 
         # is gone. Withdrawn, a hand-back finds no entry to return to (`RolloutWorker.finish_job`).
         await _withdraw(redis, keys, list(wanted), unfinished=[g for g in wanted if g not in got and g not in failed])
         await redis.delete(stream)
-    return _output(rollout_id, round_id, datasets, wanted, got, failed, version, time.monotonic() - started)
+    data, metrics, results = _output(rollout_id, round_id, datasets, wanted, got, failed, version,
+                                     time.monotonic() - started)
+    async with redis.pipeline(transaction=True) as pipe:
+        stage_results(pipe, keys, results)
+        await pipe.execute()
+    return data, metrics
 
 
 async def _enqueue(
@@ -280,11 +330,12 @@ def _missing(rid: int, round_id: str, wanted: dict, got: dict, failed: dict, tim
 
 
 def _output(rid: int, round_id: str, datasets: list, wanted: dict, got: dict, failed: dict, version: int,
-            wait_s: float) -> tuple[dict, dict]:
+            wait_s: float) -> tuple[dict, dict, dict[str, DatasetResult]]:
     from pipeline.slime_samples import to_trainer_group
 
     data: dict[str, dict[str, Any]] = {}
     metrics: dict[str, Any] = {"eval/pipeline/policy_version": version, "eval/pipeline/wait_s": wait_s}
+    results: dict[str, DatasetResult] = {}
     stamps: list[int] = []
     for ds, _tasks in datasets:
         gids = sorted((g for g, (name, *_) in wanted.items() if name == ds.key), key=lambda g: wanted[g][1])
@@ -293,6 +344,9 @@ def _output(rid: int, round_id: str, datasets: list, wanted: dict, got: dict, fa
         for g in lost[:SHOW]:
             log.warning("eval round %s: group %s failed: %s", round_id, g, failed[g])
         metrics.update(dataset_metrics(ds.key, [e.group for e in entries], len(lost)))
+        versions = {v for e in entries for s in e.group.samples if s.status is not Status.FAILED
+                    for v in sample_versions(s)}
+        results[ds.key] = dataset_result(rid, round_id, len(gids), [e.group for e in entries], versions or {version})
         if not entries:
             log.error("eval round %s: every group of %r failed; it is left out of slime's eval data", round_id, ds.key)
             continue
@@ -306,4 +360,11 @@ def _output(rid: int, round_id: str, datasets: list, wanted: dict, got: dict, fa
     if stamps:  # the versions the workers stamped on every generate call (the pinned one, or later)
         metrics["eval/pipeline/policy_version_min"] = min(stamps)
         metrics["eval/pipeline/policy_version_max"] = max(stamps)
-    return data, metrics
+    return data, metrics, results
+
+
+def sample_versions(sample: Any) -> set[int]:
+    """The policy versions of a sample's generated tokens (per token where recorded, else the
+    per-call stamps)."""
+    runs = {v for v, n in sample.token_version_runs if v >= 0 and n > 0}
+    return runs or set(sample.policy_versions)

@@ -134,6 +134,20 @@ class Keys:
         return self._k("eval_done")
 
     @property
+    def eval_calls(self) -> str:
+        """Hash of background evaluation by slime's eval call (pipeline/eval_background.py):
+        `<rollout id>` -> the round that call started, `<rollout id>:logged` -> the round whose
+        report was handed to the logger. A trainer that resumes and calls eval for the same rollout
+        id again starts no second round, and a crash between the log and the retire logs it once."""
+        return self._k("eval_calls")
+
+    @property
+    def eval_results(self) -> str:
+        """Hash dataset -> `DatasetResult` (JSON) of the last evaluation round reported (either
+        mode, pipeline/evaluation.py): what the monitor shows."""
+        return self._k("eval_results")
+
+    @property
     def eval_stats(self) -> str:
         """Hash of background evaluation counts: started, skipped, reported, failed, and `seq`
         (eval jobs enqueued so far: the next round's queue scores follow the last one's)."""

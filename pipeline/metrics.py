@@ -63,7 +63,37 @@ def figures(snap: MonitorSnapshot) -> dict[str, float]:
         f[f"counters/{name}"] = value
     for name, value in snap.eval_rounds.items():  # background evaluation rounds
         f[f"eval_rounds/{name}"] = value
+    for name, per_dataset in _eval_figures(snap).items():
+        for dataset, number in per_dataset.items():
+            f[f"eval/{dataset}/{name}"] = number
     return f
+
+
+EVAL_FIGURES = {
+    "rollout": "slime's eval call (rollout id) that started it",
+    "version": "the (newest) policy version its results are reported under",
+    "tasks": "its tasks",
+    "failed": "its tasks with no result",
+    "mixed": "its tasks with tokens of several versions (reported under the version of most)",
+    "pass_at_1": "pass@1 over its tasks with a result",
+    "reward_mean": "mean reward of its measured (not failed) samples",
+}
+
+
+def _eval_figures(snap: MonitorSnapshot) -> dict[str, dict[str, float]]:
+    """Figure name -> dataset -> value, of each dataset's last eval round (the monitor's eval view)."""
+    out: dict[str, dict[str, float]] = {"rollout": {}, "version": {}, "tasks": {}, "failed": {}, "mixed": {},
+                                        "pass_at_1": {}, "reward_mean": {}}
+    for dataset, r in snap.eval_results.items():
+        out["rollout"][dataset] = r.rollout_id
+        if r.versions:
+            out["version"][dataset] = max(r.versions)
+        out["tasks"][dataset], out["failed"][dataset], out["mixed"][dataset] = r.tasks, r.failed, r.mixed
+        if r.pass_at_1 is not None:
+            out["pass_at_1"][dataset] = r.pass_at_1
+        if r.reward_mean is not None:
+            out["reward_mean"][dataset] = r.reward_mean
+    return out
 
 
 # ------------------------------------------------------------------ Prometheus
@@ -108,6 +138,9 @@ def prometheus_families(snap: MonitorSnapshot) -> list[Metric]:
     m.gauge("requeue_waiting", "tasks handed back by the trainer, not yet re-admitted", snap.requeue_waiting)
     m.labelled("eval_rounds", "background evaluation rounds: running, queued (in flight); skipped, reported, failed, "
                "started (so far)", "state", snap.eval_rounds)
+    for name, values in _eval_figures(snap).items():
+        m.labelled(f"eval_last_round_{name}", f"each eval dataset's last round reported: {EVAL_FIGURES[name]}",
+                   "dataset", values)
     m.gauge("stale_share", "share of groups the trainer read that were rejected as stale (all time)", snap.stale_share)
     m.labelled("workers", "workers by liveness", "state",
                {"live": snap.workers_live, "dead": len(snap.workers) - snap.workers_live})

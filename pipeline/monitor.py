@@ -19,7 +19,9 @@ Where each figure comes from:
 - throughput, rewards: the `{ns}:recent` list of `GroupSummary`; the live view and wandb
   switch to counter deltas between refreshes.
 - eval rounds: `{ns}:eval_rounds` (in flight: the oldest running, the rest queued) and the
-  counts in `{ns}:eval_stats` (pipeline/eval_background.py).
+  counts in `{ns}:eval_stats` (pipeline/eval_background.py); eval results: `{ns}:eval_results`,
+  per dataset the last round reported (either mode): its pass@1 and reward mean over every task
+  with a result, the versions they are reported under, its tasks, failed and mixed ones.
 - staleness: of what waits (the groups after the trainer's last-delivered id, seen from the
   current version) and of what was trained recently (`{ns}:trained`, the lag of each group at
   the step that trained it, pipeline/trained_log.py); never of groups trained long ago seen
@@ -40,6 +42,7 @@ from redis.exceptions import ResponseError
 
 from pipeline.buffer import GroupBuffer, GroupSummary, summary_decoder
 from pipeline.eval_background import round_counts
+from pipeline.evaluation import DatasetResult, read_results
 from pipeline.keys import TRAINER_GROUP, Counter, Keys
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo
@@ -118,6 +121,8 @@ class MonitorSnapshot(msgspec.Struct, kw_only=True):
     # background evaluation rounds (pipeline/eval_background.py): running (the oldest in flight),
     # queued behind it, skipped (due while pipeline_eval_max_rounds were in flight), reported, failed
     eval_rounds: dict[str, int] = {}
+    # per eval dataset, the last round reported (pipeline/evaluation.py `DatasetResult`)
+    eval_results: dict[str, DatasetResult] = {}
 
 
 async def snapshot(
@@ -184,6 +189,7 @@ async def snapshot(
         waiting_staleness_max=max(waiting, default=None),
         trained_steps=len(trained_steps),
         eval_rounds=await round_counts(redis, keys),
+        eval_results=await read_results(redis, keys),
     )
 
 

@@ -74,6 +74,21 @@ def _envs(snap: MonitorSnapshot) -> Table:
     return t
 
 
+def _eval(snap: MonitorSnapshot) -> Table:
+    """Each eval dataset's last round reported: its score over every task with a result, the
+    version(s) that is reported under, its tasks and those without a result."""
+    t = Table(title="evaluation (last round reported, per dataset)", title_justify="left")
+    for column in ("dataset", "rollout", "version", "pass@1", "reward mean", "tasks", "failed", "mixed"):
+        t.add_column(column, justify="left" if column == "dataset" else "right")
+    for dataset, r in snap.eval_results.items():
+        versions = "-" if not r.versions else (
+            str(r.versions[0]) if len(r.versions) == 1 else f"{r.versions[0]}..{r.versions[-1]}")
+        t.add_row(dataset, str(r.rollout_id), versions, "-" if r.pass_at_1 is None else f"{r.pass_at_1:.3f}",
+                  "-" if r.reward_mean is None else f"{r.reward_mean:.3f}", str(r.tasks),
+                  f"[red]{r.failed}[/red]" if r.failed else "0", str(r.mixed))
+    return t
+
+
 def _workers(snap: MonitorSnapshot) -> Table:
     t = Table(title="workers", title_justify="left")
     for column in ("id", "state", "last heartbeat", "load"):
@@ -87,7 +102,10 @@ def _workers(snap: MonitorSnapshot) -> Table:
 
 
 def render(snap: MonitorSnapshot) -> Group:
-    return Group(_overview(snap), _staleness(snap), _envs(snap), _workers(snap))
+    parts = [_overview(snap), _staleness(snap), _envs(snap)]
+    if snap.eval_results:
+        parts.append(_eval(snap))
+    return Group(*parts, _workers(snap))
 
 
 def print_once(snap: MonitorSnapshot, console: Console | None = None) -> None:

@@ -350,14 +350,15 @@ def _renderable(args: argparse.Namespace) -> RenderableType:
 
 def _eval_context(directory: Any, rollout_id: int, group: SampleGroup) -> list[tuple[str, Any]]:
     """An eval group's header: its round, and the one version it is reported under (or why none)."""
-    from pipeline.eval_background import sample_versions, step_of_version
+    from pipeline.eval_background import reported_version, step_of_version, version_tokens
 
-    live = [s for s in group.samples if s.status is not Status.FAILED]
-    versions = sorted(set().union(*(sample_versions(s) for s in live))) if live else []
-    if len(versions) == 1:
-        under = f"{versions[0]} (logged at rollout step {step_of_version(versions[0])})"
+    version, mixed = reported_version(group)
+    if version is None:
+        under = "none: every episode failed"
     else:
-        under = f"none: mixed, tokens of versions {versions}" if versions else "none: every episode failed"
+        under = f"{version} (logged at rollout step {step_of_version(version)})"
+        if mixed:
+            under += f"; mixed: tokens of versions {sorted(version_tokens(group))}, most of them of {version}"
     rows: list[tuple[str, Any]] = [("eval round at rollout", rollout_id), ("reported under version", under)]
     summary = os.path.join(str(directory), f"round-{rollout_id:08d}.json")
     if os.path.exists(summary):

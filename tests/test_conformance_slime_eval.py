@@ -107,17 +107,26 @@ async def test_background_eval_under_train_async(slime, monkeypatch, tmp_path, r
           f"steps trained during each {during}; versions {[r['versions'] for r in rounds]}; "
           f"mixed {[r['groups_mixed'] for r in rounds]}; stats {stats}")
 
-    # each version's results at that version's step, every call of every sample on that version
+    # each version's results at that version's step: every call of every sample of a group on that
+    # version, but in a mixed group (tokens of several versions: reported under one of them, counted)
     truth = {label: version for (_run, label), version in cluster.truth.items()}
     slices = [(rid, data, metrics) for rid, data, metrics in reported if data]
     assert slices
+    mixed_reported = 0
     for rid, data, metrics in slices:
         version = metrics["eval/pipeline/policy_version"]
         assert rid == version - 1, (rid, version)
-        for sample in data["calc"]["samples"]:
-            labels = sample.metadata["engine_weight_versions"]
-            assert labels and {truth[label] for label in labels} == {version}, (labels, version)
-            assert {int(v) for v in sample.weight_versions} == {version}
+        samples = data["calc"]["samples"]
+        mixed_here = 0
+        for first in range(0, len(samples), EVAL_N):
+            group = samples[first:first + EVAL_N]
+            labels = [label for sample in group for label in sample.metadata["engine_weight_versions"]]
+            versions = {truth[label] for label in labels} | {int(v) for s in group for v in s.weight_versions}
+            assert labels and version in versions, (labels, version)
+            mixed_here += versions != {version}
+        assert metrics["eval/calc/groups_mixed"] == mixed_here and metrics["eval/calc/groups"] * EVAL_N == len(samples)
+        mixed_reported += mixed_here
+    assert mixed_reported == sum(r["groups_mixed"] for r in rounds)  # every mixed group in a figure, counted
     pushes_during = sum(len(r["versions"]) + r["groups_mixed"] - 1 for r in rounds)
     mixed = [name for r in rounds for name in r["mixed"]]
     assert len(mixed) == sum(r["groups_mixed"] for r in rounds)  # every mixed group named

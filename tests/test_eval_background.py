@@ -181,3 +181,242 @@ async def _xlen_at_least(redis, key, n):
 @pytest.fixture(autouse=True)
 def _quiet_arq_logs(caplog):
     caplog.set_level("WARNING", logger="arq")
+
+
+# ------------------------------------------------------------------ issue 47
+
+def _sample(reward, *, runs=(), stamps=(), failed=False):
+    from pipeline.schema import Sample, Status
+
+    n = 4
+    return Sample.build(tokens=[1, 2, 3, 4, 5, 6], response_length=n, loss_mask=[1] * n, rollout_log_probs=[0.0] * n,
+                        reward=0.0 if failed else reward, status=Status.FAILED if failed else Status.COMPLETED,
+                        token_version_runs=list(runs), policy_versions=list(stamps))
+
+
+def _group(task_id, samples):
+    from pipeline.schema import SampleGroup
+
+    return SampleGroup(group_id=f"g-{task_id}", task=Task(id=task_id, env="calc", prompt="?", label="1"),
+                       admission_version=5, n_samples=len(samples), samples=samples)
+
+
+def test_a_mixed_group_is_reported_under_the_version_most_of_its_tokens_came_from():
+    """Every task of a round with a result is in one version's figure (issue 47: rounds dropped
+    their mixed groups, 7 of 20 in one run, so each version's figure missed the slow tasks): a
+    group with tokens of versions 5 and 6 goes under the version of most of its tokens, counted
+    as mixed there; a group whose every episode failed is counted failed; the dataset's result
+    (the monitor's) covers every task."""
+    from pipeline.eval_background import Finished, RoundRecord, split_round
+
+    groups = {
+        "a": _group("a", [_sample(1.0, runs=[(5, 4)]), _sample(0.0, runs=[(5, 4)])]),
+        "b": _group("b", [_sample(1.0, runs=[(5, 4)]), _sample(1.0, failed=True)]),
+        "c": _group("c", [_sample(1.0, runs=[(6, 4)]), _sample(1.0, runs=[(6, 4)])]),
+        "d": _group("d", [_sample(0.0, runs=[(5, 1), (6, 3)]), _sample(1.0, runs=[(6, 4)])]),  # mixed: most of 6
+        "e": _group("e", [_sample(0.0, stamps=[5, 6]), _sample(1.0, stamps=[5])]),  # mixed by stamps: most of 5
+        "f": _group("f", [_sample(1.0, failed=True), _sample(1.0, failed=True)]),  # no result
+    }
+    wanted = [(f"eval:r:calc:{t}", "calc", i, t) for i, t in enumerate(groups)]
+    record = RoundRecord(round_id="r", rollout_id=3, version=5, started_at=100.0, names=["calc"], wanted=wanted)
+    fin = Finished(record=record, got={gid: (f"{i + 1}-0", groups[t]) for gid, _, i, t in wanted}, failed={},
+                   missing=[], ended_at=110.0, now=111.0)
+    summary, logs = split_round(fin)
+    assert summary.versions == {5: 3, 6: 2} and summary.groups_mixed == 2 and summary.groups_failed == 1
+    assert sorted(summary.mixed) == ["calc/d", "calc/e"]
+    by_version = {m["eval/pipeline/policy_version"]: m for _step, _data, m in logs[:-1]}
+    assert {v: (m["eval/calc/groups"], m["eval/calc/groups_mixed"]) for v, m in by_version.items()} == {
+        5: (3, 1), 6: (2, 1)}
+    assert sum(m["eval/calc/groups"] for m in by_version.values()) + summary.groups_failed == len(groups)
+    # the reward mean leaves out failed samples (b's second), counted beside it
+    assert by_version[5]["eval/calc/reward_mean"] == pytest.approx((1 + 0 + 1 + 0 + 1) / 5)
+    assert by_version[5]["eval/calc/samples_failed"] == 1
+    result = summary.results["calc"]
+    assert (result.tasks, result.failed, result.mixed, result.versions) == (6, 1, 2, [5, 6])
+    assert result.pass_at_1 == pytest.approx((0.5 + 0.5 + 1.0 + 0.5 + 0.5) / 5)
+    assert result.samples_failed == 1 and result.reward_mean == pytest.approx(6 / 9)
+
+
+async def test_the_monitor_shows_each_datasets_last_round(redis, redis_url, keys, namespace, tmp_path):
+    """The monitor's eval view: per dataset, the last round's score, version, tasks and failed
+    (`{ns}:eval_results`), in its terminal table, its figures and its Prometheus scrape."""
+    import pipeline.slime as ps
+    from pipeline.metrics import prometheus_families
+
+    datasets = [DATASETS[0], {"env": "ghost", "tasks": "eval_tasks.jsonl"}]
+    args = _background(redis_url, namespace, tmp_path, datasets)
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        ds = ps.RedisDataSource(args)
+        try:
+            ds.publish(3)
+            await _evaluate(ps, args, 3, ds)
+            [round_id] = await _round_ids(redis, keys)
+            async with _worker(config):
+                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS + 1), 30, "the round")
+            assert await asyncio.to_thread(report_finished, args, ds) == 1
+        finally:
+            ds.close()
+    snap = await snapshot(redis, keys)
+    calc, ghost = snap.eval_results["calc"], snap.eval_results["ghost"]
+    # eval(3) under train_async.py publishes version 4 (what the engines hold after step 3's push)
+    assert (calc.rollout_id, calc.round_id, calc.tasks, calc.failed, calc.versions) == (3, round_id, N_TASKS, 0, [4])
+    assert calc.pass_at_1 is not None and 0.0 <= calc.pass_at_1 <= 1.0
+    assert (ghost.tasks, ghost.failed, ghost.pass_at_1, ghost.versions) == (1, 1, None, [])
+    f = figures(snap)
+    assert f["eval/calc/tasks"] == N_TASKS and f["eval/calc/version"] == 4 and f["eval/ghost/failed"] == 1
+    assert f["eval/calc/pass_at_1"] == pytest.approx(calc.pass_at_1)
+    scraped = {(m.name, s.labels.get("dataset")): s.value for m in prometheus_families(snap) for s in m.samples}
+    assert scraped[("rollout_eval_last_round_tasks", "calc")] == N_TASKS
+    console = Console(record=True, width=140)
+    print_once(snap, console)
+    view = console.export_text()
+    assert "evaluation (last round reported, per dataset)" in view
+    [row] = [line for line in view.splitlines() if line.lstrip("│ ").startswith("calc ")]
+    assert f"{calc.pass_at_1:.3f}" in row and " 4 " in row and f" {N_TASKS} " in row, row
+
+
+@pytest.mark.parametrize("crash_at", ["ledger", "after_log", "retire"])
+async def test_a_round_is_logged_once_whatever_point_the_trainer_dies_at(redis, redis_url, keys, namespace, tmp_path,
+                                                                         monkeypatch, crash_at):
+    """A trainer killed while reporting a round (before its log, after it, or before the retire
+    transaction): the next trainer reports it; its lines reach the logger once in all (issue 47:
+    a crash between the log and the retire logged it to wandb twice)."""
+    import pipeline.eval_background as eb
+    import pipeline.slime as ps
+
+    logged: list[int] = []
+    real_log, real_retire, real_ledger = eb.log_eval, eb._retire, eb._write_ledger
+
+    def recording_log(args, step, data, metrics):
+        logged.append(step)
+        return real_log(args, step, data, metrics)
+
+    class Killed(Exception):
+        pass
+
+    def crash(*_a, **_k):
+        raise Killed(crash_at)
+
+    def log_then_crash(args_, step, data, metrics):
+        out = recording_log(args_, step, data, metrics)
+        if "eval/pipeline/round_s" in metrics:  # the round's own line: the last one it logs
+            raise Killed(crash_at)
+        return out
+
+    args = _background(redis_url, namespace, tmp_path)
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        first = ps.RedisDataSource(args)
+        try:
+            first.publish(3)
+            await _evaluate(ps, args, 3, first)
+            [round_id] = await _round_ids(redis, keys)
+            async with _worker(config):
+                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS), 30, "the round")
+            monkeypatch.setattr(eb, "log_eval", log_then_crash if crash_at == "after_log" else recording_log)
+            monkeypatch.setattr(eb, "_write_ledger", crash if crash_at == "ledger" else real_ledger)
+            monkeypatch.setattr(eb, "_retire", crash if crash_at == "retire" else real_retire)
+            with pytest.raises(Killed):
+                await asyncio.to_thread(report_finished, args, first)
+        finally:
+            first.close()
+        monkeypatch.setattr(eb, "log_eval", recording_log)
+        monkeypatch.setattr(eb, "_write_ledger", real_ledger)
+        monkeypatch.setattr(eb, "_retire", real_retire)
+        second = ps.RedisDataSource(args)  # the restarted trainer
+        try:
+            assert await asyncio.to_thread(report_finished, args, second) == 1
+            assert await asyncio.to_thread(report_finished, args, second) == 0
+        finally:
+            second.close()
+    # the version's slice (version 4: step 3) and the round's own line (its eval call's step, 3)
+    assert logged == [3, 3], logged
+    assert (await _done(redis, keys))[round_id]["state"] == "finished" and await redis.hlen(keys.eval_rounds) == 0
+    assert (await _stats(redis, keys))["reported"] == 1
+
+
+async def test_a_resumed_trainer_replaying_an_eval_call_starts_no_second_round(redis, redis_url, keys, namespace,
+                                                                              tmp_path, monkeypatch):
+    """slime resumed from a checkpoint before rollout 3 replays eval(3): the round that call
+    started (in flight, or reported) is the only one for rollout 3 (`{ns}:eval_calls`), even with
+    room for more rounds. A call that died while enqueueing (its jobs withdrawn, no record left)
+    starts its round when made again, once."""
+    import pipeline.eval_background as eb
+    import pipeline.slime as ps
+
+    args = _background(redis_url, namespace, tmp_path, pipeline_eval_max_rounds=3)
+    real_enqueue = eb._enqueue
+
+    async def dies_half_way(redis_, keys_, round_id, datasets, version, timeout_s, wanted, score_base=0):
+        await real_enqueue(redis_, keys_, round_id, [(datasets[0][0], datasets[0][1][:1])], version, timeout_s, wanted,
+                           score_base)
+        raise Interrupted("the trainer died after one job was enqueued")
+
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        first = ps.RedisDataSource(args)
+        try:
+            first.publish(2)
+            monkeypatch.setattr(eb, "_enqueue", dies_half_way)
+            with pytest.raises(Interrupted):
+                await _evaluate(ps, args, 2, first)
+            monkeypatch.setattr(eb, "_enqueue", real_enqueue)
+            assert await redis.zcard(keys.queue) == 0 and await redis.hlen(keys.eval_rounds) == 0
+            started = await _evaluate(ps, args, 3, first)
+        finally:
+            first.close()
+        resumed = ps.RedisDataSource(args)
+        try:
+            resumed.publish(2)
+            again_2 = await _evaluate(ps, args, 2, resumed)  # the call that died: its round now, once
+            again_3 = await _evaluate(ps, args, 3, resumed)  # in flight: no second round
+            rounds = {msgspec.json.decode(v)["rollout_id"] for v in await redis.hvals(keys.eval_rounds)}
+            assert rounds == {2, 3} and await redis.zcard(keys.queue) == 2 * N_TASKS
+            async with _worker(config):
+                await wait_for(lambda: _no_rounds_left(args, resumed, redis, keys), 60, "both rounds reported")
+            again_3_after = await _evaluate(ps, args, 3, resumed)  # reported: still none
+        finally:
+            resumed.close()
+    assert started.metrics["eval/pipeline/round_started"] == 1.0 and again_2.metrics["eval/pipeline/round_started"] == 1.0
+    assert again_3.metrics["eval/pipeline/round_started"] == 0.0
+    assert again_3_after.metrics["eval/pipeline/round_started"] == 0.0
+    stats = await _stats(redis, keys)
+    assert stats["started"] == 2 and stats["reported"] == 2 and stats.get("skipped", 0) == 0
+    assert sorted(s["rollout_id"] for s in (await _done(redis, keys)).values()) == [2, 3]
+    assert await redis.zcard(keys.queue) == 0
+
+
+class Interrupted(Exception):
+    pass
+
+
+async def _no_rounds_left(args, ds, redis, keys):
+    await asyncio.to_thread(report_finished, args, ds)
+    return await redis.hlen(keys.eval_rounds) == 0
+
+
+async def test_eval_episodes_at_the_engine_are_capped_by_the_share(redis, redis_url, keys, namespace, tmp_path):
+    """`workers.eval_share` caps eval requests at the engine, not only job slots: 4 slots x 2
+    training samples, share 0.5, hold 4 eval episodes at once, though a pass@8 eval job is 8
+    requests (issue 47: 2 eval slots x 8 = 16 at the engine). Its default keeps training a share."""
+    import pipeline.slime as ps
+
+    args = _background(redis_url, namespace, tmp_path, [{**DATASETS[0], "n_samples": 8}])
+    async with serve_sim_engine(SimConfig(token_latency_s=0.01, length_mu=3.0, length_sigma=0.1)) as sim:
+        config = parse_config({**config_dict(redis_url, namespace, sim.url, eval_share=0.5, concurrency=4),
+                               "rollout": {"max_response_tokens": 512, "n_samples_per_prompt": 2}})
+        ds = ps.RedisDataSource(args)
+        try:
+            ds.publish(0)
+            await _evaluate(ps, args, 0, ds)
+            [round_id] = await _round_ids(redis, keys)
+            async with _worker(config, concurrency=4):
+                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS), 60, "the round")
+        finally:
+            ds.close()
+    assert sim.engine.stats["requests"] >= N_TASKS * 8 and sim.engine.stats["max_running"] == 4
+    from workers.eval_jobs import eval_episode_slots
+
+    assert parse_config(config_dict(redis_url, namespace, sim.url)).workers.eval_share == 0.5  # the default
+    assert eval_episode_slots(0.5, 4, 2) == 4 and eval_episode_slots(0.01, 4, 2) == 1

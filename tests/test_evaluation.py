@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import sys
 from types import SimpleNamespace
@@ -136,6 +137,83 @@ async def test_multi_turn_eval_round_pinned_and_apart_from_training(stack, redis
         assert {v for s in samples for v in s.weight_versions} == {str(pinned)}
     assert out.metrics["eval/pipeline/policy_version"] == pinned
     assert out.metrics["eval/pipeline/policy_version_min"] == out.metrics["eval/pipeline/policy_version_max"] == pinned
+    # the monitor's eval view (`{ns}:eval_results`): each dataset's last round, in blocking mode too
+    from pipeline.evaluation import read_results
+
+    results = await read_results(redis, keys)
+    assert {n: (r.rollout_id, r.tasks, r.failed, r.versions) for n, r in results.items()} == {
+        "calc": (5, N_TASKS, 0, [pinned]), "calc-greedy": (5, 2, 0, [pinned]), "ghost": (5, 1, 1, [pinned])}
+    assert results["calc"].pass_at_1 == pytest.approx(out.metrics["eval/calc/pass@1"]) and results["ghost"].pass_at_1 is None
+
+
+async def test_a_retried_eval_job_keeps_its_place_ahead_of_training_jobs(redis, redis_url, keys, namespace):
+    """An eval job whose try fails (a transient error: every episode failed against a dead engine,
+    `on_failure: retry_all_failed`) comes back at its own eval place, not at arq's now + defer
+    (issue 47): due at once below EVAL_SCORE_MAX, so the claim counts it in `workers.eval_share`,
+    and run again before the training job queued behind it (one slot: the queue's order is the
+    run order). On 37671f7 the training job ran between the eval job's two tries."""
+    from pipeline.evaluation import EVAL_SCORE_MAX, EvalDataset, _enqueue
+    from pipeline.jobqueue import JOB_FUNCTION
+    from tests.policy_helpers import trainer_started
+    from workers.eval_jobs import run_eval_group
+    from workers.sim.engine import serve_sim_engine
+    from workers.sim.tokenizer import default_tokenizer_path
+
+    ran: list[tuple[str, int, int]] = []
+
+    async def eval_job(ctx, round_id, payload):  # the real eval job, its tries recorded
+        ran.append(("eval", ctx["job_try"], ctx["score"]))
+        return await run_eval_group(ctx, round_id, payload)
+
+    async def training_job(ctx, payload):
+        ran.append(("train", ctx["job_try"], ctx["score"]))
+        return {"status": "recorded"}
+
+    await trainer_started(redis, keys)
+    async with serve_sim_engine() as sim:
+        dead_url = sim.url  # gone before any job runs: every episode fails
+    config = parse_config({**config_dict(redis_url, namespace, dead_url, max_tries=2),
+                           "engine": {"url": dead_url, "tokenizer": default_tokenizer_path(), "max_retries": 0},
+                           "environments": {"calc": {"kind": "calculator", "on_failure": "retry_all_failed"}}})
+    arq = await create_arq_pool(redis_url, keys)
+    try:
+        assert await enqueue_prompt_job(arq, PromptJob(task=Task(id=f"{namespace}-t", env="calc", prompt="What is 1 * 3?",
+                                                                 label="3"), epoch=0, n_samples=1), keys)
+    finally:
+        await arq.aclose()
+    wanted: dict = {}
+    task = Task(id="e0", env="calc", prompt="What is 2 * 7?", label="14")
+    await _enqueue(redis, keys, "r1", [(EvalDataset(env="calc", tasks="-", n_samples=2), [task])], 0, 60.0, wanted)
+    [gid] = wanted
+    async with _worker(config, concurrency=1) as worker:
+        _run_eval_as(worker, eval_job)
+        worker.functions[JOB_FUNCTION] = dataclasses.replace(worker.functions[JOB_FUNCTION], coroutine=training_job)
+        await wait_for(lambda: _zcard_is(redis, keys.queue, 0), 30, "every job run")
+    assert [(kind, job_try) for kind, job_try, _ in ran] == [("eval", 1), ("eval", 2), ("train", 1)], ran
+    assert ran[0][2] == ran[1][2] < EVAL_SCORE_MAX  # the retry taken at the eval job's own place
+    [(_, fields)] = await redis.xrange(keys.eval_stream("r1"))
+    assert b"try 2" in fields[b"error"]  # out of tries: reported to the round, once
+    await redis.delete(keys.eval_stream("r1"))
+
+
+def test_eval_reward_mean_leaves_out_failed_samples_and_counts_them():
+    """As the trainer's `reward_mean/<env>` (pipeline/slime.py): a failed episode's 0 is no
+    measurement; it is counted beside the mean (`samples_failed`), and never passes."""
+    from pipeline.evaluation import dataset_metrics
+    from pipeline.schema import Sample, SampleGroup, Status
+
+    def sample(reward, status):
+        return Sample.build(tokens=[1, 2, 3], response_length=2, loss_mask=[1, 1], rollout_log_probs=[0.0, 0.0],
+                            reward=reward, status=status)
+
+    groups = [SampleGroup(group_id=f"g{i}", task=Task(id=f"t{i}", env="calc", prompt="?", label="1"),
+                          admission_version=0, n_samples=2, samples=pair)
+              for i, pair in enumerate([[sample(1.0, Status.COMPLETED), sample(0.0, Status.FAILED)],
+                                        [sample(0.5, Status.COMPLETED), sample(1.0, Status.TRUNCATED)]])]
+    m = dataset_metrics("calc", groups)
+    assert m["eval/calc/reward_mean"] == pytest.approx((1.0 + 0.5 + 1.0) / 3)
+    assert m["eval/calc/samples_failed"] == 1 and m["eval/calc/failure_rate"] == 0.25
+    assert m["eval/calc/pass@1"] == pytest.approx((0.5 + 0.5) / 2)
 
 
 async def test_eval_jobs_run_before_queued_training_jobs(stack, redis, redis_url, keys, namespace, tmp_path):
@@ -217,7 +295,9 @@ async def test_a_round_withdraws_the_jobs_whose_groups_came_back_before_arq_fini
     async with serve_sim_engine() as sim:
         # heartbeats far apart: no sweep meanwhile (a held job stays owned until arq's finish anyway,
         # tests/test_liveness_finish.py)
-        config = parse_config(config_dict(redis_url, namespace, sim.url, heartbeat_s=10.0, dead_after_s=30.0))
+        # eval_share 1.0: the 3 jobs held at once (at the default share, 2 held jobs fill the eval slots)
+        config = parse_config(config_dict(redis_url, namespace, sim.url, heartbeat_s=10.0, dead_after_s=30.0,
+                                          eval_share=1.0))
         ds = ps.RedisDataSource(args)
         try:
             async with _worker(config) as worker:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from typing import Any
 
@@ -66,7 +67,7 @@ async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id:
     await start_job(w, job_id, arq_worker)  # or, under a RolloutWorker, its take did
     soft_s = soft_deadline_s(w.config.workers)
     try:
-        group = await _within(run_episodes(w, job, job_try), soft_s)
+        group = await _within(run_episodes(w, job, job_try, eval_gate(w, arq_worker)), soft_s)
         stored = await push_eval_group(w, round_id, gid, group)
         return {"status": "pushed" if stored else "duplicate"}
     except PoisonJob as exc:
@@ -78,10 +79,35 @@ async def _run_eval_group(w: WorkerContext, job_id: str, job_try: int, round_id:
         if is_bug(exc) or job_try >= max_tries:
             log.warning("%s", reason, exc_info=is_bug(exc))
             return await _give_up(w, round_id, gid, reason)
-        log.warning("%s; retrying", reason)
-        raise Retry(defer=random.uniform(0.5, 1.5) * min(30.0, 2.0**job_try)) from exc
+        backoff_s = random.uniform(0.5, 1.5) * min(30.0, 2.0**job_try)
+        log.warning("%s; retrying in %.1fs", reason, backoff_s)
+        # the backoff here, not as arq's defer: a deferred retry is queued at now + defer, behind
+        # the training jobs and outside the eval share; handed back now, it keeps its eval place
+        # (workers/settings.py `back_in_queue_at`). The slot is an eval one either way.
+        await asyncio.sleep(backoff_s)
+        raise Retry() from exc
     finally:
         await asyncio.shield(end_job(w, job_id, arq_worker))  # here, or after arq's finish (RolloutWorker)
+
+
+def eval_episode_slots(share: float, slots: int, n_samples_per_prompt: int) -> int:
+    """Eval episodes one worker process may have at the engine at once: max(1, floor(share x the
+    episodes its slots hold with training jobs, slots x n_samples_per_prompt)). Eval and training
+    jobs differ in n (a pass@16 eval job is 16 requests), so a cap on job slots alone
+    (`workers.settings.eval_slots`) is no cap on the engine's requests."""
+    return max(1, math.floor(share * slots * n_samples_per_prompt + 1e-9))
+
+
+def eval_gate(w: WorkerContext, arq_worker: Any = None) -> asyncio.Semaphore:
+    """This process's gate on eval episodes (one permit per episode while it runs), sized from
+    the worker's job slots (`--concurrency` over `workers.concurrency`) on first use."""
+    if w.eval_gate is None:
+        slots = int(getattr(arq_worker, "max_jobs", 0) or w.config.workers.concurrency)
+        permits = eval_episode_slots(w.config.workers.eval_share, slots, w.config.rollout.n_samples_per_prompt)
+        w.eval_gate = asyncio.Semaphore(permits)
+        log.info("eval episodes at the engine: at most %d at once in this worker (workers.eval_share %g of %d slots "
+                 "x %d samples)", permits, w.config.workers.eval_share, slots, w.config.rollout.n_samples_per_prompt)
+    return w.eval_gate
 
 
 async def push_eval_group(w: WorkerContext, round_id: str, gid: str, group: SampleGroup | None,

@@ -51,6 +51,7 @@ from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import REFUSED, run_once
 from pipeline.schema import (
     PromptJob,
+    Sample,
     SampleGroup,
     SchemaError,
     Status,
@@ -99,6 +100,8 @@ class WorkerContext:
     liveness: Liveness
     worker_id: str
     environments: dict[str, Environment] = field(default_factory=dict)
+    # eval episodes at the engine at once in this process (`workers.eval_share`, workers/eval_jobs.py)
+    eval_gate: asyncio.Semaphore | None = None
 
     def environment(self, name: str) -> Environment:
         env = self.environments.get(name)
@@ -380,14 +383,23 @@ def refuses_group(on_failure: str, failed: int, total: int) -> bool:
     return on_failure == "retry_all_failed" and failed == total
 
 
-async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int) -> SampleGroup:
+async def run_episodes(w: WorkerContext, job: PromptJob, job_try: int,
+                       gate: asyncio.Semaphore | None = None) -> SampleGroup:
+    """The job's n episodes at once; with a `gate`, each holds one of its permits while it runs
+    (eval jobs: their episodes at the engine are capped, workers/eval_jobs.py)."""
     env = w.environment(job.task.env)
     settings = EpisodeSettings.from_config(w.config, env.config, job.sampling)
     runner = EpisodeRunner(w.engine, w.chat, env, settings, run=w.keys.ns,
                            due_order=job.admission_version if w.config.engine.due_priority else None)
     started = time.time()
-    episodes = [asyncio.ensure_future(runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i))
-                for i in range(job.n_samples)]
+
+    async def run_one(i: int) -> Sample:
+        if gate is None:
+            return await runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i)
+        async with gate:
+            return await runner.run(job.task, f"{job.job_id}/{i}/{job_try}", sample_index=i)
+
+    episodes = [asyncio.ensure_future(run_one(i)) for i in range(job.n_samples)]
     try:
         samples = list(await asyncio.gather(*episodes))
     except BaseException:

@@ -203,7 +203,8 @@ class RolloutWorker(Worker):
 
     arq's semantics are kept: the in-progress key (with arq's TTL) marks a job taken, arq's
     `run_job` runs it (tries, retry key, aborts, results), and a job handed back (cancelled by
-    a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it), so
+    a drain, `Retry(defer=...)`) gets its own score back (+ the defer, as arq computes it; an eval
+    job its place alone: `back_in_queue_at`), so
     it is due again at once or after its defer, as with arq. A poll that takes nothing backs off
     (doubling up to IDLE_POLL_MAX_S); Job.abort() is read every ABORT_CHECK_S while jobs run.
     A job is this worker's (its liveness job set, owner entry, `running` +1) from the take that
@@ -318,13 +319,22 @@ class RolloutWorker(Worker):
         # (its eval round withdrew it, a twin finished it), a job with no key to run
         await super().finish_job(job_id, finish, result_data, result_timeout_s, keep_result_forever, None,
                                  keep_in_progress)
-        await self.pool.zadd(self.queue_name, {job_id: score + (incr_score or 0)}, xx=True)
+        await self.pool.zadd(self.queue_name, {job_id: back_in_queue_at(score, incr_score)}, xx=True)
 
 
 def _taken_jobs(reply: list[Any]) -> tuple[list[tuple[str, int]], bool]:
     """The take script's reply: ([(job id, its score)], whether it stopped at its look budget)."""
     pairs = reply[1:]
     return [(job_id.decode(), int(float(score))) for job_id, score in zip(pairs[::2], pairs[1::2])], bool(int(reply[0]))
+
+
+def back_in_queue_at(score: int, incr_score: int | None) -> int:
+    """The queue score of a job handed back (a drain, `Retry`): its own place + what arq adds (for
+    a `Retry(defer=...)`: now + defer - place). An eval job (a score below EVAL_SCORE_MAX) keeps
+    its place: at now + defer it would queue behind the training jobs, and the claim would count it
+    as one (outside `workers.eval_share`); its function waits out its own backoff instead
+    (workers/eval_jobs.py)."""
+    return score if score < EVAL_SCORE_MAX else score + (incr_score or 0)
 
 
 def _set_socket_timeout(pool: Any, url: str) -> None:

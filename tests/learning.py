@@ -243,7 +243,7 @@ class LearnRun:
     n: int = 8  # samples per group
     eta: int = 0
     loop: str = "train"  # slime's train.py ("train") or train_async.py ("train_async")
-    eval_interval: int = 4
+    eval_interval: int | None = 4  # None: no eval round (the signal checks need none)
     eval_samples: int = 4  # episodes per held-out task
     # also a greedy round (temperature 0, one episode per task): no sampling noise, so a CI test can
     # hold a margin on it (tests/test_learning.py); LearnResult.greedy
@@ -268,6 +268,7 @@ class LearnRun:
     # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`)
     rollout: str = "pipeline"
     two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
+    env_fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (TwoTurnArithmetic)
     # slime's --sglang-server-concurrency (its default, slime/backends/sglang_utils/arguments.py):
     # the fully async worker's groups in flight and slime's per-sample semaphore, x engines
     slime_concurrency: int = 512
@@ -287,6 +288,30 @@ class LearnResult:
     eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # every eval round's metrics, in order
     untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
     greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
+    signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
+
+
+@dataclass
+class StepSignal:
+    """One trained step's signal checks (pipeline/signal_check.py): the token audit of what the
+    actor was handed against its recomputed log-probs, and the checks on the samples themselves."""
+
+    tokens: Any  # signal_check.TokenAudit
+    rewards: list[str]  # reward_mismatches: rewards that are not their own response's grade
+    removal: list[str]  # removal_mismatches: failed samples trained, or good ones removed
+    versions: list[str] | None  # version_mismatches (None: not a sync run at eta 0, no single expected version)
+    turns: dict[int, int] = field(default_factory=dict)  # episode turns (the episode's own count) -> samples
+
+    def failures(self) -> dict[str, list[str]]:
+        """The checks this step failed -> what they found ({} when the signal is aligned)."""
+        from pipeline.signal_check import REMOVAL, REWARD, VERSION
+
+        found = {REWARD: self.rewards, REMOVAL: self.removal, VERSION: self.versions or []}
+        return {**self.tokens.failures(), **{check: _first_few(messages) for check, messages in found.items() if messages}}
+
+
+def _first_few(messages: list[str], few: int = 3) -> list[str]:
+    return messages[:few] + ([f"... and {len(messages) - few} more"] if len(messages) > few else [])
 
 
 def eval_file(workdir: Path, heldout: Path, samples: int, greedy: bool = False) -> Path:
@@ -309,7 +334,8 @@ def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[s
         "rollout": {"n_samples_per_prompt": run.n, "rollout_batch_size": run.batch, "eta": run.eta,
                     "max_response_tokens": 16, "sampling": run.sampling},
         # the two-turn task is a quarter of what the producer admits (its mixing weight)
-        "environments": {"arith": math_env(), **({"arith2": {**two_turn_env(), "weight": 1 / 3}} if run.two_turn else {})},
+        "environments": {"arith": math_env(),
+                         **({"arith2": {**two_turn_env(run.env_fail_divisor), "weight": 1 / 3}} if run.two_turn else {})},
         # liveness lenient: the CPU actor shares this process, and a stalled event loop must not
         # make a job that is starting look orphaned (it would be re-run)
         "workers": {"concurrency": run.concurrency, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02},
@@ -410,6 +436,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         accuracy[done], seconds[done] = float(metrics["eval/heldout/pass@1"]), when - started
         if "eval/greedy/pass@1" in metrics:
             greedy[done] = float(metrics["eval/greedy/pass@1"])
+    signal = step_signals(cluster, manager, trainer.recomputed, sync=run.loop == "train" and run.eta == 0
+                          and not fully_async)
     masks = [m for steps in cluster.trained.values() for data in steps.values() for m in data["loss_masks"]]
     evals = ([dict(first_eval.metrics)] if first_eval is not None else []) + [m for _, m, _ in manager.evals]
     return LearnResult(accuracy=accuracy, seconds=seconds, metrics=trainer.metrics, wall_s=wall,
@@ -417,7 +445,58 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
                        trainer_overruns=trainer.clock.overruns, trainer_cpu_share=trainer.clock.cpu_share,
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
-                       greedy=greedy)
+                       greedy=greedy, signal=signal)
+
+
+def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,
+                 sync: bool) -> dict[int, StepSignal]:
+    """The signal checks of every step the actor trained (the last trainer process's run)."""
+    from pipeline.signal_check import audit_tokens, removal_mismatches, reward_mismatches, version_mismatches
+
+    trained = cluster.trained[max(cluster.trained)] if cluster.trained else {}
+    grade = grader()
+    out = {}
+    for rid, data in sorted(trained.items()):
+        samples = flat_samples(manager.batches[rid])
+        audit = audit_tokens(recomputed[rid], data["rollout_log_probs"], data["loss_masks"])
+        turns: dict[int, int] = {}
+        for sample in samples:
+            count = int(sample.metadata.get("turns", 0))
+            turns[count] = turns.get(count, 0) + 1
+        out[rid] = StepSignal(tokens=audit, rewards=reward_mismatches(samples, grade),
+                              removal=removal_mismatches(samples, data["loss_masks"]),
+                              versions=version_mismatches(samples, rid) if sync else None, turns=turns)
+    return out
+
+
+def flat_samples(batch: list[Any]) -> list[Any]:
+    """The samples of a rollout in the order slime's conversion flattens them (groups in order)."""
+    out: list[Any] = []
+    for item in batch:
+        out += flat_samples(item) if isinstance(item, list) else [item]
+    return out
+
+
+def grader() -> Any:
+    """The reward each task's environment gives a sample, read again from the sample's own
+    response tokens and label: `arith` is the math environment's `check_answer` (\\boxed{} +
+    math-verify), `arith2` (TwoTurnArithmetic) boxes the label plus one in its second turn."""
+    from workers.envs.math import check_answer
+    from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
+
+    tokenizer = load_test_tokenizer(default_tokenizer_path())
+
+    def grade(sample: Any) -> float:
+        response = tokenizer.decode(sample.tokens[len(sample.tokens) - sample.response_length:],
+                                    skip_special_tokens=True)
+        env = sample.metadata.get("source_name")
+        if env == "arith":
+            return float(check_answer(response, str(sample.label), "boxed", timeout_s=5).reward)
+        if env == "arith2":
+            return TwoTurnArithmetic.grade(response, str(sample.label))
+        raise ValueError(f"grader: sample {sample.index} of environment {env!r}: only arith and arith2 are known")
+
+    return grade
 
 
 def _worker_process(config: dict[str, Any], workdir: Path, run: LearnRun) -> Any:
@@ -569,9 +648,17 @@ def stop_fully_async_worker(args: Any, timeout_s: float = 60.0) -> int:
 class TwoTurnArithmetic:
     """A NeMo-RL-style environment (`kind: nemo_rl`, `multi_turn: true`): the first answer gets
     the observation FOLLOW_UP, the second must box the label plus one (reward 1, else 0). Its
-    episodes carry a loss mask with the observation's tokens at 0 between two trained turns."""
+    episodes carry a loss mask with the observation's tokens at 0 between two trained turns.
+    `config["fail_divisor"]` k > 0: a `step` call with a task whose label is a multiple of k
+    raises (the call's episodes end FAILED, with their first turn's tokens), so a run has failed
+    samples for the failed-sample check."""
+
+    def __init__(self, config: dict[str, Any] | None = None):
+        self.fail_divisor = int((config or {}).get("fail_divisor", 0))
 
     def step(self, message_logs: list[list[dict[str, Any]]], metadata: list[dict[str, Any]]) -> tuple[Any, ...]:
+        if self.fail_divisor and any(int(m["ground_truth"]) % self.fail_divisor == 0 for m in metadata):
+            raise RuntimeError(f"TwoTurnArithmetic: a label divisible by {self.fail_divisor} (a planted env failure)")
         observations, rewards, done = [], [], []
         for log, meta in zip(message_logs, metadata):
             turns = [m for m in log if m.get("role") == "assistant"]
@@ -580,14 +667,26 @@ class TwoTurnArithmetic:
                 rewards.append(0.0)
                 done.append(False)
                 continue
-            found = _BOXED.findall(str(turns[-1].get("content") or ""))
-            right = bool(found) and found[-1] == str(int(meta["ground_truth"]) + 1)
             observations.append({"role": "environment", "content": ""})
-            rewards.append(1.0 if right else 0.0)
+            rewards.append(self.grade_turn(str(turns[-1].get("content") or ""), str(meta["ground_truth"])))
             done.append(True)
         return observations, list(metadata), [None] * len(metadata), rewards, done
 
+    @staticmethod
+    def grade_turn(second_turn: str, label: str) -> float:
+        found = _BOXED.findall(second_turn)
+        return 1.0 if found and found[-1] == str(int(label) + 1) else 0.0
 
-def two_turn_env() -> dict[str, Any]:
-    return {"kind": "nemo_rl", "max_turns": 2,
-            "options": {"cls": "tests.learning:TwoTurnArithmetic", "multi_turn": True, "label_key": "ground_truth"}}
+    @classmethod
+    def grade(cls, response: str, label: str) -> float:
+        """The reward of a whole response (both turns and the observation between them)."""
+        parts = response.split(FOLLOW_UP.strip(), 1)
+        return cls.grade_turn(parts[1], label) if len(parts) == 2 else 0.0
+
+
+def two_turn_env(fail_divisor: int = 0) -> dict[str, Any]:
+    options: dict[str, Any] = {"cls": "tests.learning:TwoTurnArithmetic", "multi_turn": True,
+                               "label_key": "ground_truth"}
+    if fail_divisor:
+        options["config"] = {"fail_divisor": fail_divisor}
+    return {"kind": "nemo_rl", "max_turns": 2, "options": options}

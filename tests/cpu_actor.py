@@ -183,7 +183,7 @@ class CPUTrainer:
         if controls.foreign_logprobs:
             rollout_lps = self._foreign(rollout_lps)
         score_tokens = tokens
-        if controls.actor_targets_shifted:  # each position's target is the token before it: the window one early
+        if controls.actor_targets_shifted:  # each position's target is the token before it
             score_tokens = [torch.cat([t[:1], t[:-1]]) for t in tokens]
         batch: dict[str, Any] = {
             "rewards": list(data["rewards"]), "response_lengths": response_lengths, "total_lengths": total_lengths,
@@ -191,10 +191,9 @@ class CPUTrainer:
             "rollout_mask_sums": [torch.tensor(float(s)) for s in data["rollout_mask_sums"]],
         }
         # slime's compute_log_prob for the actor ("log_probs") and the reference; under
-        # --use-rollout-logprobs slime's actor skips the actor's (actor.py), the loss then takes
-        # the rollout log-probs as the old policy
-        # the loss then takes the rollout log-probs as the old policy. The recompute runs either
-        # way: the signal checks hold the rollout log-probs against it
+        # --use-rollout-logprobs slime's actor skips the actor's (actor.py) and the loss takes the
+        # rollout log-probs as the old policy. The recompute runs either way here: the signal
+        # checks hold the rollout log-probs against it
         with torch.no_grad():
             old, batch["ref_log_probs"] = (
                 self._log_probs(model, tokens, score_tokens, total_lengths, response_lengths)

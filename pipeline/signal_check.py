@@ -36,6 +36,7 @@ UNTRAINED = "model tokens untrained"  # TokenAudit.model_tokens_untrained
 REWARD = "reward check"  # reward_mismatches
 REMOVAL = "failed-sample check"  # removal_mismatches
 VERSION = "version check"  # version_mismatches
+CHECKS = (MISMATCH, UNTRAINED, REWARD, REMOVAL, VERSION)
 
 MISMATCH_BOUND = 1e-5  # sync's measured mismatch is 3-4e-7 (docs/signal-bugs.md): a ~30x margin
 TOKEN_MATCH = 1e-4  # one token's |recomputed - rollout| under which its rollout log-prob is the policy's

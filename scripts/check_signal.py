@@ -179,7 +179,7 @@ def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions)
 
 
 def report(result: SignalVerdict) -> str:
-    from pipeline.signal_check import MISMATCH_BOUND
+    from pipeline.signal_check import CHECKS, MISMATCH_BOUND
 
     a = result.audit
     lines = [f"samples {result.samples} (episode turns: {dict(sorted(result.turns.items()))}), "
@@ -191,7 +191,11 @@ def report(result: SignalVerdict) -> str:
     if a.abs_diff_multi is None:
         lines.append("note: no sample with two trained turns (every two-turn episode ran out of tokens or "
                      "failed): the bookkeeping across turns went unchecked")
-    for check, messages in result.failures.items():
+    for check in CHECKS:
+        messages = result.failures.get(check)
+        if not messages:
+            lines.append(f"PASS {check}")
+            continue
         lines.append(f"FAIL {check}: " + "; ".join(messages[:3]) + (f" (+{len(messages) - 3} more)"
                                                                     if len(messages) > 3 else ""))
     lines.append(f"VERDICT: {'PASS' if result.passed else 'FAIL'}")

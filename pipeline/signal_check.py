@@ -158,14 +158,16 @@ def removal_mismatches(samples: Sequence[Any], loss_masks: Sequence[Sequence[int
     return out
 
 
-def version_mismatches(samples: Sequence[Any], expected: int) -> list[str]:
-    """Under a sync loop every generate call of step r's samples ran on policy version r: the
-    versions the samples carry (slime's `weight_versions`) must say so."""
+def version_mismatches(samples: Sequence[Any], expected: int, *, eta: int = 0) -> list[str]:
+    """Under a sync loop at eta 0 every generate call of step r's samples ran on policy version
+    r: the versions the samples carry (slime's `weight_versions`) must say so; under eta k, a
+    version from r - k to r."""
     out = []
     for s in samples:
         versions = list(getattr(s, "weight_versions", None) or [])
-        if not versions or any(str(v) != str(expected) for v in versions):
-            out.append(f"sample {s.index}: versions {versions}, generated at policy version {expected}")
+        if not versions or any(not str(v).isdigit() or not 0 <= expected - int(v) <= eta for v in versions):
+            seen = f"policy version {expected}" if eta == 0 else f"policy versions {max(0, expected - eta)}..{expected}"
+            out.append(f"sample {s.index}: versions {versions}, generated at {seen}")
     return out
 
 

@@ -1,7 +1,8 @@
 """`rollout check-signal` (scripts/check_signal.py): the product's command runs the tiny policy
 through a configuration and gives a verdict. The demo's configuration passes; the same
-configuration with a loss mask one token late planted in the pipeline's own conversion
-(tests/signal_bugs.py `mask-right`) fails, with exit code 4 and the check that caught it named.
+configuration with a bug planted in the pipeline's own code (tests/signal_bugs.py: a loss mask
+one token late, versions one older, template tokens trained) fails, with exit code 4 and the
+check that caught it named.
 Real parts: a redis-server and `rollout engine --policy-path` (the simulator serving the warm
 tiny LM) of the command's own, the producer and an arq worker in this process."""
 
@@ -34,15 +35,19 @@ def test_check_signal_passes_on_the_demo_configuration(demo_config, tmp_path, ca
 
 
 @pytest.mark.timeout(600)
-def test_check_signal_fails_on_a_mask_bug_planted_in_the_conversion(demo_config, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("bug, check", [("mask-right", "model tokens untrained"), ("versions-older", "version check"),
+                                        ("template-trained", "mismatch bound")])
+def test_check_signal_fails_on_a_bug_planted_in_the_pipeline(demo_config, tmp_path, capsys, monkeypatch, bug, check):
+    """The conversion's loss mask one token late, its versions one older (rollout 1's samples
+    then recomputed under the policy before the push), the episode's template tokens trained."""
     from signal_bugs import BUGS
 
     from scripts.check_signal import EXIT_FAIL
     from scripts.cli import main
 
-    next(b for b in BUGS if b.name == "mask-right").plant(monkeypatch)
+    next(b for b in BUGS if b.name == bug).plant(monkeypatch)
     code = main(["check-signal", "--config", str(demo_config), "--workdir", str(tmp_path)])
     out = capsys.readouterr().out
     print(out)
     assert code == EXIT_FAIL, out
-    assert "VERDICT: FAIL" in out and "FAIL model tokens untrained" in out, out
+    assert "VERDICT: FAIL" in out and f"FAIL {check}" in out, out

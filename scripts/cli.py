@@ -13,6 +13,7 @@ on the line, or `ROLLOUT_DEBUG=1`) prints the traceback too.
 | 1 | internal error (a bug: the line says so; `--debug` for the traceback) |
 | 2 | usage or configuration: bad flag, bad config key or value, bad tasks file, unknown kind |
 | 3 | connection: Redis or the engine unreachable, authentication refused |
+| 4 | a check ran and its verdict is FAIL (`rollout check-signal`) |
 | 130 | interrupted (Ctrl-C) |
 """
 
@@ -52,6 +53,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("scripts.bench:main", "benchmarks with ratios against their baselines"),
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
+    "check-signal": ("scripts.check_signal:main", "check on a CPU that your configuration hands the trainer an aligned training signal"),
     "show": ("pipeline.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
     "rm-server": ("workers.rm_server:main", "serve slime's remote reward model (--rm-url, behind $ROLLOUT_RM_TOKEN off loopback) with the configured environments"),
 }

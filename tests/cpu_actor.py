@@ -21,9 +21,17 @@ on each sample, the logits packed as slime packs them, backward, AdamW. The push
 updater does to each engine: pause generation, `/update_weights_from_disk` with the checkpoint
 and the weight version (the per-process push count), continue.
 
-`Controls` breaks the signal on purpose (the learning test's negative controls): advantages of
-the wrong sign, the loss window one token early, rollout log-probs of another sample, rewards
-shuffled across groups.
+`Controls` breaks the signal on purpose inside the actor and slime's loop, downstream of the
+pipeline (the learning test's and the bench's negative controls: does a signal this broken stop
+learning?): advantages of the wrong sign, each trained position scored against the token before
+it, rollout log-probs of another sample, rewards shuffled across groups. They plant nothing in the
+pipeline's own code; the bugs planted there, each where it would really sit, are
+tests/signal_bugs.py's (docs/signal-bugs.md).
+
+Each step also keeps the actor's recomputed old log-probs of every sample (`CPUTrainer.recomputed`,
+by rollout id), which the signal checks (pipeline/signal_check.py) hold the rollout log-probs and
+masks against, and reports slime's means (`reduce_train_step_metrics`), as `train_one_step` logs
+them: e.g. `train_rollout_logprob_abs_diff`, the mean over samples, not their sum.
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ from pipeline.weight_push import pause_body, post_json
 @dataclass(frozen=True)
 class Controls:
     wrong_sign: bool = False  # (a) advantages negated after slime computed them
-    mask_shift: bool = False  # (b) the loss mask one token early: each trained position scores the token before
+    # (b) inside the actor, each trained position is scored against the token before it (the
+    # targets one token back); the pipeline's mask is untouched (its own mask bugs: signal_bugs.py)
+    actor_targets_shifted: bool = False
     foreign_logprobs: bool = False  # (c) rollout log-probs of another sample of the batch
     shuffled_rewards: bool = False  # (d) rewards shuffled across the batch before slime normalises them per group
 
@@ -142,7 +152,8 @@ class CPUTrainer:
         self.ref = load_model(checkpoint)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
         self.rng = random.Random(seed)
-        self.metrics: list[dict[str, float]] = []
+        self.metrics: list[dict[str, float]] = []  # slime's per-step means, one dict a step
+        self.recomputed: dict[int, list[list[float]]] = {}  # rollout id -> per sample: the recomputed old log-probs
         self.clock = clock or TrainerClock()
 
     def _packed_logits(self, model: Any, tokens: list[Any]) -> Any:
@@ -159,7 +170,7 @@ class CPUTrainer:
         logits = model(input_ids=ids, attention_mask=mask).logits.float()
         return torch.cat([logits[i, : len(t)] for i, t in enumerate(tokens)], dim=0).unsqueeze(0)
 
-    def train(self, data: dict[str, Any]) -> dict[str, float]:
+    def train(self, data: dict[str, Any], rollout_id: int = -1) -> dict[str, float]:
         import torch
         from slime.backends.megatron_utils import loss as slime_loss
 
@@ -172,7 +183,7 @@ class CPUTrainer:
         if controls.foreign_logprobs:
             rollout_lps = self._foreign(rollout_lps)
         score_tokens = tokens
-        if controls.mask_shift:  # each position's target is the token before it: the window one early
+        if controls.actor_targets_shifted:  # each position's target is the token before it
             score_tokens = [torch.cat([t[:1], t[:-1]]) for t in tokens]
         batch: dict[str, Any] = {
             "rewards": list(data["rewards"]), "response_lengths": response_lengths, "total_lengths": total_lengths,
@@ -180,16 +191,16 @@ class CPUTrainer:
             "rollout_mask_sums": [torch.tensor(float(s)) for s in data["rollout_mask_sums"]],
         }
         # slime's compute_log_prob for the actor ("log_probs") and the reference; under
-        # --use-rollout-logprobs slime's actor skips the actor's (actor.py), the loss then takes
-        # the rollout log-probs as the old policy
-        recompute = [] if args.use_rollout_logprobs else [("log_probs", self.model)]
+        # --use-rollout-logprobs slime's actor skips the actor's (actor.py) and the loss takes the
+        # rollout log-probs as the old policy. The recompute runs either way here: the signal
+        # checks hold the rollout log-probs against it
         with torch.no_grad():
-            for key, model in (*recompute, ("ref_log_probs", self.ref)):
-                logits = self._packed_logits(model, tokens)
-                _, out = slime_loss.get_log_probs_and_entropy(
-                    logits, args=args, unconcat_tokens=score_tokens, total_lengths=total_lengths,
-                    response_lengths=response_lengths)
-                batch[key] = out["log_probs"]
+            old, batch["ref_log_probs"] = (
+                self._log_probs(model, tokens, score_tokens, total_lengths, response_lengths)
+                for model in (self.model, self.ref))
+        if not args.use_rollout_logprobs:
+            batch["log_probs"] = old
+        self.recomputed[rollout_id] = [lp.tolist() for lp in old]
         slime_loss.compute_advantages_and_returns(args, batch)
         if controls.wrong_sign:
             batch["advantages"] = [-a for a in batch["advantages"]]
@@ -201,9 +212,31 @@ class CPUTrainer:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), args.clip_grad)
         self.optimizer.step()
         self.model.eval()
-        metrics = {k: float(v) for k, v in zip(log["keys"], log["values"][1:].tolist())}
+        metrics = self._slime_means(log, len(tokens))
         self.metrics.append(metrics)
         return metrics
+
+    def _log_probs(self, model: Any, tokens: list[Any], score_tokens: list[Any], total_lengths: list[int],
+                   response_lengths: list[int]) -> list[Any]:
+        """slime's compute_log_prob on the packed logits: one tensor per sample, its response."""
+        from slime.backends.megatron_utils import loss as slime_loss
+
+        logits = self._packed_logits(model, tokens)
+        _, out = slime_loss.get_log_probs_and_entropy(
+            logits, args=self.args, unconcat_tokens=score_tokens, total_lengths=total_lengths,
+            response_lengths=response_lengths)
+        return list(out["log_probs"])
+
+    def _slime_means(self, log: dict[str, Any], samples: int) -> dict[str, float]:
+        """The step's metrics as slime's `train_one_step` reports them (one micro-batch here):
+        `reduce_train_step_metrics` over the loss's log, the per-rollout sums divided by the
+        step's rollout count (or the token count under --calculate-per-token-loss)."""
+        from megatron.core import parallel_state
+        from slime.observability.train_metric_utils import reduce_train_step_metrics
+
+        return reduce_train_step_metrics(
+            [log], calculate_per_token_loss=self.args.calculate_per_token_loss, step_global_batch_size=samples,
+            cp_size=1, dp_with_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
 
     def _foreign(self, rollout_lps: list[Any]) -> list[Any]:
         """(c): each sample gets another sample's rollout log-probs, cut or padded (with its
@@ -236,7 +269,7 @@ class CPUActor(MegatronActor):
     def async_train(self, rollout_id: int, data: Any, external_data: Any = None) -> None:
         started = time.monotonic()
         super().async_train(rollout_id, data, external_data)
-        self.trainer.train(data)
+        self.trainer.train(data, rollout_id)
         self.trainer.clock.fill(sum(len(t) for t in data["tokens"]), started)
 
     def update_weights(self) -> None:

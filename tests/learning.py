@@ -1,13 +1,7 @@
-"""A policy that learns through the whole path: the task set, the warm start and the run.
+"""A policy that learns through the whole path: the run.
 
-- **Tasks**: single-digit arithmetic ("What is 7 * 8?", + and *, 200 problems), written as raw
-  JSONL and turned into tasks.jsonl by the project's own `rollout prepare` for a `math`
-  environment (`\\boxed{}` + math-verify). A fixed fifth of the problems is the held-out split
-  (the eval dataset); the rest is what the producer enqueues.
-- **Warm start**: a short supervised run of the tiny LM (workers/sim/tinylm.py) on
-  "\\boxed{answer}" over every problem (its "pre-training": it has seen the held-out problems
-  too), stopped as soon as its accuracy at temperature 1 reaches `WARM_TARGET`, so it starts
-  between 10% and 50% and RL has room to sharpen it.
+- **Tasks and warm start**: workers/sim/arith.py (the product's, which `rollout check-signal`
+  runs too), imported here under their old names.
 - **Run** (`run_learning`): redis-server, the producer, arq workers, SGLang's front over the
   simulator serving the tiny LM (tests/engine_stack.py), and slime's own train.py /
   train_async.py (tests/slime_loop_helpers.py) with the CPU actor (tests/cpu_actor.py) training
@@ -21,215 +15,24 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-WARM_STEPS = 600  # supervised steps of 64 examples
-WARM_LR = 3e-3
-WARM_TWO_TURN = 0.25  # share of the warm start's examples in the two-turn task's layout
-WARM_BOXED = 0.25  # share of the warm start's examples that box their answer
-WARM_VERSION = "w3"  # bump when the tasks, the model shape or the warm start change
-FOLLOW_UP = "\nNow add 1 to it.\n"  # the two-turn task's observation after the first answer
-_BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
-
-
-def problems() -> list[tuple[str, str, bool]]:
-    """(question, answer, held_out) for every problem; every fifth is held out."""
-    rows = []
-    for a in range(10):
-        for b in range(10):
-            for op, value in (("+", a + b), ("*", a * b)):
-                rows.append((f"What is {a} {op} {b}?", str(value)))
-    rng = random.Random(1234)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    held = set(order[: len(rows) // 5])
-    return [(q, a, i in held) for i, (q, a) in enumerate(rows)]
-
-
-def math_env() -> dict[str, Any]:
-    return {"kind": "math", "options": {"answer": "boxed", "check_in": "inline"}}
-
-
-def _dataset(raw: str) -> dict[str, Any]:
-    return {"source": "jsonl", "files": [raw], "fields": {"id": "id", "prompt": "question", "label": "answer"}}
-
-
-def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
-    """tasks.jsonl (the train split, once as the single-turn `arith` task and once as the
-    two-turn `arith2` task) and heldout.jsonl (`arith`), each written by `rollout prepare`."""
-    import yaml
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = []
-    for split, held in (("train", False), ("heldout", True)):
-        rows = [(i, q, a) for i, (q, a, h) in enumerate(problems()) if h == held]
-        raw = workdir / f"{split}-raw.jsonl"
-        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
-        envs = {"arith": {**math_env(), "dataset": _dataset(raw.name)}}
-        if not held:
-            two = workdir / f"{split}2-raw.jsonl"
-            two.write_text("".join(json.dumps({"id": f"{split}2-{i}", "question": q, "answer": a}) + "\n"
-                                   for i, q, a in rows))
-            envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
-        config = workdir / f"prepare-{split}.yaml"
-        config.write_text(yaml.safe_dump({"environments": envs}))
-        tasks = workdir / ("tasks.jsonl" if split == "train" else "heldout.jsonl")
-        subprocess.run([sys.executable, "-m", "producers.prepare_tasks", "--config", str(config),
-                        "--output", str(tasks)], check=True, cwd=REPO, capture_output=True)
-        out.append(tasks)
-    return out[0], out[1]
-
-
-# ---------------------------------------------------------------- warm start
-
-
-def _prompt_ids(tokenizer: Any, question: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def prompt_tokenizers() -> list[Any]:
-    """The two ways a client tokenizes the prompt: the shared test tokenizer as its own class
-    (the simulator's /model_info names it), and as transformers' Qwen2Tokenizer (what a client
-    loads from the Qwen2 model directory SGLang's front serves in tests/engine_stack.py: it
-    splits numbers into digits). The warm start teaches the model both."""
-    from transformers import Qwen2Tokenizer
-
-    from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
-
-    return [load_test_tokenizer(default_tokenizer_path()), Qwen2Tokenizer.from_pretrained(default_tokenizer_path())]
-
-
-def sample_accuracy(policy: Any, tokenizer: Any, rows: list[tuple[str, str, bool]], *, temperature: float = 1.0,
-                    repeats: int = 2, prefix: str = "") -> float:
-    """Fraction of sampled answers whose box holds the answer (a quick check for the warm start;
-    the runs grade through the math environment)."""
-    from workers.sim.tinylm import GenRequest
-
-    start = list(tokenizer.encode(prefix, add_special_tokens=False)) if prefix else []
-    clients = prompt_tokenizers()
-    requests = [GenRequest(_prompt_ids(client, q) + start, 16, temperature=temperature)
-                for client in clients for q, _, _ in rows]
-    results = policy.generate(requests * repeats)
-    answers = [a for _, a, _ in rows] * 2 * repeats
-    right = 0
-    for result, answer in zip(results, answers):
-        found = _BOXED.findall(prefix + tokenizer.decode(result.ids, skip_special_tokens=True))
-        right += bool(found) and found[-1] == answer
-    return right / len(answers)
-
-
-def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_share: float = WARM_BOXED,
-               lr: float = WARM_LR) -> dict[str, Any]:
-    """Train the tiny LM on every problem's answer, written "\\boxed{answer}" in `boxed_share`
-    of the examples and "Answer: answer" (which the math environment's `answer: boxed` scores 0)
-    in the rest; save it at `path` (a second call with the same path reuses it). The model learns
-    the sums and a habit of boxing a quarter of the time: at temperature 1 its accuracy starts
-    low, and what RL can teach it (box, and be sure of the sum) carries over to the held-out
-    problems. Returns {steps, accuracy, parameters}."""
-    import torch
-
-    from workers.sim.tinylm import TinyPolicy, count_parameters, new_model, save_checkpoint
-    from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
-
-    info_file = path / "warm_start.json"
-    if info_file.exists():
-        return dict(json.loads(info_file.read_text()))
-    torch.set_num_threads(1)
-    tokenizer = load_test_tokenizer(default_tokenizer_path())
-    model = new_model(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
-    rows = problems()
-    eos = tokenizer.eos_token_id
-    clients = prompt_tokenizers()
-    singles, doubles = [], []  # (token ids, which of them are trained) per example form
-    for (question, answer, _), client in ((row, c) for row in rows for c in clients):
-        prompt = _prompt_ids(client, question)
-        follow = list(client.encode(FOLLOW_UP, add_special_tokens=False))  # raw observation tokens
-
-        def replies(value: int) -> tuple[list[int], list[int]]:
-            boxed = list(tokenizer.encode(f"\\boxed{{{value}}}", add_special_tokens=False)) + [eos]
-            return boxed, list(tokenizer.encode(f"Answer: {value}", add_special_tokens=False)) + [eos]
-
-        singles.append((prompt, replies(int(answer))))
-        doubles.append((prompt, replies(int(answer)), follow, replies(int(answer) + 1)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    rng = random.Random(seed)
-    model.train()
-
-    def pick(pair: tuple[list[int], list[int]]) -> list[int]:
-        return pair[0] if rng.random() < boxed_share else pair[1]
-
-    for _ in range(steps):
-        batch = []
-        for _ in range(64):
-            if rng.random() < WARM_TWO_TURN:  # the two-turn task's layout: answer, observation, answer
-                prompt, first, follow, second = rng.choice(doubles)
-                one, two = pick(first), pick(second)
-                batch.append((prompt + one + follow + two,
-                              [0] * len(prompt) + [1] * len(one) + [0] * len(follow) + [1] * len(two)))
-            else:
-                prompt, first = rng.choice(singles)
-                one = pick(first)
-                batch.append((prompt + one, [0] * len(prompt) + [1] * len(one)))
-        loss = _sft_loss(model, batch, eos)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    save_checkpoint(model, path)
-    policy = TinyPolicy(path, tokenizer, seed=seed)
-    accuracy = sample_accuracy(policy, tokenizer, rows, repeats=2)
-    knows = sample_accuracy(policy, tokenizer, rows, repeats=1, temperature=0.0, prefix="\\boxed{")
-    info = {"steps": steps, "accuracy": accuracy, "boxed_greedy_accuracy": knows, "parameters": count_parameters(model),
-            "version": WARM_VERSION}
-    info_file.write_text(json.dumps(info))
-    return info
-
-
-def warm_checkpoint() -> Path:
-    """The warm start, built once per machine (~45 s of one core) under
-    ~/.cache/rollout-pipeline/tiny-warm-<version> (a staging directory renamed into place, so
-    racing builders never see half a checkpoint)."""
-    import os
-    import shutil
-    import tempfile
-
-    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-pipeline"
-    target = root / f"tiny-warm-{WARM_VERSION}"
-    if (target / "warm_start.json").exists():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="warm-build-", dir=root))
-    warm_start(staging / "ckpt")
-    try:
-        os.rename(staging / "ckpt", target)
-    except OSError:  # another process won the race; its copy is built the same way
-        pass
-    shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-def _sft_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> Any:
-    """Cross-entropy on the tokens marked 1 in each (ids, trained) example."""
-    import torch
-
-    width = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), width), pad, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for i, (row, trained) in enumerate(batch):
-        ids[i, : len(row)] = torch.tensor(row)
-        labels[i, : len(row)] = torch.where(torch.tensor(trained) == 1, torch.tensor(row), -100)
-        mask[i, : len(row)] = 1
-    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
-
+from workers.sim.arith import (  # noqa: F401  (the tasks and warm start moved to the product; tests import them here)
+    FOLLOW_UP,
+    REPO,
+    TwoTurnArithmetic,
+    grader,
+    math_env,
+    prepare_tasks,
+    problems,
+    sample_accuracy,
+    two_turn_env,
+    warm_checkpoint,
+    warm_start,
+)
 
 # ---------------------------------------------------------------- the run
 
@@ -243,7 +46,7 @@ class LearnRun:
     n: int = 8  # samples per group
     eta: int = 0
     loop: str = "train"  # slime's train.py ("train") or train_async.py ("train_async")
-    eval_interval: int = 4
+    eval_interval: int | None = 4  # None: no eval round (the signal checks need none)
     eval_samples: int = 4  # episodes per held-out task
     # also a greedy round (temperature 0, one episode per task): no sampling noise, so a CI test can
     # hold a margin on it (tests/test_learning.py); LearnResult.greedy
@@ -268,6 +71,7 @@ class LearnRun:
     # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`)
     rollout: str = "pipeline"
     two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
+    env_fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (TwoTurnArithmetic)
     # slime's --sglang-server-concurrency (its default, slime/backends/sglang_utils/arguments.py):
     # the fully async worker's groups in flight and slime's per-sample semaphore, x engines
     slime_concurrency: int = 512
@@ -287,6 +91,30 @@ class LearnResult:
     eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # every eval round's metrics, in order
     untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
     greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
+    signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
+
+
+@dataclass
+class StepSignal:
+    """One trained step's signal checks (pipeline/signal_check.py): the token audit of what the
+    actor was handed against its recomputed log-probs, and the checks on the samples themselves."""
+
+    tokens: Any  # signal_check.TokenAudit
+    rewards: list[str]  # reward_mismatches: rewards that are not their own response's grade
+    removal: list[str]  # removal_mismatches: failed samples trained, or good ones removed
+    versions: list[str] | None  # version_mismatches (None: not a sync run at eta 0, no single expected version)
+    turns: dict[int, int] = field(default_factory=dict)  # episode turns (the episode's own count) -> samples
+
+    def failures(self) -> dict[str, list[str]]:
+        """The checks this step failed -> what they found ({} when the signal is aligned)."""
+        from pipeline.signal_check import REMOVAL, REWARD, VERSION
+
+        found = {REWARD: self.rewards, REMOVAL: self.removal, VERSION: self.versions or []}
+        return {**self.tokens.failures(), **{check: _first_few(messages) for check, messages in found.items() if messages}}
+
+
+def _first_few(messages: list[str], few: int = 3) -> list[str]:
+    return messages[:few] + ([f"... and {len(messages) - few} more"] if len(messages) > few else [])
 
 
 def eval_file(workdir: Path, heldout: Path, samples: int, greedy: bool = False) -> Path:
@@ -309,7 +137,8 @@ def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[s
         "rollout": {"n_samples_per_prompt": run.n, "rollout_batch_size": run.batch, "eta": run.eta,
                     "max_response_tokens": 16, "sampling": run.sampling},
         # the two-turn task is a quarter of what the producer admits (its mixing weight)
-        "environments": {"arith": math_env(), **({"arith2": {**two_turn_env(), "weight": 1 / 3}} if run.two_turn else {})},
+        "environments": {"arith": math_env(),
+                         **({"arith2": {**two_turn_env(run.env_fail_divisor), "weight": 1 / 3}} if run.two_turn else {})},
         # liveness lenient: the CPU actor shares this process, and a stalled event loop must not
         # make a job that is starting look orphaned (it would be re-run)
         "workers": {"concurrency": run.concurrency, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02},
@@ -410,6 +239,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         accuracy[done], seconds[done] = float(metrics["eval/heldout/pass@1"]), when - started
         if "eval/greedy/pass@1" in metrics:
             greedy[done] = float(metrics["eval/greedy/pass@1"])
+    signal = step_signals(cluster, manager, trainer.recomputed, sync=run.loop == "train" and run.eta == 0
+                          and not fully_async)
     masks = [m for steps in cluster.trained.values() for data in steps.values() for m in data["loss_masks"]]
     evals = ([dict(first_eval.metrics)] if first_eval is not None else []) + [m for _, m, _ in manager.evals]
     return LearnResult(accuracy=accuracy, seconds=seconds, metrics=trainer.metrics, wall_s=wall,
@@ -417,7 +248,36 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
                        trainer_overruns=trainer.clock.overruns, trainer_cpu_share=trainer.clock.cpu_share,
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
-                       greedy=greedy)
+                       greedy=greedy, signal=signal)
+
+
+def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,
+                 sync: bool) -> dict[int, StepSignal]:
+    """The signal checks of every step the actor trained (the last trainer process's run)."""
+    from pipeline.signal_check import audit_tokens, removal_mismatches, reward_mismatches, version_mismatches
+
+    trained = cluster.trained[max(cluster.trained)] if cluster.trained else {}
+    grade = grader()
+    out = {}
+    for rid, data in sorted(trained.items()):
+        samples = flat_samples(manager.batches[rid])
+        audit = audit_tokens(recomputed[rid], data["rollout_log_probs"], data["loss_masks"])
+        turns: dict[int, int] = {}
+        for sample in samples:
+            count = int(sample.metadata.get("turns", 0))
+            turns[count] = turns.get(count, 0) + 1
+        out[rid] = StepSignal(tokens=audit, rewards=reward_mismatches(samples, grade),
+                              removal=removal_mismatches(samples, data["loss_masks"]),
+                              versions=version_mismatches(samples, rid) if sync else None, turns=turns)
+    return out
+
+
+def flat_samples(batch: list[Any]) -> list[Any]:
+    """The samples of a rollout in the order slime's conversion flattens them (groups in order)."""
+    out: list[Any] = []
+    for item in batch:
+        out += flat_samples(item) if isinstance(item, list) else [item]
+    return out
 
 
 def _worker_process(config: dict[str, Any], workdir: Path, run: LearnRun) -> Any:
@@ -562,32 +422,3 @@ def stop_fully_async_worker(args: Any, timeout_s: float = 60.0) -> int:
         background.loop.close()
     fresh_slime_rollout_process()  # the HTTP client belonged to the worker's loop: dropped with it
     return left
-
-
-# ---------------------------------------------------------------- the two-turn task
-
-class TwoTurnArithmetic:
-    """A NeMo-RL-style environment (`kind: nemo_rl`, `multi_turn: true`): the first answer gets
-    the observation FOLLOW_UP, the second must box the label plus one (reward 1, else 0). Its
-    episodes carry a loss mask with the observation's tokens at 0 between two trained turns."""
-
-    def step(self, message_logs: list[list[dict[str, Any]]], metadata: list[dict[str, Any]]) -> tuple[Any, ...]:
-        observations, rewards, done = [], [], []
-        for log, meta in zip(message_logs, metadata):
-            turns = [m for m in log if m.get("role") == "assistant"]
-            if len(turns) < 2:
-                observations.append({"role": "environment", "content": FOLLOW_UP})
-                rewards.append(0.0)
-                done.append(False)
-                continue
-            found = _BOXED.findall(str(turns[-1].get("content") or ""))
-            right = bool(found) and found[-1] == str(int(meta["ground_truth"]) + 1)
-            observations.append({"role": "environment", "content": ""})
-            rewards.append(1.0 if right else 0.0)
-            done.append(True)
-        return observations, list(metadata), [None] * len(metadata), rewards, done
-
-
-def two_turn_env() -> dict[str, Any]:
-    return {"kind": "nemo_rl", "max_turns": 2,
-            "options": {"cls": "tests.learning:TwoTurnArithmetic", "multi_turn": True, "label_key": "ground_truth"}}

@@ -13,7 +13,10 @@ flakier. The margin: the run that learns must gain `MARGIN` greedy held-out accu
 runs the same steps and must stay below it: one that learned would fail this test. Measured on
 this machine: greedy 0 -> 0.475, 0.35, 0.40, 0.60, 0.65 and 0.65 in six learning runs (the warm
 start boxes a quarter of its answers, its greedy answer is unboxed: graded wrong), 0 -> 0 for
-controls (a) and (b) in every one. The sampled accuracy (temperature 1, the bench's pass@1) rises less in 10 steps:
+controls (a) and (b) in every one. Every step's signal passes the fast checks of
+pipeline/signal_check.py (docs/signal-bugs.md): slime's `train_rollout_logprob_abs_diff` measured
+4.8-7.2e-7 a step here (CPU, fp32; 10-11 under control (b)) against MISMATCH_BOUND = 1e-5.
+The sampled accuracy (temperature 1, the bench's pass@1) rises less in 10 steps:
 +0.13 and +0.17 with 16 samples per task, while one round of 4 samples per task has a standard
 error of ~0.035 (~0.05 on a difference), so a margin on it failed about one run in five (+0.1375
 in one full run); it is printed here from one sample per task (a rough figure), and the bench
@@ -73,20 +76,40 @@ async def _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup
 
 
 @pytest.mark.timeout(START_TIMEOUT_S + 180)
-@pytest.mark.parametrize("control", [None, "wrong_sign", "mask_shift"])
+@pytest.mark.parametrize("control", [None, "wrong_sign", "actor_targets_shifted"])
 async def test_a_real_policy_learns_through_the_pipeline_and_broken_signals_do_not(
         slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup, control):  # noqa: F811
-    """The run that learns gains at least MARGIN greedy held-out accuracy in STEPS steps; (a)
-    advantages of the wrong sign and (b) the loss window one token off (each trained position
-    scores the token before it) gain less than MARGIN: a control that passed would fail here."""
+    """The run that learns gains at least MARGIN greedy held-out accuracy in STEPS steps, and
+    every step's signal passes the fast checks (pipeline/signal_check.py): slime's own
+    `train_rollout_logprob_abs_diff` under MISMATCH_BOUND over all samples, the single- and the
+    two-turn ones and each turn, no model token untrained, rewards, removals and versions right.
+    The controls, applied inside the actor (tests/cpu_actor.py), gain less than MARGIN: (a)
+    advantages of the wrong sign, (b) the actor's targets one token back (each trained position
+    scores the token before it), which the mismatch bound catches at once too. The bugs planted
+    in the pipeline's own code are tests/test_signal_checks.py's."""
+    from pipeline.signal_check import MISMATCH, MISMATCH_BOUND
+
     controls = {control: True} if control else {}
     gain, result = await _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup, **controls)
     assert all(m["loss"] == m["loss"] for m in result.metrics), "a NaN loss"  # noqa: PLR0124
     assert result.two_turn_samples > 0, "no two-turn episode was trained (masks across turns not exercised)"
+    assert sorted(result.signal) == list(range(STEPS))
+    slime_figures = [m["train_rollout_logprob_abs_diff"] for m in result.metrics]
+    ours = [result.signal[rid].tokens.abs_diff for rid in range(STEPS)]
+    print(f"train_rollout_logprob_abs_diff per step (slime's): {[f'{v:.2g}' for v in slime_figures]}")
+    # the audit's mean is slime's own figure (slime's reducer in the actor, the audit's from the same tokens)
+    assert ours == pytest.approx(slime_figures, rel=1e-3, abs=1e-9), (ours, slime_figures)
     if control is None:
+        for rid, step in result.signal.items():
+            assert not step.failures(), f"step {rid}: {step.failures()}"
+            assert step.tokens.abs_diff <= MISMATCH_BOUND and step.tokens.abs_diff_single is not None
+        assert any(s.tokens.abs_diff_multi is not None and 2 in s.tokens.abs_diff_by_turn
+                   for s in result.signal.values()), "no step had a second turn to check"
         assert gain >= MARGIN, f"the policy did not learn: greedy {result.greedy}, sampled {result.accuracy}"
     else:
         assert gain < MARGIN, f"control {control} learned as the real signal does: greedy {result.greedy}"
+    if control == "actor_targets_shifted":  # the recompute scores shifted targets: off by orders of magnitude
+        assert all(MISMATCH in step.failures() for step in result.signal.values())
 
 
 @pytest.mark.timeout(START_TIMEOUT_S + 120)

@@ -9,7 +9,7 @@ advantage and loss code (tests/cpu_actor.py). Held-out accuracy is the pipeline'
 (pass@1 over the held-out problems, temperature 1) every `eval_interval` steps.
 
 Contenders: sync (eta 0), this pipeline at eta 1, 2, 4, 8, eta 8 with TIS off, and the four
-controls at sync: (a) advantages of the wrong sign, (b) the loss mask one token early, (c)
+controls at sync: (a) advantages of the wrong sign, (b) the actor's targets one token back, (c)
 rollout log-probs of another sample, (d) rewards shuffled across groups; and slime's own fully
 async rollout (slime.rollout.fully_async_rollout with slime's RolloutDataSourceWithBuffer, its
 generate and the math environment's reward, under train_async.py; tests/learning.py
@@ -99,7 +99,7 @@ CONTENDERS = (
     Contender("sync"), Contender("eta 1", 1), Contender("eta 2", 2), Contender("eta 4", 4), Contender("eta 8", 8),
     Contender("eta 8, TIS off", 8, use_tis=False),
     Contender("(a) wrong-sign advantages", controls={"wrong_sign": True}),
-    Contender("(b) loss mask one token off", controls={"mask_shift": True}),
+    Contender("(b) targets one token back in the actor", controls={"actor_targets_shifted": True}),
     Contender("(c) foreign rollout log-probs", controls={"foreign_logprobs": True}),
     Contender("(d) rewards shuffled across groups", controls={"shuffled_rewards": True}),
     # (c) above reaches only the TIS weight (slime recomputes the old policy); with
@@ -208,9 +208,8 @@ def _setup(workdir: Path) -> Any:
 
     slime = require_slime("slime.ray.rollout", "slime.backends.megatron_utils.loss",
                           "slime.observability.rollout_data_utils", "slime.ray.placement_group")
-    from learning import prepare_tasks, warm_checkpoint  # type: ignore[import-not-found]
-
     import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
+    from workers.sim.arith import prepare_tasks, warm_checkpoint
 
     tasks, heldout = prepare_tasks(workdir / "tasks")
     return slime, warm_checkpoint(), tasks, heldout

@@ -1,0 +1,305 @@
+"""`rollout check-signal`: does the pipeline, as you configured it, hand the trainer an aligned
+training signal? A few minutes on a CPU, no GPU, no model of yours.
+
+It runs the tiny policy (workers/sim/tinylm.py, warm-started on arithmetic: workers/sim/arith.py)
+behind the simulated engine, a redis-server of its own, the producer and the arq workers with
+your configuration's rollout and worker settings (sampling, eta, concurrency, retries) on the
+tiny policy's own tasks (one- and two-turn arithmetic: your environments and their servers are
+not called), and takes two rollouts of each task through the pipeline's slime data source
+(`pipeline.slime.generate_rollout`: the conversion slime trains on) as slime's train.py does,
+with a weight push between them (`--push-mode`, slime's labels: a perturbed copy of the policy
+as version 1). It recomputes every sample's log-probs under the weights of the version the
+sample says generated it (a sample whose calls span the push is counted and left out) and runs
+the checks of pipeline/signal_check.py (docs/signal-bugs.md):
+
+- the mismatch bound: slime's `train_rollout_logprob_abs_diff` (mean |recomputed - rollout|
+  over trained tokens, per sample, averaged) under 1e-5, overall, for one- and two-turn
+  samples and per turn (an aligned pipeline measures 3.6-7.2e-7 on a CPU in fp32);
+- no model token outside the loss mask; every reward its own response's grade; failed samples
+  out of the loss and no other; every version within eta of its rollout (and, through the
+  recompute, the one whose weights made the tokens).
+
+It prints each figure and check, then `VERDICT: PASS` (exit 0) or `VERDICT: FAIL` (exit 4).
+Not covered here: learning itself and the drift per lag (the learning bench, `rollout bench
+--sections learn`), slime's loss flags (no trainer step runs), your tool formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from argparse import Namespace
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+EXIT_FAIL = 4  # the checks ran and the signal failed them (scripts/cli.py's exit table)
+
+
+@dataclass
+class CheckOptions:
+    groups: int = 8  # groups in the checked batch
+    n: int = 4  # samples per group
+    fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (failed samples)
+    push_mode: Any = "abort"  # pipeline.weight_push.PushMode of the push between the two rollouts
+    timeout_s: float = 300.0  # for the batch to fill
+
+
+@dataclass
+class SignalVerdict:
+    audit: Any  # signal_check.TokenAudit
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    samples: int = 0
+    turns: dict[int, int] = field(default_factory=dict)  # episode turns -> samples
+    by_version: dict[str, int] = field(default_factory=dict)  # policy versions of a sample's calls -> samples
+    spanning: int = 0  # samples whose calls span the push (left out of the token audit)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+PASSES = ("arith", "arith2")  # one batch of each task: two-turn groups finish after one-turn ones
+
+
+def check_config(user: dict[str, Any] | None, redis_url: str, engine_url: str, options: CheckOptions,
+                 env: str) -> dict[str, Any]:
+    """The configuration of one pass: the user's rollout and workers sections, on this check's
+    Redis (namespace `check-signal-<env>`), engine and task `env`, at its batch shape and the tiny
+    policy's answer length."""
+    from workers.sim.arith import math_env, two_turn_env
+
+    user = user or {}
+    rollout = {**dict(user.get("rollout") or {}), "n_samples_per_prompt": options.n,
+               "rollout_batch_size": options.groups, "max_response_tokens": 16}
+    rollout.setdefault("sampling", {"temperature": 1.0})
+    environments = {"arith": math_env(), "arith2": two_turn_env(options.fail_divisor)}
+    if env not in environments:
+        raise ValueError(f"check_config: task {env!r}: one of {', '.join(environments)}")
+    workers = {"concurrency": 32, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02,
+               **dict(user.get("workers") or {})}
+    return {"redis": {"url": redis_url, "namespace": f"check-signal-{env}"}, "engine": {"url": engine_url},
+            "rollout": rollout, "environments": {env: environments[env]}, "workers": workers}
+
+
+def trainer_args(config: Any, redis_url: str, options: CheckOptions) -> Namespace:
+    """slime's arguments the pipeline's data source reads, for a sync loop (train.py)."""
+    return Namespace(
+        pipeline_redis_url=redis_url, pipeline_namespace=config.redis.namespace, rollout_batch_size=options.groups,
+        n_samples_per_prompt=options.n, pipeline_eta=config.rollout.eta, pipeline_wait_timeout_s=options.timeout_s,
+        pipeline_wait_log_s=30.0, pipeline_trainer_loop="sync", update_weights_interval=1)
+
+
+async def two_rollouts(raw_config: dict[str, Any], tasks: Path, redis_url: str, options: CheckOptions,
+                       push: Any) -> list[tuple[int, Any]]:
+    """The producer and one in-process arq worker on `raw_config`; rollouts 0 and 1 as the
+    pipeline's slime data source hands them to slime, with `push()` between them where slime's
+    train.py updates the weights. Returns (rollout id, sample) in order."""
+    from pipeline.config import parse_config
+    from pipeline.redis_conn import connect
+    from pipeline.slime import RedisDataSource, generate_rollout
+    from producers.enqueue import ProducerOptions, run_producer
+    from workers.settings import build_worker, stop_worker
+
+    config = parse_config(raw_config)
+    worker = build_worker(config, handle_signals=False)
+    running = asyncio.create_task(worker.async_run())
+    redis = connect(redis_url)
+    producer = asyncio.create_task(run_producer(config, tasks, follow=True, epochs=1000, redis=redis,
+                                                options=ProducerOptions(poll_s=0.02)))
+    source = RedisDataSource(trainer_args(config, redis_url, options))
+    out: list[tuple[int, Any]] = []
+    try:
+        for rollout_id in range(2):
+            output = await asyncio.to_thread(generate_rollout, source.args, rollout_id, source)
+            out += [(rollout_id, s) for group in output.samples for s in group]
+            if rollout_id == 0:
+                await asyncio.to_thread(push)
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await stop_worker(worker, running)
+        await asyncio.to_thread(source.close)
+        await redis.aclose()
+    return out
+
+
+def pushed_policy(warm: Path, path: Path, scale: float = 0.02, seed: int = 1) -> Path:
+    """Version 1: the warm policy with seeded noise on every weight, so that a log-prob of one
+    version recomputed under the other misses by far more than the mismatch bound."""
+    import torch
+
+    from workers.sim.tinylm import load_model, save_checkpoint
+
+    model = load_model(warm)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
+    return Path(save_checkpoint(model, path))
+
+
+def push_policy(engine_url: str, path: Path, label: str, mode: Any) -> None:
+    """slime's updater on one engine: pause (in `mode`), load the checkpoint with the version
+    label, continue (an in-place pause keeps the KV cache: no flush, as slime's updaters do)."""
+    from pipeline.weight_push import PushMode, parse_push_mode, pause_body, post_json
+
+    mode = parse_push_mode(mode, "push_policy mode")
+    post_json(engine_url, "/pause_generation", pause_body(mode))
+    post_json(engine_url, "/update_weights_from_disk", {"model_path": str(path), "weight_version": label,
+                                                        "flush_cache": mode is not PushMode.IN_PLACE})
+    post_json(engine_url, "/continue_generation", {})
+
+
+def recompute_log_probs(checkpoints: dict[int, Path], samples: list[Any]) -> list[list[float]]:
+    """Each sample's response log-probs under the checkpoint of the policy version it says made
+    it: the log-softmax of the logits before each response token, at that token (what slime's
+    `compute_log_prob` computes, fp32, one sample at a time)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from workers.sim.tinylm import load_model
+
+    hf_logging.disable_progress_bar()  # no bar for the checkpoint loads
+    torch.set_num_threads(1)
+    models = {version: load_model(path) for version, path in checkpoints.items()}
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.as_tensor(s.tokens, dtype=torch.long).unsqueeze(0)
+            logits = models[_version(s)](input_ids=ids).logits.float()[0]
+            prompt = len(s.tokens) - s.response_length
+            log_probs = torch.log_softmax(logits[prompt - 1: len(s.tokens) - 1], dim=-1)
+            out.append(log_probs.gather(1, ids[0, prompt:].unsqueeze(1)).squeeze(1).tolist())
+    return out
+
+
+def _version(sample: Any) -> int:
+    return int(sample.weight_versions[0])
+
+
+def verdict(samples: list[tuple[int, Any]], checkpoints: dict[int, Path], eta: int) -> SignalVerdict:
+    """Every check of pipeline/signal_check.py on the two rollouts' samples. A sample whose
+    generate calls span the push (two versions) has no one policy to recompute it with: counted,
+    left out of the token audit."""
+    from pipeline.signal_check import (
+        REMOVAL,
+        REWARD,
+        VERSION,
+        audit_tokens,
+        removal_mismatches,
+        reward_mismatches,
+        version_mismatches,
+    )
+    from workers.sim.arith import grader
+
+    versions: list[str] = []
+    for rollout_id in (0, 1):
+        mine = [s for rid, s in samples if rid == rollout_id]
+        versions += version_mismatches(mine, rollout_id, eta=eta)
+    flat = [s for _, s in samples]
+    one_version = [s for s in flat if len(set(s.weight_versions or ())) == 1
+                   and str(s.weight_versions[0]).isdigit() and _version(s) in checkpoints]
+    # slime's `_convert_samples_to_train_data`: a removed sample's loss mask is zeroed
+    masks = [[0] * s.response_length if s.remove_sample else list(s.loss_mask) for s in one_version]
+    audit = audit_tokens(recompute_log_probs(checkpoints, one_version),
+                         [list(s.rollout_log_probs) for s in one_version], masks)
+    all_masks = [[0] * s.response_length if s.remove_sample else list(s.loss_mask) for s in flat]
+    found = {REWARD: reward_mismatches(flat, grader()), REMOVAL: removal_mismatches(flat, all_masks),
+             VERSION: versions}
+    turns: dict[int, int] = {}
+    by_version: dict[str, int] = {}
+    for s in flat:
+        count = int(s.metadata.get("turns", 0))
+        turns[count] = turns.get(count, 0) + 1
+        key = "/".join(str(v) for v in dict.fromkeys(s.weight_versions or ["none"]))
+        by_version[key] = by_version.get(key, 0) + 1
+    failures = {**audit.failures(), **{check: messages for check, messages in found.items() if messages}}
+    return SignalVerdict(audit=audit, failures=failures, samples=len(flat), turns=turns, by_version=by_version,
+                         spanning=len(flat) - len(one_version))
+
+
+def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions) -> SignalVerdict:
+    """Engine, Redis, tasks and warm start of its own; per task two rollouts with a push between."""
+    from pipeline.config import parse_config
+    from pipeline.local_redis import LocalRedis
+    from scripts.processes import SimEngineProcess
+    from workers.sim.arith import prepare_tasks, tasks_of, warm_checkpoint
+
+    warm = warm_checkpoint()  # ~60 s of one core the first time on a machine, then cached
+    checkpoints = {0: warm, 1: pushed_policy(warm, workdir / "policy-1")}
+    tasks = prepare_tasks(workdir / "tasks")[0]
+    engine_args = ["--policy-path", str(warm), "--weight-version", "0"]
+    samples: list[tuple[int, Any]] = []
+    eta = 0
+    with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(workdir / "engine.log")) as engine:
+        for env in PASSES:
+            # slime's labels (pipeline/staleness.py label_versions): train.py pushes the weights it
+            # starts from before its first rollout ("1": version 0), then after each step ("2":
+            # version 1); each task's pass starts over as a trainer process does
+            push_policy(engine.url, warm, "1", options.push_mode)
+            raw = check_config(user, server.url, engine.url, options, env)
+            eta = parse_config(raw).rollout.eta
+            samples += asyncio.run(two_rollouts(
+                raw, tasks_of(tasks, env), server.url, options,
+                lambda: push_policy(engine.url, checkpoints[1], "2", options.push_mode)))
+    return verdict(samples, checkpoints, eta)
+
+
+def report(result: SignalVerdict) -> str:
+    from pipeline.signal_check import CHECKS, MISMATCH_BOUND
+
+    a = result.audit
+    lines = [f"samples {result.samples} (episode turns: {dict(sorted(result.turns.items()))}; policy versions: "
+             f"{dict(sorted(result.by_version.items()))}), audited {a.samples} ({result.spanning} span the push), "
+             f"trained tokens {a.trained_tokens}",
+             f"train_rollout_logprob_abs_diff {a.abs_diff:.3g} (bound {MISMATCH_BOUND:g}); one-turn samples "
+             f"{_figure(a.abs_diff_single)}, two-turn {_figure(a.abs_diff_multi)}; per turn "
+             + ", ".join(f"{k}: {v:.3g}" for k, v in sorted(a.abs_diff_by_turn.items())),
+             f"model tokens untrained {a.model_tokens_untrained}"]
+    if a.abs_diff_multi is None:
+        lines.append("note: no sample with two trained turns (every two-turn episode ran out of tokens or "
+                     "failed): the bookkeeping across turns went unchecked")
+    for check in CHECKS:
+        messages = result.failures.get(check)
+        if not messages:
+            lines.append(f"PASS {check}")
+            continue
+        lines.append(f"FAIL {check}: " + "; ".join(messages[:3]) + (f" (+{len(messages) - 3} more)"
+                                                                    if len(messages) > 3 else ""))
+    lines.append(f"VERDICT: {'PASS' if result.passed else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def _figure(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rollout check-signal", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="your pipeline configuration (YAML): its rollout and workers "
+                        "sections are kept; redis, engine URL and environments are the check's own")
+    parser.add_argument("--groups", type=int, default=CheckOptions.groups)
+    parser.add_argument("--n", type=int, default=CheckOptions.n)
+    parser.add_argument("--push-mode", default=None, help="the pause mode of the weight push between the two "
+                        "rollouts: abort (slime's default), retract or in_place (default: $ROLLOUT_PUSH_MODE, else abort)")
+    parser.add_argument("--workdir", help="where tasks and logs go (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    user = None
+    if args.config:
+        import yaml
+
+        user = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(user, dict):
+            raise ValueError(f"--config {args.config}: a YAML mapping expected, got {type(user).__name__}")
+    import os
+
+    from pipeline.weight_push import PUSH_MODE_ENV, parse_push_mode
+
+    push_mode = parse_push_mode(args.push_mode or os.environ.get(PUSH_MODE_ENV) or "abort", "--push-mode")
+    options = CheckOptions(groups=args.groups, n=args.n, push_mode=push_mode)
+    with tempfile.TemporaryDirectory(prefix="check-signal-") as tmp:
+        result = run_check(user, Path(args.workdir or tmp), options)
+    print(report(result))
+    return 0 if result.passed else EXIT_FAIL

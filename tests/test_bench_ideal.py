@@ -27,7 +27,7 @@ def test_equal_lengths_on_one_engine_reach_capacity():
     setup = flat(slots=4, batch=1, n=4, eta=1, lengths=[10])
     by_hand = 4 * 10 / (9 * TOKEN_S)
     # (the window's edges cut a wave: within a token)
-    assert capacity_tokens_per_s(setup, outstanding=16, warmup_s=1.0, window_s=3.6) == pytest.approx(by_hand, rel=1e-3)
+    assert capacity_tokens_per_s(setup, outstanding=16, warmup=16, window=160) == pytest.approx(by_hand, rel=1e-3)
     r = ideal(setup)
     assert r.tokens_per_s == pytest.approx(by_hand)
     assert r.lag_max <= 1 and r.period_s == pytest.approx(9 * TOKEN_S)
@@ -48,8 +48,7 @@ def test_a_heavy_tail_at_small_b_is_bound_by_eta_and_more_eta_or_b_lifts_it():
     but at eta 0 only the step's own group may run, so its longest answer sets the step's
     period; each larger eta lets more groups run beside the tail, up to capacity."""
     lengths = [10, 10, 10, 400]
-    cap = capacity_tokens_per_s(flat(slots=16, batch=1, n=4, eta=0, lengths=lengths), outstanding=64,
-                                warmup_s=10.0, window_s=60.0)
+    cap = capacity_tokens_per_s(flat(slots=16, batch=1, n=4, eta=0, lengths=lengths))
     rates = [ideal(flat(slots=16, batch=1, n=4, eta=eta, lengths=lengths, steps=40)).tokens_per_s for eta in (0, 1, 3)]
     assert rates[0] < rates[1] < rates[2] <= cap * 1.02
     assert rates[0] < 0.5 * cap  # the bound binds
@@ -82,7 +81,8 @@ def test_the_bench_workload_is_bound_by_eta_at_b_2_and_fills_more_at_b_4():
     cap = capacity_tokens_per_s(small)
     b2 = ideal(small).tokens_per_s
     b4 = ideal(IdealSetup.for_workload(wl, eta=2, batch=4, steps=10)).tokens_per_s
-    assert b2 < 0.9 * cap and b2 < b4 <= 1.02 * cap
+    # (10 steps: the window's groups' lengths vary, so B = 4 lands within a few % of capacity either side)
+    assert b2 < 0.8 * cap and b2 < b4 and 0.9 * cap < b4 <= 1.1 * cap
 
 
 @pytest.mark.conformance

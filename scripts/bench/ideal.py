@@ -392,16 +392,14 @@ def default_outstanding(setup: IdealSetup) -> int:
     return 4 * max(1, min(limits.max_running_requests, math.ceil(limits.kv_pool_tokens / mean)))
 
 
-def capacity_tokens_per_s(setup: IdealSetup, *, outstanding: int = 0, warmup_s: float = 0.0,
-                          window_s: float = 0.0) -> float:
+def capacity_tokens_per_s(setup: IdealSetup, *, outstanding: int = 0, warmup: int = 0, window: int = 0) -> float:
     """One engine saturated with the workload's requests and nothing else (no trainer, no push):
-    generated tokens per engine-clock second over `window_s` after `warmup_s` (default: 3 and 9
-    trainer steps, the bench's capacity run)."""
+    generated tokens per engine-clock second while `window` requests finish (default 4 x
+    `outstanding`), after `warmup` have (default `outstanding`: the first fill turned over)."""
     import asyncio
 
-    warmup_s = warmup_s or 3 * setup.tau_s
-    window_s = window_s or 9 * setup.tau_s
     outstanding = outstanding or default_outstanding(setup)
+    warmup, window = warmup or outstanding, window or 4 * outstanding
     counted = [0]
 
     def token(req: SimReq) -> None:
@@ -421,18 +419,20 @@ def capacity_tokens_per_s(setup: IdealSetup, *, outstanding: int = 0, warmup_s: 
 
     for _ in range(outstanding):
         send()
-    now, start_tokens = 0.0, None
-    while now < warmup_s + window_s:
-        if start_tokens is None and now >= warmup_s:
-            start_tokens, start = counted[0], now
+    now, finished, start = 0.0, 0, (0.0, 0)
+    while finished < warmup + window:
         before = len(sch.waiting) + len(sch.running) + (sch.chunked is not None)
         duration = sch.step()
         if duration is None:
             raise RuntimeError("the capacity run's engine stopped with requests in flight (a bug)")
         now += duration
-        for _ in range(before - (len(sch.waiting) + len(sch.running) + (sch.chunked is not None))):
+        done = before - (len(sch.waiting) + len(sch.running) + (sch.chunked is not None))
+        if finished < warmup <= finished + done:  # the window opens at the end of this step
+            start = (now, counted[0])
+        finished += done
+        for _ in range(done):
             send()
-    return (counted[0] - (start_tokens or 0)) / (now - start)
+    return (counted[0] - start[1]) / (now - start[0])
 
 
 # ---------------------------------------------------------------- CLI

@@ -25,6 +25,8 @@ import dataclasses
 import functools
 import shlex
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -74,9 +76,11 @@ def trainer_ceiling(base: IdealSetup, step_batch: int) -> float:
 
 
 def plan(base: IdealSetup, *, step_batch: int = 0, goal: float = GOAL, capacity: float = 0.0,
-         workload: str = "", command: str = "") -> tuple[SizingAdvice, list[Trial]]:
+         workload: str = "", command: str = "",
+         progress: Callable[[Trial], None] | None = None) -> tuple[SizingAdvice, list[Trial]]:
     """The smallest B at which the ideal reaches `goal` of N x capacity (doubling from N, then
-    bisecting), with every B tried; or the advice that the trainer binds first."""
+    bisecting), with every B tried (`progress` hears of each as it ends); or the advice that the
+    trainer binds first."""
     capacity = capacity or capacity_tokens_per_s(base)
     full = base.engines * capacity
     advice = functools.partial(SizingAdvice, eta=base.eta, n=base.n, engines=base.engines,
@@ -87,6 +91,8 @@ def plan(base: IdealSetup, *, step_batch: int = 0, goal: float = GOAL, capacity:
 
     def fills(batch: int) -> bool:
         trials[batch] = Trial(batch, ideal(at_batch(base, batch, step_batch)), full)
+        if progress is not None:
+            progress(trials[batch])
         return trials[batch].fill >= goal
 
     low, high = 0, max(1, base.engines)
@@ -159,7 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                  + (f" at B {args.step_batch} (grows with B)" if args.step_batch else " at every B")
                  + f" + push {base.physics.push_s:.2f} s; {base.steps} steps simulated, seed {base.seed}")
     command = "rollout plan " + shlex.join(argv if argv is not None else sys.argv[1:])
-    advice, trials = plan(base, step_batch=args.step_batch, goal=args.goal, workload=described, command=command)
+    started = time.monotonic()
+
+    def tried(trial: Trial) -> None:
+        print(f"[plan] B {trial.batch}: {trial.fill:.2f} of N x capacity ({time.monotonic() - started:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    advice, trials = plan(base, step_batch=args.step_batch, goal=args.goal, workload=described, command=command,
+                          progress=tried)
     if args.save:
         with open(args.save, "wb") as fh:
             fh.write(msgspec.json.format(msgspec.json.encode(advice)))

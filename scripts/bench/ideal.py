@@ -166,11 +166,6 @@ class IdealResult:
     step_starts: tuple[float, ...]
     lag_max: int
 
-    @property
-    def trainer_limit(self) -> float:
-        """Tokens per second if the trainer never waited: B x n x the window's mean answer / tau."""
-        return self.tokens_per_s * self.period_s / self.setup.tau_s
-
     def describe(self) -> str:
         s = self.setup
         return (f"bound's ideal at eta {s.eta}, B {s.batch} x n {s.n}, {s.engines} engine(s): "

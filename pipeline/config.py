@@ -117,6 +117,9 @@ class RolloutSection(_Section, frozen=True):
     # dead-lettered for good (workers hand failed tasks back themselves; the producer re-admits
     # the rest; `rollout enqueue --max-requeues` overrides it there)
     max_requeues: NonNegInt = 3
+    # `rollout plan --save` output (pipeline/sizing.py): the producer warns once where the trainer's
+    # B is below the B that keeps the engines full at this eta ("": no advice, no check)
+    sizing_advice: str = ""
 
 
 class WorkersSection(_Section, frozen=True):

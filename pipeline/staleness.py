@@ -9,7 +9,10 @@ slot back. eta = 0 is synchronous training.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Set
+from collections.abc import Hashable, Mapping, Set
+from typing import TypeVar
+
+GroupId = TypeVar("GroupId", bound=Hashable)
 
 
 class StalePolicy(str, enum.Enum):
@@ -36,7 +39,7 @@ def due_clock(rollout_id: int, eta: int) -> int:
     return rollout_id - eta
 
 
-def places_to_keep(clock_of: Mapping[str, int], ready: Set[str], *, rollout_id: int, batch_size: int, eta: int) -> int:
+def places_to_keep(clock_of: Mapping[GroupId, int], ready: Set[GroupId], *, rollout_id: int, batch_size: int, eta: int) -> int:
     """Due-first: how many places step `rollout_id` keeps for groups still generating. A group of
     admission clock t must be trained by step t + eta and each later step takes `batch_size`, so
     of the R(t) open groups with clock <= t, at least R(t) - (t + eta - rollout_id) * batch_size

@@ -58,6 +58,7 @@ from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.keys import Counter, Keys, attempts_field
 from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
+from pipeline.sizing import SizingAdvice, below_advice, load_advice
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo, VersionWake
 from pipeline.usage import usage_error
@@ -100,6 +101,16 @@ class ProducerOptions:
     progress_s: float = 10.0  # how often to log progress (admitted so far; what it waits for)
 
 
+def _sizing_advice(path: str) -> SizingAdvice | None:
+    """`rollout.sizing_advice`, read once at start (a bad file is a configuration error)."""
+    if not path:
+        return None
+    try:
+        return load_advice(path)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.sizing_advice: {exc}") from exc
+
+
 class Producer:
     def __init__(self, redis: aioredis.Redis, config: PipelineConfig, index: TaskIndex, options: ProducerOptions):
         self.redis = redis
@@ -121,6 +132,7 @@ class Producer:
         self._position_now = 0
         self._blocked = False  # the last batch found no headroom (logged at once when it starts)
         self._trainer: TrainerInfo | None = None  # {ns}:trainer as last read
+        self.advice = _sizing_advice(config.rollout.sizing_advice)
 
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event) -> ProducerStats:
@@ -229,6 +241,9 @@ class Producer:
     async def _refresh_limits(self) -> None:
         self._trainer = await self.state.get_trainer_info()
         limits, warnings = resolve_limits(self.config.rollout, self._trainer)
+        if self.advice is not None:
+            below = below_advice(self.advice, batch=limits.batch_size, eta=limits.eta, n=limits.n_samples)
+            warnings += [below] if below else []
         for warning in warnings:
             if warning not in self.stats.warnings:
                 self.stats.warnings.append(warning)

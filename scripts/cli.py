@@ -51,6 +51,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("workers.sim.engine:main", "serve the simulated SGLang engine (for demos and tests)"),
     "monitor": ("scripts.monitor:main", "watch queue depth, buffer, workers, staleness"),
     "bench": ("scripts.bench:main", "benchmarks with ratios against their baselines"),
+    "plan": ("scripts.bench.sizing:main", "the groups per step (B) that keep the engines full at eta, from the bound's ideal"),
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
     "check-signal": ("scripts.check_signal:main", "check on a CPU that your configuration hands the trainer an aligned training signal"),

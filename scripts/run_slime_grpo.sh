@@ -49,6 +49,8 @@
 #                        updater), abort (slime's own default: answered, the workers resend them).
 #                        Installed in slime's SGLangEngine by Ray's worker_process_setup_hook
 #                        (pipeline/weight_push.py; docs/architecture.md "Off-policy control")
+#   ROLLOUT_SIZING_ADVICE  `rollout plan --save FILE` output: said here once when ROLLOUT_BATCH_SIZE is
+#                        below the B that keeps the engines full at ROLLOUT_ETA (pipeline/sizing.py) [unset]
 #   RAY_ADDRESS          a running Ray cluster's dashboard; unset = start a local head [unset]
 #   USE_WANDB=1          log to wandb (slime's own run; pipeline metrics land in it too)
 set -euo pipefail
@@ -132,6 +134,15 @@ EOF
   fi
 }
 
+# The planner's advice (issue 46: the groups per step that keep the engines full), printed when B
+# is below it; an unreadable file is a missing prerequisite.
+check_sizing() {
+  [[ -n "${ROLLOUT_SIZING_ADVICE:-}" ]] || return 0
+  "${PYTHON}" -m pipeline.sizing "${ROLLOUT_SIZING_ADVICE}" --batch "${ROLLOUT_BATCH_SIZE}" --eta "${ROLLOUT_ETA}" \
+    --n "${N_SAMPLES}" >&2 \
+    || need "sizing advice: ROLLOUT_SIZING_ADVICE=${ROLLOUT_SIZING_ADVICE} is not readable \`rollout plan --save\` output"
+}
+
 # Our settings reach pipeline.slime through slime's --custom-config-path: slime sets every key
 # of this YAML as an attribute of `args` (pipeline/config.py TrainerSettings reads pipeline_*).
 # rollout_batch_size / n_samples_per_prompt are slime's own flags below, not repeated here.
@@ -208,6 +219,7 @@ build_command() {
 }
 
 check_prerequisites
+check_sizing
 write_pipeline_config
 build_command "$@"
 

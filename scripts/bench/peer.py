@@ -48,8 +48,8 @@ from scripts.bench.peer_steady import (
     capacities,
     capacity_run,
     capacity_summary,
-    ceiling_lines,
     engines_table,
+    ideal_lines,
     steady_goals,
     steady_table,
     window,
@@ -567,7 +567,7 @@ def _lag_text(ran: list[Result]) -> str:
 
 
 def steady_text(results: list[Result], wl: Workload) -> str:
-    """The steady-state table, the bound's ceilings against capacity, the engines-per-trainer table."""
+    """The steady-state table, the bound's ideal against capacity, the engines-per-trainer table."""
     rows = _rows(results)
     etas = sorted({r.eta for r in results if r.contender == "d" and r.eta >= 0} | {2})
     windows = {(r.window["first"], r.window["last"]) for r in results if "first" in r.window}
@@ -576,7 +576,7 @@ def steady_text(results: list[Result], wl: Workload) -> str:
     caps = capacities(results)
     parts = [head, steady_table(rows, caps, rows.get(FA_BEST, []), lag_text=_lag_text,
                                 bias_of=lambda r: length_bias(r)[0], waste_of=waste_pct),
-             *ceiling_lines(wl, etas, caps)]
+             *ideal_lines(wl, etas, caps)]
     engines = engines_table(rows, caps, wl)
     if engines:
         parts += ["Engines per trainer (one router in front; 1 engine: the repeats' median, more: one run each):", engines]

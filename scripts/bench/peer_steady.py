@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from scripts.bench.ideal import IdealResult, bound_ideal, task_prompts
 from scripts.bench.peer_contenders import Result, SlotSampler, Workload, _get_json, mark
 from scripts.bench.report import Figure
 
@@ -140,12 +140,7 @@ def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
 
 def capacity_prompts(wl: Workload, tasks: Path) -> list[list[int]]:
     """The workload's prompts as the engine sees them (chat template, as every contender sends)."""
-    from workers.sim.tokenizer import load_test_tokenizer
-
-    tok = load_test_tokenizer()
-    rows = [json.loads(line) for line in tasks.read_text().splitlines() if line.strip()]
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                               add_generation_prompt=True), add_special_tokens=False) for r in rows]
+    return task_prompts(tasks)
 
 
 def capacity_outstanding(wl: Workload) -> int:
@@ -263,7 +258,7 @@ def capacity_summary(r: Result, wl: Workload) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ applying the window, tables, goals
 
-EFFICIENCY_GOAL = 0.95  # pipeline eta 2: of the lower of capacity and the bound's ceiling
+EFFICIENCY_GOAL = 0.95  # pipeline eta 2: of the bound's ideal, and of capacity
 FA_GOAL, FA_WORST_GOAL = 1.0, 0.95  # pipeline eta 2 vs the best fully async: median, worst repeat
 ENGINES_LABEL = " engines"  # "pipeline eta 2, 4 engines"
 
@@ -310,14 +305,10 @@ def efficiency(r: Result, caps: dict[int, Result], engines: int = 1) -> float:
     return r.trained_tokens_per_s / (engines * cap.trained_tokens_per_s) if cap and cap.trained_tokens_per_s else float("nan")
 
 
-def bound_ceilings(wl: Workload, etas: Sequence[int]) -> dict[int, Any]:
-    """The staleness bound's own ceiling at each eta (scripts/bench/ceiling.py, issue 38 item 8),
-    where that module is present; {} where not."""
-    try:
-        from scripts.bench.ceiling import bound_ceiling  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return {}
-    return {eta: bound_ceiling(wl, eta) for eta in etas}
+def bound_ideals(wl: Workload, etas: Sequence[int]) -> dict[int, tuple[IdealResult, float]]:
+    """The staleness bound's ideal at each eta (scripts/bench/ideal.py: the most any scheduler
+    trains at that eta and the workload's B), with the simulated capacity of one engine beside."""
+    return {eta: bound_ideal(wl, eta) for eta in etas}
 
 
 def _cell(values: list[float], spec: str = ".0f") -> str:
@@ -367,15 +358,14 @@ def steady_table(rows: dict[str, list[Result]], caps: dict[int, Result], fa_best
     return "\n".join(lines)
 
 
-def ceiling_lines(wl: Workload, etas: Sequence[int], caps: dict[int, Result]) -> list[str]:
-    ceilings = bound_ceilings(wl, etas)
-    if not ceilings:
-        return ["bound ceiling: scripts/bench/ceiling.py is not in this tree (issue 38 item 8); goals use capacity alone"]
+def ideal_lines(wl: Workload, etas: Sequence[int], caps: dict[int, Result]) -> list[str]:
     cap = statistics.median(r.trained_tokens_per_s for r in caps.values()) if caps else float("nan")
     out = []
-    for c in ceilings.values():
-        which = "the bound" if c.tokens_per_s < cap else "capacity"
-        out.append(f"{c.describe()}; measured capacity {cap:,.0f} tok/s engine clock: {which} binds")
+    for ideal, simulated in bound_ideals(wl, etas).values():
+        engines = ideal.setup.engines
+        out.append(f"{ideal.describe()}; {ideal.tokens_per_s / (engines * simulated):.2f} of N x the simulated capacity "
+                   f"({simulated:,.0f} tok/s an engine), {ideal.tokens_per_s / (engines * cap):.2f} of N x the measured "
+                   f"capacity ({cap:,.0f})")
     return out
 
 
@@ -411,9 +401,9 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
 
 def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
                  fa_best: list[Result]) -> list[Figure]:
-    """Issue 38's goals, met or missed: pipeline eta 2's steady trained tokens/s >= 0.95 of the
-    lower of measured capacity and the bound's ceiling, and >= 1x the best fully async's (same
-    repeat; median of per-repeat ratios, worst repeat >= 0.95x)."""
+    """Issue 38's and 46's goals, met or missed: pipeline eta 2's steady trained tokens/s >= 0.95
+    of the bound's ideal at its eta and B, >= 0.95 of measured capacity, and >= 1x the best fully
+    async's (same repeat; median of per-repeat ratios, worst repeat >= 0.95x)."""
     labels = [k for k in rows if k.startswith("pipeline eta 2") and ENGINES_LABEL not in k] or ["pipeline eta 2"]
     return [f for label in labels for f in _eta2_goals(label, rows, caps, wl, fa_best)]
 
@@ -424,23 +414,18 @@ def _eta2_goals(label: str, rows: dict[str, list[Result]], caps: dict[int, Resul
     if not eta2 or not caps:
         return [Figure(section="peer", name=f"steady state: {label} or the capacity run did not run",
                        value=float("nan"), unit="", goal="both run", met=False)]
-    ceiling = bound_ceilings(wl, [2]).get(2)
-    figures = []
-    refs = []
-    for r in eta2:
-        cap = (caps.get(r.repeat) or next(iter(caps.values()))).trained_tokens_per_s
-        refs.append(min(cap, ceiling.tokens_per_s) if ceiling else cap)
-    ratios = [r.trained_tokens_per_s / ref for r, ref in zip(eta2, refs, strict=True)]
-    which = ("capacity" if not ceiling or statistics.median(refs) < ceiling.tokens_per_s - 1e-9
-             else "the bound's ceiling")
+    ideal = bound_ideals(wl, [2])[2][0].tokens_per_s
+    cap_of = {r.repeat: (caps.get(r.repeat) or next(iter(caps.values()))).trained_tokens_per_s for r in eta2}
     tok = statistics.median(r.trained_tokens_per_s for r in eta2)
-    figures.append(Figure(
-        section="peer", name=f"{label} steady state: trained tokens/s {tok:.0f} (median), "
-        f"{_ratio_cell(ratios)} of min(measured capacity, bound ceiling) per repeat ({which} the lower"
-        + ("" if ceiling else "; no bound ceiling in this tree") + ")",
-        value=tok, unit="tok/s", baseline=f"min(capacity, bound ceiling) (median; {which})",
-        baseline_value=statistics.median(refs), ratio=statistics.median(ratios),
-        goal=f">= {EFFICIENCY_GOAL:g}x", met=statistics.median(ratios) >= EFFICIENCY_GOAL))
+    figures = []
+    for name, refs in (("the bound's ideal (scripts/bench/ideal.py, same eta and B)", [ideal] * len(eta2)),
+                       ("the same repeat's measured capacity", [cap_of[r.repeat] for r in eta2])):
+        ratios = [r.trained_tokens_per_s / ref for r, ref in zip(eta2, refs, strict=True)]
+        figures.append(Figure(
+            section="peer", name=f"{label} steady state: trained tokens/s {tok:.0f} (median), {_ratio_cell(ratios)} of "
+            f"{name}", value=tok, unit="tok/s", baseline=name.split(" (")[0], baseline_value=statistics.median(refs),
+            ratio=statistics.median(ratios), goal=f">= {EFFICIENCY_GOAL:g}x",
+            met=statistics.median(ratios) >= EFFICIENCY_GOAL))
     fa = {r.repeat: r for r in fa_best}
     vs = [r.trained_tokens_per_s / fa[r.repeat].trained_tokens_per_s for r in eta2
           if r.repeat in fa and fa[r.repeat].trained_tokens_per_s]

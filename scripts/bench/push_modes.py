@@ -5,8 +5,7 @@ order) on the areal-7b workload, interleaved within a repeat, a fresh simulated 
 
 Printed per run: trained response tokens/s (per wall second of the scaled run, and per engine-clock
 second: / the time scale / the engine clock's measured rate over busy windows, median), its fraction
-of the staleness bound's own
-ceiling at that eta (scripts/bench/ceiling.py, the tail decoding alone), tokens re-prefilled per
+of the staleness bound's ideal at that eta and B (scripts/bench/ideal.py), tokens re-prefilled per
 push (requests resumed after an abort), the engine's prefill share of its busy time, its mean
 decode batch, lag max; then, per eta, each mode's trained tokens/s over abort's in the same repeat.
 
@@ -25,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from scripts.bench.ceiling import bound_ceiling
+from scripts.bench.ideal import bound_ideal
 from scripts.bench.peer_contenders import WORKLOADS, Result, Workload, finish, run_contender, write_inputs
 
 
@@ -52,7 +51,7 @@ def mode_of(r: Result) -> str:
 
 def row(r: Result, wl: Workload) -> dict[str, float | str]:
     s = r.engine_stats
-    ceiling = bound_ceiling(wl, r.eta)
+    ideal = bound_ideal(wl, r.eta)[0]
     pushes = max(1, r.steps)
     # the engine's simulated seconds per wall second, over busy windows, as a fraction of the scale: a
     # step loop slowed by a loaded machine slows the trainer (it waits on the engine's clock) alike
@@ -61,7 +60,7 @@ def row(r: Result, wl: Workload) -> dict[str, float | str]:
     return {
         "eta": r.eta, "mode": mode_of(r), "repeat": r.repeat,
         "trained_tok_s": r.trained_tokens_per_s, "engine_clock_tok_s": engine_clock,
-        "of_bound_ceiling": engine_clock / ceiling.tokens_per_s,
+        "of_bound_ideal": engine_clock / ideal.tokens_per_s,
         "reprefill_tok_per_push": r.resumed_input_tokens / pushes,
         "prefill_share": s.get("prefill_busy_s", 0.0) / s["busy_s"] if s.get("busy_s") else float("nan"),
         "decode_batch": s.get("output_tokens", 0.0) / s["decode_steps"] if s.get("decode_steps") else float("nan"),
@@ -74,28 +73,27 @@ def row(r: Result, wl: Workload) -> dict[str, float | str]:
 
 
 def rederive(x: dict, wl: Workload) -> dict:
-    """A row read back from --json: the engine-clock rate and the ceiling's fraction again, from its wall
+    """A row read back from --json: the engine-clock rate and the ideal's fraction again, from its wall
     rate and clock (so a summary written by an earlier version of this file reads the same way)."""
     clock = float(x["clock_p50"]) if x["clock_p50"] == x["clock_p50"] else 1.0
     engine_clock = float(x["trained_tok_s"]) / wl.time_scale / clock
     return {**x, "engine_clock_tok_s": engine_clock,
-            "of_bound_ceiling": engine_clock / bound_ceiling(wl, int(x["eta"])).tokens_per_s}
+            "of_bound_ideal": engine_clock / bound_ideal(wl, int(x["eta"]))[0].tokens_per_s}
 
 
 def report(rows: list[dict], wl: Workload, failed: Sequence[Result] = ()) -> str:
-    lines = ["| eta | push mode | repeat | trained tok/s (wall) | per engine-clock s | of bound ceiling | re-prefilled tok / push "
+    lines = ["| eta | push mode | repeat | trained tok/s (wall) | per engine-clock s | of the bound's ideal | re-prefilled tok / push "
              "| prefill share of busy | mean decode batch | generated / trained tok per busy engine-s | lag max "
              "| engine clock / scale p50 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in rows:
         lines.append(f"| {x['eta']} | {x['mode']} | {x['repeat']} | {x['trained_tok_s']:,.0f} | {x['engine_clock_tok_s']:,.0f} "
-                     f"| {x['of_bound_ceiling']:.2f} | {x['reprefill_tok_per_push']:,.0f} | {x['prefill_share']:.3f} "
+                     f"| {x['of_bound_ideal']:.2f} | {x['reprefill_tok_per_push']:,.0f} | {x['prefill_share']:.3f} "
                      f"| {x['decode_batch']:.1f} | {x.get('generated_per_busy_s', float('nan')):,.0f} / "
                      f"{x.get('trained_per_busy_s', float('nan')):,.0f} | {x['lag_max']} | {x['clock_p50']:.2f} |")
     lines.append("")
     for eta in sorted({x["eta"] for x in rows}):
-        c = bound_ceiling(wl, int(eta))
-        lines.append(f"- {c.describe()}")
+        lines.append(f"- {bound_ideal(wl, int(eta))[0].describe()}")
         base = {x["repeat"]: x for x in rows if x["eta"] == eta and x["mode"] == "abort"}
         for mode in dict.fromkeys(x["mode"] for x in rows if x["eta"] == eta and x["mode"] != "abort"):
             pairs = [(x, base[x["repeat"]]) for x in rows if x["eta"] == eta and x["mode"] == mode and x["repeat"] in base]

@@ -155,6 +155,45 @@ class _Plan:
     weights: int  # which load of the policy's weights drew the ids past the emitted ones
 
 
+@dataclass(frozen=True)
+class EnginePhysics:
+    """What a `SimConfig` makes of the engine's hardware: the scheduler's limits (KV pool, max
+    running requests, chunk budgets, priority rules), the step model and the weight push's GPU
+    time. The served engine and the schedule simulations (scripts/bench/ideal.py) build it here."""
+
+    limits: SchedulerConfig
+    steps: StepModel
+    table: StepTable | None
+    mem_fraction: float
+    push_s: float  # a weight update's GPU time, simulated seconds (0 without a model)
+
+
+def engine_physics(c: SimConfig) -> EnginePhysics | None:
+    """The physics `c` plays; None in instant mode (no model, no token latency)."""
+    table = load_table(c.model, c.gpu, c.tp) if c.model else None
+    steps: StepModel | None = table if table is not None else (
+        FlatSteps(c.token_latency_s) if c.token_latency_s > 0 else None)
+    if steps is None:
+        return None
+    if c.time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, not {c.time_scale}")
+    mem_fraction = c.mem_fraction_static or (table.default_mem_fraction(c.chunked_prefill_size) if table else 0.0)
+    pool = c.kv_pool_tokens or (table.kv_pool_tokens(mem_fraction) if table is not None else _FLAT_POOL_TOKENS)
+    max_running = c.slots or sglang_max_running_requests(pool, c.context_length)
+    limits = SchedulerConfig(kv_pool_tokens=pool, max_running_requests=max_running,
+                             chunked_prefill_size=c.chunked_prefill_size, max_prefill_tokens=c.max_prefill_tokens,
+                             priority_scheduling=c.priority_scheduling,
+                             low_priority_values_first=c.low_priority_values_first,
+                             preemption_threshold=c.priority_preemption_threshold, time_scale=c.time_scale)
+    push_s = weight_push_s(c, table) if table is not None else 0.0
+    return EnginePhysics(limits=limits, steps=steps, table=table, mem_fraction=mem_fraction, push_s=push_s)
+
+
+def weight_push_s(c: SimConfig, table: StepTable) -> float:
+    """A weight update's GPU time: the model's bytes over `weight_push_gbps` (0: free)."""
+    return table.model_bytes / (c.weight_push_gbps * 1e9) if c.weight_push_gbps > 0 else 0.0
+
+
 class SimEngine:
     def __init__(self, config: SimConfig):
         from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
@@ -192,29 +231,17 @@ class SimEngine:
         """(Re)build the physics from `self.config`: the step model, the KV pool, the scheduler's
         limits. A scheduler already running keeps its queue, batch and cache."""
         c = self.config
-        self.table: StepTable | None = load_table(c.model, c.gpu, c.tp) if c.model else None
-        steps: StepModel | None = self.table if self.table is not None else (
-            FlatSteps(c.token_latency_s) if c.token_latency_s > 0 else None)
-        if steps is None:
+        physics = engine_physics(c)
+        self.table = physics.table if physics is not None else None
+        if physics is None:
             self.scheduler = None  # instant mode: every answer at once
             return
-        if c.time_scale <= 0:
-            raise ValueError(f"time_scale must be > 0, not {c.time_scale}")
-        self.mem_fraction = c.mem_fraction_static or (
-            self.table.default_mem_fraction(c.chunked_prefill_size) if self.table is not None else 0.0)
-        pool = c.kv_pool_tokens or (self.table.kv_pool_tokens(self.mem_fraction) if self.table is not None
-                                    else _FLAT_POOL_TOKENS)
-        max_running = c.slots or sglang_max_running_requests(pool, c.context_length)
-        limits = SchedulerConfig(kv_pool_tokens=pool, max_running_requests=max_running,
-                                 chunked_prefill_size=c.chunked_prefill_size, max_prefill_tokens=c.max_prefill_tokens,
-                                 priority_scheduling=c.priority_scheduling,
-                                 low_priority_values_first=c.low_priority_values_first,
-                                 preemption_threshold=c.priority_preemption_threshold, time_scale=c.time_scale)
+        self.mem_fraction = physics.mem_fraction
         current = getattr(self, "scheduler", None)
         if current is not None:
-            current.config, current.steps = limits, steps
+            current.config, current.steps = physics.limits, physics.steps
         else:
-            self.scheduler = BatchScheduler(limits, steps, self._resumed, on_token=_count_token)
+            self.scheduler = BatchScheduler(physics.limits, physics.steps, self._resumed, on_token=_count_token)
 
     def set_slots(self, slots: int) -> None:
         """Generations at once (SGLang's max_running_requests), and any other SimConfig change, for what comes next."""
@@ -432,7 +459,7 @@ class SimEngine:
         asked for and refused."""
         scheduler, c = self.scheduler, self.config
         if scheduler is not None and self.table is not None and c.weight_push_gbps > 0:
-            seconds = self.table.model_bytes / (c.weight_push_gbps * 1e9)
+            seconds = weight_push_s(c, self.table)
             scheduler.hold(seconds)
             self.stats["weight_push_s"] = self.stats.get("weight_push_s", 0.0) + seconds
             await asyncio.sleep(seconds / c.time_scale)

@@ -284,6 +284,40 @@ class BatchScheduler:
             self.stats["busy_s"] += duration
         return duration
 
+    def decode_many(self, most: int, within_s: float = float("inf")) -> tuple[int, float] | None:
+        """Up to `most` decode steps at once, those that start within `within_s` simulated
+        seconds (an event the caller knows of comes then), where `step()` would run exactly
+        these: nothing waits and nothing is chunked (no admission pass can add a request), no
+        request finishes before the last of them (it finishes through `step()`), and the pool
+        holds their tokens (the cache's shortfall evicted at once, not step by step). `on_token`
+        hears once per request. For schedule simulations that are not played in real time
+        (scripts/bench/ideal.py): returns (steps, simulated seconds), or None where the next
+        step must go through `step()`."""
+        batch = self.running
+        if self.waiting or self.chunked is not None or not batch:
+            return None
+        count = min(most, min(r.target - r.produced for r in batch) - 1)
+        if count < 2:
+            return None
+        kv = sum(len(r.input_ids) + r.produced for r in batch)
+        duration, taken = 0.0, 0
+        while taken < count and duration < within_s:
+            duration += self.steps.decode_s(len(batch), kv + taken * len(batch))
+            taken += 1
+        count = taken
+        self._make_room(count * len(batch))
+        if count * len(batch) > self.kv_free:
+            return None
+        self.new_token_ratio = max(self.new_token_ratio - count * NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        for req in batch:
+            req.produced += count
+            req.private += count
+            if self.on_token is not None:
+                self.on_token(req)
+        for key, value in (("steps", count), ("decode_steps", count), ("busy_s", duration), ("decode_busy_s", duration)):
+            self.stats[key] += value
+        return count, duration
+
     # ------------------------------------------------------------ prefill
 
     def _admit(self) -> list[tuple[SimReq, int]]:

@@ -127,6 +127,9 @@ class WorkersSection(_Section, frozen=True):
     job_timeout_s: PosFloat = 3600.0
     max_tries: PosInt = 3
     poll_delay_s: PosFloat = 0.05
+    # a worker with a free slot also waits on the admission's `{ns}:queued_events` message and takes
+    # at once what was admitted (false: the poll alone, which backs off to 1 s on an empty queue)
+    wake_on_admission: bool = True
     heartbeat_s: PosFloat = 5.0
     dead_after_s: PosFloat = 20.0  # a worker silent this long has its jobs released
     drain_grace_s: NonNegFloat = 30.0  # SIGTERM: finish running groups within this, then hand back

@@ -75,6 +75,12 @@ class Keys:
         return self._k("version_events")
 
     @property
+    def queued_events(self) -> str:
+        """Pub/sub channel (no stored key): the number of jobs an admission just queued, so a
+        worker with a free slot takes them at once instead of at its next (backed-off) poll."""
+        return self._k("queued_events")
+
+    @property
     def engine(self) -> str:
         return self._k("engine")
 

@@ -172,27 +172,27 @@ class PolicyClock:
         return stamp
 
 
-class VersionWake:
-    """A wait that ends the moment the trainer publishes a policy version (pub/sub on
-    `{ns}:version_events`, written in the same transaction as `{ns}:version`), or at `timeout`.
-    The message is only a hint: the caller re-reads the version and counters after every wait, so a
-    lost message (a reconnect, a Redis restarted, a server without pub/sub) costs one poll interval
-    and nothing else. Admission then follows the trainer's push within a round trip instead of
-    half a poll on average. The first wait after (re)subscribing ends when Redis confirms the
-    subscription (redis-py hands the ignored confirmation back as None): every later publish
-    reaches us, and the caller's look right after it sees a version published just before."""
+class ChannelWake:
+    """A wait that ends the moment a message arrives on a pub/sub `channel`, or at `timeout`. The
+    message is only a hint: the caller looks again (Redis, its state) after every wait, so a lost
+    message (a reconnect, a Redis restarted, a server without pub/sub) costs one poll interval and
+    nothing else. The first wait after (re)subscribing ends when Redis confirms the subscription
+    (redis-py hands the ignored confirmation back as None): every later publish reaches us, and the
+    caller's look right after it sees what was written just before. `what` names the fallback in
+    the one log line a failing subscription writes."""
 
-    def __init__(self, redis: aioredis.Redis, channel: str):
+    def __init__(self, redis: aioredis.Redis, channel: str, *, what: str = "admission"):
         self.redis = redis
         self.channel = channel
+        self.what = what
         self._pubsub: Any = None
         self._failed_once = False
-        self.wakes = 0  # waits ended by a published version (the rest by timeout or stop)
+        self.wakes = 0  # waits ended by a message (the rest by timeout or stop)
 
-    async def wait(self, stop: asyncio.Event, timeout: float) -> None:
-        """Until a version is published, `stop` is set or `timeout` passes. A cancel propagates."""
+    async def wait(self, stop: asyncio.Event, timeout: float) -> bool:
+        """Until a message arrives (True), `stop` is set or `timeout` passes. A cancel propagates."""
         if stop.is_set():
-            return
+            return False
         try:
             if self._pubsub is None:
                 self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -201,12 +201,14 @@ class VersionWake:
         except (RedisError, OSError) as exc:
             if not self._failed_once:
                 self._failed_once = True
-                log.info("no wake-up on %s (%s): admission polls every %.2fs", self.channel, exc, timeout)
+                log.info("no wake-up on %s (%s): %s polls every %.2fs", self.channel, exc, self.what, timeout)
             await self.close()  # subscribed again at the next wait
             await wait_event(stop, timeout)
-            return
-        if message is not None:
-            self.wakes += 1
+            return False
+        if message is None:
+            return False
+        self.wakes += 1
+        return True
 
     async def _unless_stopped(self, stop: asyncio.Event, timeout: float) -> Any:
         receive = asyncio.ensure_future(self._pubsub.get_message(ignore_subscribe_messages=True, timeout=timeout))
@@ -228,3 +230,9 @@ class VersionWake:
                 await pubsub.aclose()
             except (RedisError, OSError):
                 pass  # the connection is gone already
+
+
+class VersionWake(ChannelWake):
+    """A producer's wait for the trainer's next policy version (`{ns}:version_events`, published in
+    the same transaction as `{ns}:version`): admission follows the trainer's publish within a round
+    trip instead of half a poll on average."""

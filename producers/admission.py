@@ -20,14 +20,21 @@ Every script that writes is keyed by an operation id (`{ns}:op:<id>`, one per ca
 records its result there in the same script, and a replay (redis-py retries a command whose
 reply was lost) returns that result instead of running again. Without it a replayed fresh
 admission saw its own cursor move and raised CursorMoved.
+
+After an admission that queued jobs, the number queued is published on `{ns}:queued_events`:
+workers with a free slot wait on it and take the jobs at once (workers/settings.py), instead of
+at a poll that backs off to a second while the queue is empty, as it is just before every
+publish of a policy version. A hint only: lost, the workers' poll finds the jobs.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from arq.constants import job_key_prefix, result_key_prefix
+from redis.exceptions import RedisError
 from redis.typing import EncodableT
 
 from pipeline.config import ConfigError, RolloutSection
@@ -36,6 +43,8 @@ from pipeline.keys import Counter, Keys
 from pipeline.redis_conn import OP_TTL_S, confirm_replicated, new_op_id
 from pipeline.schema import PromptJob
 from pipeline.state import TrainerInfo
+
+log = logging.getLogger(__name__)
 
 _HEADROOM_LUA = f"""
 local function headroom(eta, batch, v)
@@ -236,6 +245,7 @@ class Admission:
         if consumed < 0:
             raise CursorMoved(f"cursor {self.keys.cursor}[{cursor_field}] is at {admitted}, expected {position}",
                               position=int(admitted))
+        await self._announce(int(admitted))
         return Admitted(int(consumed), int(admitted))
 
     async def admit_requeued(
@@ -253,7 +263,19 @@ class Admission:
         while True:  # replica acks on: again if a failover lost the script's writes (same op key)
             result = int(await self._requeue(keys=keys, args=args))
             if result <= 0 or await confirm_replicated(self.redis, witness=op_key):
-                return result  # (<= 0: nothing written, nothing recorded)
+                break  # (<= 0: nothing written, nothing recorded)
+        await self._announce(int(result == 1))
+        return result
+
+    async def _announce(self, queued: int) -> None:
+        """Wake the workers waiting for jobs (`{ns}:queued_events`). A hint: an error is logged and
+        dropped (the jobs are queued; the workers' poll finds them)."""
+        if queued <= 0:
+            return
+        try:
+            await self.redis.publish(self.keys.queued_events, queued)
+        except (RedisError, OSError) as exc:
+            log.debug("could not announce %d queued job(s) on %s: %s", queued, self.keys.queued_events, exc)
 
     async def drop_requeued(self, head: bytes, *, forget_attempts: str = "") -> bool:
         """Pop the requeue list's head if it is still `head` (False: it changed, look again).

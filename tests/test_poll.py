@@ -248,3 +248,45 @@ async def test_a_released_job_is_due_at_its_own_place_ahead_of_jobs_enqueued_aft
             for worker, task in zip((first, second), tasks):
                 await stop_worker(worker, task)
             await redis.aclose()
+
+
+async def _idle_worker_with_wake(server: LocalRedis, queue: str) -> tuple[RolloutWorker, asyncio.Task[None]]:
+    """A worker woken by `{queue}:queued_events`, idle long enough for its poll to back off to
+    IDLE_POLL_MAX_S (0.02 s doubling: past 1 s after about 1.3 s)."""
+    worker = _worker(server.url, queue, slots=2)
+    worker.wake_channel = f"{queue}:queued_events"
+    task = asyncio.create_task(worker.async_run())
+    await asyncio.sleep(2.5)
+    return worker, task
+
+
+async def test_an_idle_worker_takes_an_announced_job_at_once(namespace):
+    """Issue 46 item 5: before a policy version's publish the queue has been empty for a trainer
+    step, so the poll waits a second between looks; the admission's message (Admission._announce)
+    starts the job at once. The poll alone started this one about 0.76 s after it was queued."""
+    with LocalRedis() as server:
+        redis = connect(server.url)
+        queue = f"{namespace}:queue"
+        worker, task = await _idle_worker_with_wake(server, queue)
+        try:
+            tag = f"{namespace}-announced"
+            queued = time.time()
+            await worker.pool.enqueue_job("note", tag, _job_id=f"{queue}:announced", _queue_name=queue)
+            await redis.publish(f"{queue}:queued_events", 1)
+            await wait_for(lambda: asyncio.sleep(0, tag in RAN), 10, "the announced job")
+            await stop_worker(worker, task)
+        finally:
+            await redis.aclose()
+    assert RAN[tag][0] - queued < 0.25, f"started {RAN[tag][0] - queued:.3f} s after it was queued and announced"
+
+
+async def test_a_job_queued_without_a_message_is_still_found_by_the_poll(namespace):
+    """The message is a hint: a job queued without one (a lost message, arq's own enqueue, a
+    release by the liveness sweeps) is started by the backed-off poll, within about a second."""
+    with LocalRedis() as server:
+        queue = f"{namespace}:queue"
+        worker, task = await _idle_worker_with_wake(server, queue)
+        tag = f"{namespace}-unannounced"
+        await worker.pool.enqueue_job("note", tag, _job_id=f"{queue}:unannounced", _queue_name=queue)
+        await wait_for(lambda: asyncio.sleep(0, tag in RAN), 5, "the job queued without a message")
+        await stop_worker(worker, task)

@@ -5,6 +5,9 @@
 - the poll (`RolloutWorker`, issue 33): one script takes up to the free slots and moves what it
   looks at out of the due range, so a poll costs O(free slots), not O(jobs in progress); a poll
   that takes nothing backs off to IDLE_POLL_MAX_S; no burst mode (arq's `burst` is not used here);
+  with a free slot the worker also waits on the admission's `{ns}:queued_events` message and takes
+  what was admitted at once (`workers.wake_on_admission`): the backed-off poll left the engine
+  without the next cohort for up to a second after each policy version's publish (issue 46);
   the same script records each job it takes as this worker's (liveness job set, owner, `running`),
   so no orphan sweep ever sees a job in progress without its owner (issue 47);
   eval jobs (queued ahead of training, scores below EVAL_SCORE_MAX) take at most
@@ -49,7 +52,7 @@ from pipeline.evaluation import EVAL_FUNCTION, EVAL_SCORE_MAX
 from pipeline.jobqueue import JOB_FUNCTION, fit_arq_pool, job_deserializer, job_serializer, redis_settings
 from pipeline.keys import Keys
 from pipeline.redis_conn import RedisUnavailable, connect, redact
-from pipeline.state import PipelineState, PolicyClock
+from pipeline.state import ChannelWake, PipelineState, PolicyClock
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
 from workers.envs.options import check_tool_parsers
@@ -119,6 +122,7 @@ def build_worker(
         eval_slots=eval_slots(wcfg.eval_share, concurrency or wcfg.concurrency),
         eval_prefix=keys.arq_job_id("eval:"),  # eval group ids begin "eval:" (pipeline/evaluation.py)
         poll_delay=wcfg.poll_delay_s,
+        wake_channel=keys.queued_events if wcfg.wake_on_admission else "",
         job_timeout=wcfg.job_timeout_s,
         max_tries=wcfg.max_tries + 1,
         keep_result=KEEP_RESULT_S,
@@ -218,8 +222,13 @@ class RolloutWorker(Worker):
     # (workers/jobs.py `start_job`, `end_job`)
     records_jobs_in_take = True
 
-    def __init__(self, *args: Any, eval_slots: int | None = None, eval_prefix: str = "", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, eval_slots: int | None = None, eval_prefix: str = "", wake_channel: str = "",
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # `{ns}:queued_events` ("": none): with a free slot, the poll's interval waits on it
+        self.wake_channel = wake_channel
+        self._wake: ChannelWake | None = None
+        self._never = asyncio.Event()  # the wake's stop: a worker's wait ends by a message, a timeout or a cancel
         # slots eval jobs may hold at once (`workers.eval_share`), told apart by arq job id
         self.eval_slots = self.max_jobs if eval_slots is None else eval_slots
         self.eval_prefix = eval_prefix or "\0"
@@ -230,14 +239,8 @@ class RolloutWorker(Worker):
         self._next_abort_check_at = 0.0
 
     async def _poll_iteration(self) -> None:
+        await self._claim_if_due(self.loop.time())
         now = self.loop.time()
-        free = self.max_jobs - self.job_counter
-        if self.allow_pick_jobs and free > 0 and now >= self._next_claim_at:
-            started, more = await self.claim_jobs(free)
-            busy = started or more  # `more`: it looked at CLAIM_SCAN jobs in progress; more may be due
-            self._idle_delay_s = self.poll_delay_s if busy else min(2 * self._idle_delay_s, IDLE_POLL_MAX_S)
-            # arq's poll wakes every poll_delay: the next claim is on the first wake past the wait
-            self._next_claim_at = now + self._idle_delay_s - self.poll_delay_s / 2
         if self.allow_abort_jobs and self.job_tasks and now >= self._next_abort_check_at:
             self._next_abort_check_at = now + ABORT_CHECK_S
             await self._cancel_aborted_jobs()
@@ -246,6 +249,34 @@ class RolloutWorker(Worker):
                 del self.tasks[job_id]
                 t.result()  # as arq: errors in run_job propagate
         await self.heart_beat()
+        await self._wait_for_admission()
+
+    async def _claim_if_due(self, now: float, *, woken: bool = False) -> None:
+        """Take jobs for the free slots if the (backed-off) poll is due, or at once when `woken`."""
+        free = self.max_jobs - self.job_counter
+        if self.allow_pick_jobs and free > 0 and (woken or now >= self._next_claim_at):
+            started, more = await self.claim_jobs(free)
+            busy = started or more  # `more`: it looked at CLAIM_SCAN jobs in progress; more may be due
+            self._idle_delay_s = self.poll_delay_s if busy else min(2 * self._idle_delay_s, IDLE_POLL_MAX_S)
+            # arq's poll wakes every poll_delay: the next claim is on the first wake past the wait
+            self._next_claim_at = now + self._idle_delay_s - self.poll_delay_s / 2
+
+    async def _wait_for_admission(self) -> None:
+        """With a free slot, the rest of the poll interval waits on `{ns}:queued_events`: a message
+        (an admission queued jobs) takes them at once. arq's poll loop then sleeps only what is
+        left of its interval, so without a message the cadence is arq's."""
+        if not self.wake_channel or not self.allow_pick_jobs or self.job_counter >= self.max_jobs:
+            return
+        if self._wake is None:
+            self._wake = ChannelWake(self.pool, self.wake_channel, what="the worker")
+        if await self._wake.wait(self._never, self.poll_delay_s):
+            await self._claim_if_due(self.loop.time(), woken=True)
+
+    async def close(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            await wake.close()
+        await super().close()
 
     async def claim_jobs(self, slots: int) -> tuple[int, bool]:
         """Take up to `slots` due jobs in one script and start them: (how many were started,

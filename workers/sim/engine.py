@@ -8,7 +8,9 @@ Endpoints, with SGLang 0.5.23's behaviour (docs/architecture.md "The engine"): P
 "in_place" | "retract"}, POST /continue_generation, POST /update_weight_version
 {"new_version", "abort_all_requests": true}, GET /v1/loads (core keys), and the router's
 GET /workers (itself as the one worker, for slime's abort). Simulator-only, under /sim/: POST
-/sim/fail_next {"status", "count", "message"} (inject HTTP errors) and GET /sim/stats.
+/sim/fail_next {"status", "count", "message"} (inject HTTP errors), GET /sim/stats and GET
+/sim/arrivals?since=T (the wall-clock arrival times, epoch seconds, of the last ARRIVALS_KEPT
+/generate requests after T: scripts/bench/push_gap.py times a publish to the first request).
 
 It refuses what SGLang refuses, with SGLang's status and message: sampling values out of
 range (pipeline/sampling.py, SGLang's rules on the raw dict), an unknown sampling key, a
@@ -54,6 +56,7 @@ import logging
 import re
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +90,7 @@ _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a request does not say
 # without a model the pool never limits admission in practice, but stays finite: the prefix cache
 # keeps finished requests' tokens until the pool needs them, so its memory is bounded by this
 _FLAT_POOL_TOKENS = 1 << 21
+ARRIVALS_KEPT = 65536  # /generate arrival times kept for GET /sim/arrivals (0.5 MB)
 
 
 @dataclass
@@ -218,6 +222,7 @@ class SimEngine:
         self._started_at = time.monotonic()
         self._running: dict[str, _Running] = {}
         self._faults: list[tuple[int, str]] = []
+        self.arrivals: deque[float] = deque(maxlen=ARRIVALS_KEPT)  # time.time() of each /generate, newest last
         self.stats: dict[str, Any] = {"requests": 0, "aborted": 0, "max_running": 0, "routing_keys": {}, "errors": 0,
                                       "output_tokens": 0,  # every token answered, aborted partial outputs included
                                       # the plan's full response length per routing key, at its first
@@ -272,6 +277,7 @@ class SimEngine:
                 web.get("/workers", self.workers),
                 web.post("/sim/fail_next", self.fail_next),
                 web.get("/sim/stats", self.get_stats),
+                web.get("/sim/arrivals", self.get_arrivals),
             ]
         )
         return app
@@ -495,6 +501,14 @@ class SimEngine:
         return web.json_response({**self.stats, **self.physics_stats(), "weight_version": self.weight_version,
                                   "running": len(self._running)})
 
+    async def get_arrivals(self, request: web.Request) -> web.Response:
+        since = request.query.get("since", "0")
+        try:
+            after = float(since)
+        except ValueError:
+            return web.json_response({"error": f"since={since!r} is not a number (epoch seconds)"}, status=400)
+        return web.json_response({"arrivals": [t for t in self.arrivals if t > after]})
+
     def physics_stats(self) -> dict[str, Any]:
         """The step loop's counters (steps, prefill tokens, cached tokens, retractions, preemptions,
         simulated busy time, KV use) and the KV pool's size; empty in instant mode."""
@@ -508,6 +522,7 @@ class SimEngine:
 
     async def generate(self, request: web.Request) -> web.Response:
         started = time.monotonic()
+        self.arrivals.append(time.time())
         self.stats["requests"] += 1
         number = self.stats["requests"]  # before any await: concurrent requests must not share a default rid
         if self._faults:

@@ -376,6 +376,10 @@ def test_the_steady_goals_divide_by_the_bounds_ideal_by_measured_capacity_and_fu
     assert not vs_fa.met  # 0.90x, 1.05x, 0.97x: the median 0.97x < 1
     rows = _rows(_steady_frontier(eta2_tok=(21.0, 20.0, 18.0)))
     assert not steady_goals(rows, caps, wl, rows[FA_BEST])[2].met  # median 1.05x, worst 0.95x: the worst misses it
+    beside = steady_goals(rows, caps, wl, rows[FA_BEST], bias_of=lambda r: -2.5 if r.contender == "c" else 0.0)[2]
+    # lag and length bias printed beside the ratio, for both sides, with the window they were read over
+    assert "pipeline: lag mean 1.00 max 2, length bias +0.0 (+0.0-+0.0) %, steps 4..21" in beside.name
+    assert "fully async: lag mean" in beside.name and "length bias -2.5 (-2.5--2.5) %" in beside.name
     text = steady_text(_steady_frontier(), wl)
     cap_row = next(line for line in text.splitlines() if line.startswith("| engine capacity"))
     assert "| 20 (20-20) (generated) | - | 1.00 | - | 20 (20-20) |" in cap_row  # 100 tokens / 5 busy s

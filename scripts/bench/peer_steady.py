@@ -548,7 +548,7 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
             generated = [fleet_generated_per_s(r) for r in runs]
             cells += ([f"{_cell(tok)} ({_cell([t / (n * cap) for t in tok], '.2f')})",
                        f"{_cell(generated)} ({_cell([g / (n * cap) for g in generated], '.2f')})",
-                       " / ".join(_cell(x) for x in zip(*(per_engine_busy_rates(r) for r in runs), strict=False))]
+                       " / ".join(_cell(list(x)) for x in zip(*(per_engine_busy_rates(r) for r in runs), strict=False))]
                       if runs else ["-", "-", "-"])
         plans = [float(np.mean(r.planned_lengths)) for runs in per_engines.values() for r in runs if r.planned_lengths]
         trainer = wl.batch * wl.n * (statistics.median(plans) if plans else float("nan")) / wl.train_step_s

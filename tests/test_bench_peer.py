@@ -490,6 +490,25 @@ def test_every_contender_is_read_from_the_latest_opening_to_the_common_end():
     assert (first, last) == (7, steps - 3)  # the latest opening; the last two steps are the drain
     growing = _stocked("slime fully async 4x", [300.0 * i for i in range(steps)], kind="c")
     assert common_window([pipeline, fa, growing], steps)[2]["slime fully async 4x"] is None
-    window_by_stock([pipeline, fa, growing], Workload(time_scale=50.0), quiet=True)
+    window_by_stock([pipeline, fa, growing], Workload(time_scale=50.0, steps=steps), quiet=True)
     assert all((r.window["first"], r.window["last"]) == (7, steps - 3) for r in (pipeline, fa, growing))
     assert growing.window["flat_from"] == -1 and fa.window["flat_from"] == 7
+
+
+def test_the_engine_reports_the_output_its_held_requests_made_so_far():
+    """The engine's part of a contender's stock (`held_output_tokens`): what its running and
+    waiting requests produced and have not yet answered; a finished request leaves it."""
+    from workers.sim.engine import SimConfig, SimEngine
+    from workers.sim.scheduler import SimReq
+
+    engine = SimEngine(SimConfig(token_latency_s=0.004))
+    sch = engine.scheduler
+    assert sch is not None
+    sch.on_token = None  # stepped here, not served: no HTTP caller waits on the tokens
+    for i, length in enumerate((3, 9)):
+        sch.add(SimReq(f"r{i}", [1, 2, 3], [7] * length, 16))
+    held = []
+    for _ in range(5):
+        sch.step()
+        held.append(engine.physics_stats()["held_output_tokens"])
+    assert held == [2, 4, 3, 4, 5]  # both make a token a step; the 3-token answer leaves with its third

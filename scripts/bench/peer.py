@@ -230,7 +230,6 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             same = by_eta.get(target) or one("d", f"pipeline eta {target}", replace(wl, eta=target), rep)
             twin = replace(same, label="pipeline eta = fully async's max lag", notes=[*same.notes, f"eta {target}"])
             results.append(twin)
-        window_by_stock([r for r in results if r.repeat == rep], wl)
         if rep == 0:  # after the first repeat: a run cut short keeps them
             k = best_ks[0] if best_ks else 1
             mode = pipeline_push_modes[-1]
@@ -238,6 +237,9 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
                 one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
                     replace(wl, eta=2, engines=n, push_mode=mode), 0)
                 one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
+        window_by_stock([r for r in results if r.repeat == rep], wl)  # the repeat's engines runs too
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 

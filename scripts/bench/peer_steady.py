@@ -3,10 +3,15 @@
 
 - **The window.** Every contender records a mark at the start of its trainer loop and after
   each step's rollout returned (`Result.step_marks`: wall seconds since the loop began, trained
-  tokens so far, the engines' generated tokens and busy simulated seconds so far). Its steady
-  state is read between the mark before step `first` and the mark after step `last`, the SAME
-  steps for every contender of a run (`window`): warm-up (the first eta + 2 steps of the largest
-  eta run) and drain (the last two steps) are outside it for everyone alike.
+  tokens so far, the engines' generated tokens and busy simulated seconds so far, each engine's
+  too) and its stock (`Result.stocks`). Its steady state is read between the mark before step
+  `first` and the mark after step `last`, the SAME steps for every contender of a repeat
+  (`common_window`, issue 46): from the latest step at which a contender's stock stopped growing
+  (`flat_from`) to the drain (the last two steps); no stock flat: the step rule (`window`: from
+  the largest eta + 2).
+- **Each engine on its own clock** (issue 46 item 4): with several engines the window's length
+  is the clock at which they generated, each engine's tokens over its own busy seconds plus its
+  own idle wall time x the scale (`per_engine`, `fleet_played_s`).
 - **Capacity.** The same engine (same arguments, fresh process, same time scale) saturated with
   the workload's requests and nothing else: no trainer, no weight push, `outstanding` requests
   kept in flight (a new one as each finishes) so the waiting queue never empties. Its generated

@@ -376,6 +376,10 @@ def test_the_steady_goals_divide_by_the_bounds_ideal_by_measured_capacity_and_fu
     assert not vs_fa.met  # 0.90x, 1.05x, 0.97x: the median 0.97x < 1
     rows = _rows(_steady_frontier(eta2_tok=(21.0, 20.0, 18.0)))
     assert not steady_goals(rows, caps, wl, rows[FA_BEST])[2].met  # median 1.05x, worst 0.95x: the worst misses it
+    beside = steady_goals(rows, caps, wl, rows[FA_BEST], bias_of=lambda r: -2.5 if r.contender == "c" else 0.0)[2]
+    # lag and length bias printed beside the ratio, for both sides, with the window they were read over
+    assert "pipeline: lag mean 1.00 max 2, length bias +0.0 (+0.0-+0.0) %, steps 4..21" in beside.name
+    assert "fully async: lag mean" in beside.name and "length bias -2.5 (-2.5--2.5) %" in beside.name
     text = steady_text(_steady_frontier(), wl)
     cap_row = next(line for line in text.splitlines() if line.startswith("| engine capacity"))
     assert "| 20 (20-20) (generated) | - | 1.00 | - | 20 (20-20) |" in cap_row  # 100 tokens / 5 busy s
@@ -400,4 +404,111 @@ def test_engines_per_trainer_are_read_against_n_times_capacity_and_the_trainer()
     assert "pipeline eta 2: trained tok/s" in lines[0] and len(lines) == 5  # head, rule, 1, 2, 4 engines
     # 8 answers of 50 planned tokens a step / a 10 s trainer step: 40 tok/s, whatever the engines
     assert lines[2].startswith("| 1 | 20 | 40 | 20 (19-20) (1.00 (0.95-1.00)) |")
-    assert lines[3] == "| 2 | 40 | 40 | 36 (0.90) |" and lines[4] == "| 4 | 80 | 40 | 41 (0.51) |"
+    assert lines[3] == "| 2 | 40 | 40 | 36 (0.90) | - (-) |  |" and lines[4] == "| 4 | 80 | 40 | 41 (0.51) | - (-) |  |"
+
+
+def _two_engines():
+    """Two engines over 4 steps of 1 wall s at 50x: engine 0 busy 0.2 s of each (10 engine-s, 100
+    tokens) and idle the rest; engine 1 busy throughout at half the scale (25 engine-s, 1,000 tokens)."""
+    r = _result("pipeline eta 2, 2 engines", 0, eta=2)
+    r.steps, r.groups_per_step = 4, [2] * 4
+    r.step_marks = [[float(k), 1100 * k, 1100 * k, 35.0 * k, 50.0 * k, 10.0 * k, 100 * k, 10.0 * k, 1000 * k, 25.0 * k]
+                    for k in range(5)]
+    r.slot_samples = [x for k in range(4) for x in ((float(k), 16), (k + 0.2, 0))] + [(4.0, 16)]
+    r.clock_samples = [[k + 0.2, 50.0 * k + 10, 10.0 * (k + 1)] for k in range(4)]
+    r.engine_slot_samples = [[(float(k), 16) for k in range(5)]]
+    r.engine_clock_samples = [[[k + 0.5, 50.0 * k + 12.5, 25.0 * k + 12.5] for k in range(4)]]
+    return r
+
+
+def test_each_engine_counts_on_its_own_clock_never_the_first_engines_idle_time():
+    from scripts.bench.peer import _rows
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import (
+        apply_window,
+        capacities,
+        engines_table,
+        fleet_generated_per_s,
+        per_engine_busy_rates,
+        played_s,
+    )
+
+    wl = Workload(time_scale=50.0)
+    r = _two_engines()
+    # the old reading: 4,400 tokens over the first engine's clock, 200 s (its idle wall x 50): 22 tok/s
+    assert played_s(r, wl, r.step_marks[0], r.step_marks[4]) == pytest.approx(200.0)
+    apply_window(r, 0, 3, wl)
+    # each engine on its own: 400 tokens / 200 s + 4,000 / 100 s = 42 tok/s, the trained 4,400 on that clock too
+    assert fleet_generated_per_s(r) == pytest.approx(42.0)
+    assert r.trained_tokens_per_s == pytest.approx(42.0)
+    assert per_engine_busy_rates(r) == pytest.approx([10.0, 40.0])  # per each engine's own busy second
+    rs = [*_steady_frontier(), r]
+    line = engines_table(_rows(rs), capacities(rs), Workload(batch=2, n=4, train_step_s=10.0)).splitlines()[3]
+    assert line == "| 2 | 40 | 40 | 42 (1.05) | 42 (1.05) | 10 / 40 |"
+
+
+def test_the_window_opens_where_the_stock_stops_growing_and_never_on_a_growing_stock():
+    from scripts.bench.peer_steady import FLAT_STEPS, flat_from
+
+    trained = [1000.0] * 30
+    # a stock that grows by 10 % of a step's trained tokens every step never opens it, however large it gets
+    assert flat_from([100.0 * i for i in range(30)], trained) is None
+    assert flat_from([5000.0 + 100.0 * i for i in range(30)], trained) is None
+    # flat from the start: step 0; filling for 8 steps, then flat: the first k-step run clear of the fill
+    assert flat_from([3000.0] * 30, trained) == 0
+    filling = [min(i, 8) * 400.0 for i in range(30)]
+    assert flat_from(filling, trained) == 8
+    # noise of +-2 % of a step's tokens around a flat stock opens it; one spike does not hold it shut for long
+    noisy = [3000.0 + (20.0 if i % 2 else -20.0) for i in range(30)]
+    assert flat_from(noisy, trained) == 0
+    spiked = [3000.0] * 30
+    spiked[2] = 9000.0
+    assert flat_from(spiked, trained) == 3
+    # a stock drawn down (shrinking) is not flat either: it lends the window tokens generated before it
+    assert flat_from([9000.0 - 200.0 * i for i in range(30)], trained) is None
+    assert flat_from([1.0] * (FLAT_STEPS - 1), trained[:FLAT_STEPS - 1]) is None  # too short to fit
+    with pytest.raises(ValueError, match="stock readings"):
+        flat_from([1.0] * 10, trained)
+
+
+def _stocked(label: str, stocks: list[float], rep: int = 0, kind: str = "d"):
+    r = _marked(label, rep, kind=kind, eta=2 if kind == "d" else -1, steps=len(stocks))
+    r.stocks = stocks
+    return r
+
+
+def test_every_contender_is_read_from_the_latest_opening_to_the_common_end():
+    from scripts.bench.peer import window_by_stock
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import common_window
+
+    steps = 20
+    pipeline = _stocked("pipeline eta 2", [2000.0] * steps)
+    fa = _stocked("slime fully async 1x", [min(i, 7) * 500.0 for i in range(steps)], kind="c")
+    first, last, openings = common_window([pipeline, fa], steps)
+    assert openings == {"pipeline eta 2": 0, "slime fully async 1x": 7}
+    assert (first, last) == (7, steps - 3)  # the latest opening; the last two steps are the drain
+    growing = _stocked("slime fully async 4x", [300.0 * i for i in range(steps)], kind="c")
+    assert common_window([pipeline, fa, growing], steps)[2]["slime fully async 4x"] is None
+    window_by_stock([pipeline, fa, growing], Workload(time_scale=50.0, steps=steps), quiet=True)
+    assert all((r.window["first"], r.window["last"]) == (7, steps - 3) for r in (pipeline, fa, growing))
+    assert growing.window["flat_from"] == -1 and fa.window["flat_from"] == 7
+
+
+def test_the_engine_reports_the_output_its_held_requests_made_so_far():
+    """The engine's part of a contender's stock (`held_output_tokens`): what its running and
+    waiting requests produced and have not yet answered; a finished request leaves it."""
+    from workers.sim.engine import SimConfig, SimEngine
+    from workers.sim.scheduler import SimReq
+
+    engine = SimEngine(SimConfig(token_latency_s=0.004))
+    sch = engine.scheduler
+    assert sch is not None
+    sch.on_token = None  # stepped here, not served: no HTTP caller waits on the tokens
+    for i, length in enumerate((3, 9)):
+        sch.add(SimReq(f"r{i}", [1, 2, 3], [7] * length, 16))
+    held = []
+    for _ in range(5):
+        sch.step()
+        held.append(engine.physics_stats()["held_output_tokens"])
+    assert held == [2, 4, 3, 4, 5]  # both make a token a step; the 3-token answer leaves with its third

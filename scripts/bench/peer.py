@@ -44,14 +44,19 @@ from scripts.bench.peer_contenders import (
 from scripts.bench.peer_steady import (
     CAPACITY,
     ENGINES_LABEL,
+    FLAT_SHARE,
+    FLAT_STEPS,
     apply_window,
     capacities,
     capacity_run,
     capacity_summary,
+    common_window,
     engines_table,
     ideal_lines,
     steady_goals,
     steady_table,
+    stock_line,
+    stock_opening,
     window,
 )
 from scripts.bench.report import Figure
@@ -173,7 +178,8 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
     window; `checkpoint(results)` after each run (the raw dump, so a cut run can be reported)."""
     results: list[Result] = []
     first, last = window(wl.steps, max(etas, default=2))
-    print(f"[peer] steady-state window: steps {first}..{last} of 0..{wl.steps - 1} (every contender alike)", flush=True)
+    print(f"[peer] provisional window: steps {first}..{last} of 0..{wl.steps - 1}; after each repeat every contender "
+          f"is read again over the window its stock sets (peer_steady.common_window)", flush=True)
 
     def one(kind: str, label: str, run_wl: Workload, rep: int) -> Result:
         t0 = time.monotonic()
@@ -231,6 +237,9 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
                 one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
                     replace(wl, eta=2, engines=n, push_mode=mode), 0)
                 one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
+        window_by_stock([r for r in results if r.repeat == rep], wl)  # the repeat's engines runs too
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 
@@ -572,11 +581,17 @@ def steady_text(results: list[Result], wl: Workload) -> str:
     etas = sorted({r.eta for r in results if r.contender == "d" and r.eta >= 0} | {2})
     windows = {(r.window["first"], r.window["last"]) for r in results if "first" in r.window}
     head = (f"Steady state over steps {', '.join(f'{a}..{b}' for a, b in sorted(windows))} of 0..{wl.steps - 1} "
-            f"(every contender alike: warm-up and drain outside); rates per second of the engine's clock; {END_RULE}.")
+            f"(every contender alike: from the latest step at which a contender's stock went flat, where it did, to "
+            f"the drain; warm-up and drain outside); rates per second of the engine's clock; {END_RULE}.")
     caps = capacities(results)
     parts = [head, steady_table(rows, caps, rows.get(FA_BEST, []), lag_text=_lag_text,
                                 bias_of=lambda r: length_bias(r)[0], waste_of=waste_pct),
              *ideal_lines(wl, etas, caps)]
+    stocked = [r for r in results if r.ran and r.stocks]
+    if stocked:
+        parts += ["Stock per step (tokens generated or generating, not yet trained: the engines' held requests plus "
+                  f"the contender's finished and requeued groups; flat: least-squares slope over {FLAT_STEPS} steps "
+                  f"within +-{FLAT_SHARE:.0%} of the tokens trained a step):", *(stock_line(r) for r in stocked)]
     engines = engines_table(rows, caps, wl)
     if engines:
         parts += ["Engines per trainer (one router in front; 1 engine: the repeats' median, more: one run each):", engines]
@@ -593,7 +608,8 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
     print(frontier_table(results, wl))
     print(cpu_table(results, wl))
     rows = _rows(results)
-    figures = steady_goals(rows, capacities(results), wl, rows.get(FA_BEST, [])) + goals(results)
+    figures = steady_goals(rows, capacities(results), wl, rows.get(FA_BEST, []),
+                           bias_of=lambda r: length_bias(r)[0]) + goals(results)
     path = plot(results, plot_path) if plot_path else None
     if path is not None:
         print(f"[peer] plot: {path}")
@@ -630,6 +646,8 @@ def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
                 apply_window(r, int(r.window["first"]), int(r.window["last"]), replace(workloads[-1], eta=r.eta))
             r.repeat += repeats
             results.append(r)
+        for rep in range(repeats, repeats + int(data.get("repeats", 1))):  # by the stock, where recorded
+            window_by_stock([r for r in results if r.repeat == rep], workloads[-1], quiet=True)
         repeats += int(data.get("repeats", 1))
         seconds += float(data.get("seconds", 0.0))
     if any(asdict(w) != asdict(workloads[0]) for w in workloads):
@@ -639,6 +657,31 @@ def load_raw(*paths: Path) -> tuple[list[Result], Workload, int, float]:
 
 
 BEST_NOTE = "best fully async of this repeat (trained tokens/s)"
+
+
+def window_by_stock(runs: list[Result], wl: Workload, *, quiet: bool = False) -> None:
+    """One repeat's contenders (single engine; capacity aside) read again over the window their
+    stocks set (`common_window`: from the latest step a contender's stock went flat to the common
+    end); runs with several engines over the same window; the best fully async picked again.
+    Prints each contender's stock per step and its opening. Runs without recorded stocks (older
+    dumps) keep their window."""
+    contenders = [r for r in runs if r.ran and r.contender != "cap" and r.stocks and ENGINES_LABEL not in r.label]
+    if not contenders:
+        return
+    first, last, openings = common_window(contenders, wl.steps)
+    for r in (r for r in runs if r.ran and r.contender != "cap" and r.stocks):
+        apply_window(r, first, last, wl)
+        opening = stock_opening(r)
+        r.window["flat_from"] = -1 if opening is None else opening  # -1: its stock never went flat
+    if not quiet:
+        for r in contenders:
+            print(f"[peer] {stock_line(r)}", flush=True)
+        late = {label: s for label, s in openings.items() if s is not None}
+        never = [label for label, s in openings.items() if s is None]
+        print(f"[peer] repeat {contenders[0].repeat + 1}: window by the stock: steps {first}..{last} "
+              f"(opened by {max(late, key=lambda k: late[k]) if late else 'no flat stock: the step rule'}"
+              f"{'; never flat, read over it all the same: ' + ', '.join(never) if never else ''})", flush=True)
+    mark_best_fully_async(runs)
 
 
 def mark_best_fully_async(results: list[Result]) -> None:
@@ -665,7 +708,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
         wl = replace(wl, time_scale=time_scale)
     if batch:
         wl = replace(wl, batch=batch)
-    syncs = syncs or (SLIME_DEFAULT_CONCURRENCY,)
+    syncs = (SLIME_DEFAULT_CONCURRENCY,) if syncs is None else syncs  # (): no sync run
     repeats = repeats or (1 if quick else 3)
     etas = etas or (QUICK_ETAS if quick else FRONTIER_ETAS)
     sweep = sweep or (QUICK_SWEEP if quick else FA_SWEEP)
@@ -709,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="fully async's concurrency in slots, e.g. 1,2 (default 1,2,4; quick 1)")
     p.add_argument("--batch", type=int, default=None, help="groups (prompts) per step (default: the workload's)")
     p.add_argument("--syncs", default="", help=f"slime sync's concurrencies, e.g. {SLIME_DEFAULT_CONCURRENCY},36 "
-                   f"(default {SLIME_DEFAULT_CONCURRENCY}, slime's own)")
+                   f"(default {SLIME_DEFAULT_CONCURRENCY}, slime's own; none: no sync run)")
     p.add_argument("--no-same-lag", action="store_true", help="skip the pipeline at fully async's max lag")
     p.add_argument("--pipeline-push-modes", default="abort",
                    help="the pipeline at eta 2 with each weight-push mode (abort: slime's, every contender's; "
@@ -733,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         figures = bench_peer(quick=opts.quick, repeats=opts.repeats, steps=opts.steps, plot_path=Path(opts.plot),
                              json_path=opts.json, raw_path=opts.raw, keep=opts.keep, etas=_ints(opts.etas),
                              sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale,
-                             batch=opts.batch, syncs=_ints(opts.syncs), same_lag=not opts.no_same_lag,
+                             batch=opts.batch, syncs=() if opts.syncs == "none" else _ints(opts.syncs), same_lag=not opts.no_same_lag,
                              engines=_ints(opts.engines) or (),
                              pipeline_push_modes=tuple(m.strip() for m in opts.pipeline_push_modes.split(",") if m.strip()))
         for figure in figures:

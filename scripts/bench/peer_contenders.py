@@ -46,7 +46,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -226,8 +226,14 @@ class Result:
     # after each step's rollout: [wall s since the loop began, trained tokens so far, the
     # engines' generated tokens so far, their busy simulated seconds so far]
     step_marks: list[list[float]] = field(default_factory=list)
+    # the stock after each step's rollout, in tokens (scripts/bench/peer_steady.py, issue 46): output
+    # held by the engines' requests plus what the contender holds finished or requeued, not trained
+    stocks: list[float] = field(default_factory=list)
     # `SlotSampler`: [wall s (the marks' clock), the first engine's simulated clock, its busy seconds]
     clock_samples: list[list[float]] = field(default_factory=list)
+    # the same for the fleet's other engines (engines 2..N), one list each
+    engine_slot_samples: list[list[tuple[float, int]]] = field(default_factory=list)
+    engine_clock_samples: list[list[list[float]]] = field(default_factory=list)
     # the steady-state window's own counts (`peer_steady.apply_window`); the whole run's rates
     window: dict[str, float] = field(default_factory=dict)
     run_tokens_per_s: float = 0.0
@@ -341,10 +347,15 @@ class SlotSampler(threading.Thread):
     over windows the engine was busy at both ends, in simulated seconds per wall second, says
     whether the step loop kept its time scale on this machine (`clock_rates`)."""
 
-    def __init__(self, engine_url: str):
+    def __init__(self, engine_url: str, others: Sequence[str] = ()):
         super().__init__(daemon=True)
         self.url = engine_url + "/v1/loads"
         self.stats_url = engine_url + "/sim/stats"
+        # the other engines of a fleet, sampled alike: each engine's idle time counts for itself
+        # (peer_steady.engine_played_s), never the first engine's for all
+        self.others = list(others)
+        self.other_samples: list[list[tuple[float, int]]] = [[] for _ in self.others]
+        self.other_clocks: list[list[list[float]]] = [[] for _ in self.others]
         self.started = time.monotonic()
         self.samples: list[tuple[float, int]] = []
         self.pushes: list[float] = []
@@ -373,19 +384,34 @@ class SlotSampler(threading.Thread):
     def run(self) -> None:
         every = max(1, round(CLOCK_SAMPLE_S / SLOT_SAMPLE_S))
         while not self.stopped.wait(SLOT_SAMPLE_S):
-            if len(self.samples) % every == 0:
+            clock_due = len(self.samples) % every == 0
+            if clock_due:
                 self._sample_clock()
+            for url, samples, clocks in zip(self.others, self.other_samples, self.other_clocks, strict=True):
+                self._sample_other(url, samples, clocks if clock_due else None)
             try:
                 load = _get_json(self.url)["loads"][0]
             except OSError:
                 continue
             self.samples.append((round(time.monotonic() - self.started, 3), int(load["num_running_reqs"])))
 
+    def _sample_other(self, url: str, samples: list[tuple[float, int]], clocks: list[list[float]] | None) -> None:
+        try:
+            if clocks is not None:
+                stats = _get_json(url + "/sim/stats")
+                clocks.append([round(time.monotonic() - self.started, 3), round(float(stats.get("sim_time_s", 0.0)), 3),
+                               round(float(stats.get("busy_s", 0.0)), 3)])
+            load = _get_json(url + "/v1/loads")["loads"][0]
+        except OSError:
+            return
+        samples.append((round(time.monotonic() - self.started, 3), int(load["num_running_reqs"])))
+
     def finish(self, result: Result) -> None:
         self.stopped.set()
         self.join(5)
         result.slot_samples, result.push_times, result.clock_rates = self.samples, self.pushes, self.clock_rates
         result.clock_samples = self.clock_samples
+        result.engine_slot_samples, result.engine_clock_samples = self.other_samples, self.other_clocks
 
 
 def cpu_seconds(pid: int, *, children: bool = True) -> float:
@@ -550,7 +576,8 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
     if kind == "c":
         start_fully_async_worker(fully_async_rollout, args, source, wl)
 
-    sampler = SlotSampler(engine_url)
+    held = slime_held(source)
+    sampler = SlotSampler(engine_url, fleet.engines[1:])
     cpu = CpuMeter({"trainer + rollout (slime, one process)": os.getpid(),
                     **{f"engine {i + 1}" if len(fleet.pids) > 1 else "engine": pid
                        for i, pid in enumerate(fleet.pids or [engine_pid])}})
@@ -562,7 +589,7 @@ def run_slime_contender(kind: str, wl: Workload, engine_url: str | Fleet, prompt
         out = rollout(args, rollout_id, source)  # (c) returns the list of groups itself
         groups = out.samples if hasattr(out, "samples") else out
         record_step(result, rollout_id, groups, lambda s: s.weight_versions)
-        mark(result, sampler.started, fleet.engines)
+        mark(result, sampler.started, fleet.engines, held)
         train_step(wl, engine_url)  # train(rollout_id)
         source.save(rollout_id)
         sampler.push(fleet.engines, rollout_id + 1, wl.push_mode)
@@ -660,7 +687,11 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
             client: Any = redis_sync.Redis.from_url(server.url)  # sync client: redis-py types replies Awaitable | T
             ready = _wait_until(lambda: client.exists(Keys(ns).workers) and client.zcard(Keys(ns).queue) > 0, 60)
             result.notes.append(f"workers registered and jobs queued before the clock started: {ready}")
-            sampler = SlotSampler(engine_url)
+            def held() -> int:  # finished groups in the stream, not yet trained
+                return sum(s.response_length for _, fields in client.xrange(Keys(ns).groups)
+                           for s in decode_group(fields[b"g"]).samples)
+
+            sampler = SlotSampler(engine_url, fleet.engines[1:])
             assert workers.proc is not None and producer.proc is not None and server.proc is not None
             cpu = CpuMeter({"trainer (data source)": os.getpid(), "workers": -workers.proc.pid,
                             "producer": producer.proc.pid, "redis": server.proc.pid,
@@ -675,7 +706,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
                     out = generate_rollout(args, rollout_id, source)
                     record_step(result, rollout_id, out.samples,
                                 lambda s: s.metadata.get("engine_weight_versions") or s.weight_versions)
-                    mark(result, sampler.started, fleet.engines)
+                    mark(result, sampler.started, fleet.engines, held)
                     result.cohort_tails_s.append(max(float(s.metadata.get("episode_s", 0.0))
                                                      for group in out.samples for s in group))
                     trained_at = time.monotonic()
@@ -874,23 +905,61 @@ def finish(result: Result, wl: Workload) -> Result:
 # ------------------------------------------------------------------ step marks (the steady window's counts, scripts/bench/peer_steady.py)
 
 
-def engine_totals(urls: Sequence[str]) -> tuple[int, float, float, float]:
-    """Generated tokens (answers finished or aborted, as the engines count them) and busy
-    simulated seconds, summed over the engines; the first engine's simulated clock and its busy
-    seconds."""
-    tokens, busy, clock, busy0 = 0, 0.0, float("nan"), float("nan")
-    for i, url in enumerate(urls):
-        stats = _get_json(url + "/sim/stats")
-        tokens += int(stats.get("output_tokens", 0))
-        busy += float(stats.get("busy_s", 0.0))
-        if i == 0:
-            clock, busy0 = float(stats.get("sim_time_s", float("nan"))), float(stats.get("busy_s", float("nan")))
-    return tokens, busy, clock, busy0
+@dataclass
+class EngineReading:
+    """The engines' counters at a mark: per engine, generated tokens (answers finished or aborted,
+    as the engine counts them) and busy simulated seconds; the first engine's simulated clock;
+    output tokens held by their running and waiting requests."""
+
+    tokens: list[int]
+    busy: list[float]
+    clock0: float
+    held: int
 
 
-def mark(result: Result, started: float, urls: Sequence[str]) -> None:
+def engine_reading(urls: Sequence[str]) -> EngineReading:
+    every = [_get_json(url + "/sim/stats") for url in urls]
+    return EngineReading(tokens=[int(s.get("output_tokens", 0)) for s in every],
+                         busy=[float(s.get("busy_s", 0.0)) for s in every],
+                         clock0=float(every[0].get("sim_time_s", float("nan"))) if every else float("nan"),
+                         held=sum(int(s.get("held_output_tokens", 0)) for s in every))
+
+
+PER_ENGINE_COLUMN = 6  # a mark's per-engine [tokens, busy s] pairs start here (peer_steady.per_engine)
+
+
+def mark(result: Result, started: float, urls: Sequence[str], held: Callable[[], int] | None = None) -> None:
     """A step mark: wall s since `started`, trained tokens so far, the engines' generated tokens
-    and busy seconds, the first engine's simulated clock and its own busy seconds."""
-    tokens, busy, clock, busy0 = engine_totals(urls)
-    result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, tokens, round(busy, 3),
-                              round(clock, 3), round(busy0, 3)])
+    and busy seconds (sums), the first engine's simulated clock and its own busy seconds, then
+    each engine's generated tokens and busy seconds. `held`: the contender's own stock outside
+    the engines (finished or requeued, not yet trained); given, the stock (that plus what the
+    engines' requests hold) is appended to `result.stocks`."""
+    e = engine_reading(urls)
+    busy0 = e.busy[0] if e.busy else float("nan")
+    per_engine = [x for tokens, busy in zip(e.tokens, e.busy, strict=True) for x in (tokens, round(busy, 3))]
+    result.step_marks.append([round(time.monotonic() - started, 3), result.trained_tokens, sum(e.tokens),
+                              round(sum(e.busy), 3), round(e.clock0, 3), round(busy0, 3), *per_engine])
+    if held is not None:
+        result.stocks.append(e.held + held())
+
+
+def group_tokens(groups: Iterable[Iterable[Any]]) -> int:
+    """Response tokens of slime groups (lists of Samples)."""
+    return sum(int(s.response_length) for group in groups for s in group)
+
+
+def slime_held(source: Any) -> Callable[[], int]:
+    """slime's stock outside the engines: the fully-async worker's finished groups not yet taken
+    (its output queue) and the groups handed back to the data source's buffer (aborted, requeued;
+    partial rollout's partial groups)."""
+    from slime.rollout import fully_async_rollout
+
+    def held() -> int:
+        worker = fully_async_rollout._global_worker
+        queued: list[Any] = []
+        if worker is not None:
+            with worker.output_queue.mutex:  # a look, not a take: the worker keeps its queue
+                queued = [group for _, group in worker.output_queue.queue]
+        return group_tokens(queued) + group_tokens(list(source.buffer))
+
+    return held

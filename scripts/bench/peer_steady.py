@@ -3,10 +3,15 @@
 
 - **The window.** Every contender records a mark at the start of its trainer loop and after
   each step's rollout returned (`Result.step_marks`: wall seconds since the loop began, trained
-  tokens so far, the engines' generated tokens and busy simulated seconds so far). Its steady
-  state is read between the mark before step `first` and the mark after step `last`, the SAME
-  steps for every contender of a run (`window`): warm-up (the first eta + 2 steps of the largest
-  eta run) and drain (the last two steps) are outside it for everyone alike.
+  tokens so far, the engines' generated tokens and busy simulated seconds so far, each engine's
+  too) and its stock (`Result.stocks`). Its steady state is read between the mark before step
+  `first` and the mark after step `last`, the SAME steps for every contender of a repeat
+  (`common_window`, issue 46): from the latest step at which a contender's stock stopped growing
+  (`flat_from`) to the drain (the last two steps); no stock flat: the step rule (`window`: from
+  the largest eta + 2).
+- **Each engine on its own clock** (issue 46 item 4): with several engines the window's length
+  is the clock at which they generated, each engine's tokens over its own busy seconds plus its
+  own idle wall time x the scale (`per_engine`, `fleet_played_s`).
 - **Capacity.** The same engine (same arguments, fresh process, same time scale) saturated with
   the workload's requests and nothing else: no trainer, no weight push, `outstanding` requests
   kept in flight (a new one as each finishes) so the waiting queue never empties. Its generated
@@ -19,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,7 @@ class Steady:
     generated_tokens: int
     busy_s: float
     played_s: float
+    engines: list[EngineWindow] = field(default_factory=list)  # each engine on its own clock
 
     @property
     def tokens_per_s(self) -> float:
@@ -88,6 +94,82 @@ def window(steps: int, max_eta: int) -> tuple[int, int]:
     return first, last
 
 
+# ------------------------------------------------------------------ the window by the stock (issue 46 item 1)
+
+# The stock: what a contender holds generated or generating and not yet trained, in tokens, read
+# after each step's rollout (`Result.stocks`). While it grows, part of what the engine makes goes
+# into it instead of into training, so a window over those steps understates the contender's
+# steady trained rate (fully async's queue filling) or overstates it (a stock drawn down).
+FLAT_STEPS = 6  # k: the trailing steps the slope is fitted over (a multiple of 1, 2 and 3 steps: eta 2's cohorts)
+FLAT_SHARE = 0.05  # x: the stock may grow or shrink by at most 5 % of a step's trained tokens per step
+
+
+def stock_slope(stock: Sequence[float]) -> float:
+    """Least-squares slope of the stock against the step index (tokens per step)."""
+    steps = np.arange(len(stock), dtype=float)
+    values = np.asarray(stock, dtype=float)
+    centred = steps - steps.mean()
+    return float((centred * (values - values.mean())).sum() / (centred * centred).sum())
+
+
+def flat_from(stock: Sequence[float], trained: Sequence[float], *, k: int = FLAT_STEPS,
+              share: float = FLAT_SHARE) -> int | None:
+    """The first step s at which the stock is flat: the least-squares slope of stock[s..s+k-1]
+    lies within +-share x the mean of trained[s..s+k-1] (tokens trained per step). None: it
+    never is. `stock[i]` is read after step i, `trained[i]` is what step i trained.
+
+    Why the slope against the trained tokens a step, not against the stock itself: a stock that
+    grows by g a step takes g of each step's generation away from training, so g / trained per
+    step is exactly the share by which a window over those steps misreads the steady rate. A
+    linear growth therefore never opens the window however large the stock gets (against the
+    stock's own size it would, once the stock is large enough); the fit over k steps, not the
+    running maximum, so that one noisy step neither opens nor holds it shut."""
+    if len(stock) != len(trained):
+        raise ValueError(f"flat_from: {len(stock)} stock readings against {len(trained)} steps trained")
+    if k < 2:
+        raise ValueError(f"flat_from: k must be >= 2 steps to fit a slope, got {k}")
+    for s in range(len(stock) - k + 1):
+        per_step = float(np.mean(trained[s:s + k]))
+        if per_step > 0 and abs(stock_slope(stock[s:s + k])) <= share * per_step:
+            return s
+    return None
+
+
+def trained_per_step(r: Result) -> list[float]:
+    """Tokens trained by each step, from the step marks (marks[k + 1] - marks[k])."""
+    return [b[1] - a[1] for a, b in zip(r.step_marks, r.step_marks[1:], strict=False)]
+
+
+def stock_opening(r: Result) -> int | None:
+    """The step at which `r`'s stock stopped growing (`flat_from`), None if it never did or
+    was not recorded."""
+    trained = trained_per_step(r)
+    n = min(len(r.stocks), len(trained))
+    return flat_from(r.stocks[:n], trained[:n]) if n >= FLAT_STEPS else None
+
+
+def common_window(runs: Sequence[Result], steps: int) -> tuple[int, int, dict[str, int | None]]:
+    """The one window every contender of `runs` is read over: from the latest step at which a
+    contender's stock went flat to the common end (the drain outside); each run's own opening
+    beside (None: never flat; it is read over the same window and flagged). No run flat: the
+    step rule (`window`)."""
+    openings = {r.label: stock_opening(r) for r in runs if r.ran}
+    last = steps - 1 - DRAIN_STEPS
+    flat = [s for s in openings.values() if s is not None]
+    if not flat or max(flat) >= last - 1:
+        first, last = window(steps, 2)
+        return first, last, openings
+    return max(flat), last, openings
+
+
+def stock_line(r: Result) -> str:
+    """`r`'s stock per step, thousands of tokens, and where it went flat."""
+    opening = stock_opening(r)
+    cells = " ".join(f"{x / 1000:.0f}" for x in r.stocks)
+    return (f"{r.label} (repeat {r.repeat + 1}): stock per step (k tokens) {cells}; "
+            + (f"flat from step {opening}" if opening is not None else "never flat"))
+
+
 def steady(r: Result, first: int, last: int, wl: Workload) -> Steady | None:
     """`r` over steps first..last (marks[k] is taken before step k, marks[k + 1] after it)."""
     marks = r.step_marks
@@ -95,13 +177,14 @@ def steady(r: Result, first: int, last: int, wl: Workload) -> Steady | None:
         return None
     a, b = marks[first], marks[last + 1]
     groups = sum(r.groups_per_step[first:last + 1])
+    engines = per_engine(r, wl, a, b)
+    played = fleet_played_s(engines) if len(engines) > 1 else played_s(r, wl, a, b)
     return Steady(first=first, last=last, wall_s=b[0] - a[0], trained_tokens=int(b[1] - a[1]), groups=groups,
-                  generated_tokens=int(b[2] - a[2]), busy_s=b[3] - a[3], played_s=played_s(r, wl, a, b))
+                  generated_tokens=int(b[2] - a[2]), busy_s=b[3] - a[3], played_s=played, engines=engines)
 
 
-def idle_wall_s(r: Result, t0: float, t1: float) -> float:
-    """Wall seconds in [t0, t1] the first engine had nothing running (its slot samples)."""
-    samples = r.slot_samples
+def idle_wall_s(samples: Sequence[Sequence[float]], t0: float, t1: float) -> float:
+    """Wall seconds in [t0, t1] an engine had nothing running (its slot samples: (t, running))."""
     idle = 0.0
     for (t, busy), (t_next, _b) in zip(samples, samples[1:], strict=False):
         if busy == 0:
@@ -109,30 +192,77 @@ def idle_wall_s(r: Result, t0: float, t1: float) -> float:
     return idle
 
 
-def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
-    """The window's length on the ENGINE's clock (the GPU and trainer played), interval by interval
-    between the first engine's clock samples (and the marks a, b at the ends): while it runs
-    requests, its busy seconds (the forward passes' simulated durations) move as the step loop
-    gets through them (slower than the scale on a loaded machine); while nothing runs they do not
-    move, and that idle wall time counts x the scale (the trainer sleeps its step on the wall
-    clock then). Busy seconds, not `sim_time_s`: the simulated clock also jumps to the wall clock
-    x the scale where a push syncs it, which would count a slow loop's lag as engine time. The
-    weight pushes' own GPU time (about 0.7 s a push) is left out. Rates on this clock do not depend on how well the step loop
-    kept the scale; wall-clock latency while the engine idles is scaled like the trainer's sleep."""
-    col = 5 if len(a) > 5 and len(b) > 5 else 4  # the first engine's busy seconds (older dumps: its clock)
-    if len(a) <= col or a[col] != a[col] or b[col] != b[col]:
-        return float("nan")
-    inside = ((x[0], x[col - 3]) for x in r.clock_samples if len(x) > col - 3 and a[0] < x[0] < b[0])
-    points = [(a[0], a[col]), *inside, (b[0], b[col])]
+def engine_played_s(slots: Sequence[Sequence[float]], points: Sequence[tuple[float, float]], scale: float) -> float:
+    """One engine's clock over a window: `points` are (wall s, its busy simulated seconds) from the
+    window's start to its end; between two of them its busy seconds count as they moved (never
+    ahead of the scale), its own idle wall time (from its own slot samples) x the scale."""
     total = 0.0
     for (t0, s0), (t1, s1) in zip(points, points[1:], strict=False):
         moved, wall = max(0.0, s1 - s0), t1 - t0
         if wall <= 0:
             total += moved
             continue
-        idle = min(wall, idle_wall_s(r, t0, t1))
-        total += min(moved, (wall - idle) * wl.time_scale) + idle * wl.time_scale  # busy: never ahead of the scale
+        idle = min(wall, idle_wall_s(slots, t0, t1))
+        total += min(moved, (wall - idle) * scale) + idle * scale
     return total
+
+
+def played_s(r: Result, wl: Workload, a: list[float], b: list[float]) -> float:
+    """The window's length on the FIRST engine's clock (the GPU and trainer played), interval by
+    interval between its clock samples (and the marks a, b at the ends): while it runs requests,
+    its busy seconds (the forward passes' simulated durations) move as the step loop gets through
+    them (slower than the scale on a loaded machine); while nothing runs they do not move, and that
+    idle wall time counts x the scale (the trainer sleeps its step on the wall clock then). Busy
+    seconds, not `sim_time_s`: the simulated clock also jumps to the wall clock x the scale where a
+    push syncs it, which would count a slow loop's lag as engine time. The weight pushes' own GPU
+    time (about 0.7 s a push) is left out. Rates on this clock do not depend on how well the step
+    loop kept the scale; wall-clock latency while the engine idles is scaled like the trainer's
+    sleep. Several engines: `fleet_played_s`."""
+    col = 5 if len(a) > 5 and len(b) > 5 else 4  # the first engine's busy seconds (older dumps: its clock)
+    if len(a) <= col or a[col] != a[col] or b[col] != b[col]:
+        return float("nan")
+    inside = [(x[0], x[col - 3]) for x in r.clock_samples if len(x) > col - 3 and a[0] < x[0] < b[0]]
+    return engine_played_s(r.slot_samples, [(a[0], a[col]), *inside, (b[0], b[col])], wl.time_scale)
+
+
+@dataclass
+class EngineWindow:
+    """One engine over a window: its generated tokens, busy simulated seconds and own clock."""
+
+    generated: int
+    busy_s: float
+    played_s: float
+
+
+def per_engine(r: Result, wl: Workload, a: list[float], b: list[float]) -> list[EngineWindow]:
+    """Each engine of the run over the window between marks a and b, on its OWN clock (its busy
+    seconds and its own idle wall time x the scale). Empty where the marks carry no per-engine
+    columns (older dumps) or an engine's samples are missing."""
+    from scripts.bench.peer_contenders import PER_ENGINE_COLUMN
+
+    count = (min(len(a), len(b)) - PER_ENGINE_COLUMN) // 2
+    if count < 1 or count - 1 > len(r.engine_slot_samples) or count - 1 > len(r.engine_clock_samples):
+        return []
+    slots = [r.slot_samples, *r.engine_slot_samples[:count - 1]]
+    clocks = [r.clock_samples, *r.engine_clock_samples[:count - 1]]
+    out = []
+    for i in range(count):
+        tok, busy = PER_ENGINE_COLUMN + 2 * i, PER_ENGINE_COLUMN + 2 * i + 1
+        inside = [(x[0], x[2]) for x in clocks[i] if len(x) > 2 and a[0] < x[0] < b[0]]
+        played = engine_played_s(slots[i], [(a[0], a[busy]), *inside, (b[0], b[busy])], wl.time_scale)
+        out.append(EngineWindow(generated=int(b[tok] - a[tok]), busy_s=b[busy] - a[busy], played_s=played))
+    return out
+
+
+def fleet_played_s(engines: Sequence[EngineWindow]) -> float:
+    """The window's length on the engines' clocks, each engine's tokens on its own clock: the
+    clock at which sum(generated) / it = sum(generated_i / played_i), so no engine's idle time
+    (or slowness) stands for another's. One engine: its own clock."""
+    rate = sum(e.generated / e.played_s for e in engines if e.played_s > 0)
+    total = sum(e.generated for e in engines)
+    if len(engines) == 1 or total == 0 or rate <= 0:
+        return engines[0].played_s if engines else float("nan")
+    return total / rate
 
 
 # ------------------------------------------------------------------ capacity
@@ -276,6 +406,10 @@ def apply_window(r: Result, first: int, last: int, wl: Workload) -> None:
                 "trained_tokens": s.trained_tokens, "groups": s.groups, "generated_tokens": s.generated_tokens,
                 "busy_s": round(s.busy_s, 2), "wall_tokens_per_s": round(s.wall_tokens_per_s, 1),
                 "clock_rate": round(s.clock_rate / wl.time_scale, 3)}
+    if len(s.engines) > 1:  # each engine on its own clock (engines_table)
+        for i, e in enumerate(s.engines):
+            r.window |= {f"engine{i}_generated": e.generated, f"engine{i}_busy_s": round(e.busy_s, 2),
+                         f"engine{i}_played_s": round(e.played_s, 2)}
 
 
 def per_busy_s(r: Result) -> float:
@@ -369,6 +503,28 @@ def ideal_lines(wl: Workload, etas: Sequence[int], caps: dict[int, Result]) -> l
     return out
 
 
+def window_engines(r: Result) -> list[EngineWindow]:
+    """The engines of `r`'s window, each on its own clock (`apply_window`); one engine: the run's own."""
+    w = r.window
+    n = sum(1 for key in w if key.startswith("engine") and key.endswith("_played_s"))
+    if n == 0:
+        return [EngineWindow(int(w.get("generated_tokens", 0)), float(w.get("busy_s", 0.0)),
+                             float(w["played_s"]))] if "played_s" in w else []
+    return [EngineWindow(int(w[f"engine{i}_generated"]), float(w[f"engine{i}_busy_s"]), float(w[f"engine{i}_played_s"]))
+            for i in range(n)]
+
+
+def fleet_generated_per_s(r: Result) -> float:
+    """Generated tokens per second, each engine's tokens over its own clock, summed: against N x capacity."""
+    engines = window_engines(r)
+    return sum(e.generated / e.played_s for e in engines if e.played_s > 0) if engines else float("nan")
+
+
+def per_engine_busy_rates(r: Result) -> list[float]:
+    """Each engine's generated tokens per ITS busy engine-second (how full its batch ran)."""
+    return [e.generated / e.busy_s if e.busy_s > 0 else float("nan") for e in window_engines(r)]
+
+
 def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload) -> str:
     """Tokens/s against engines behind one router: each contender at 1 engine (its repeats'
     median) and at each larger count (one run), against N x capacity and the trainer's limit."""
@@ -385,14 +541,20 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
     if not bases:
         return ""
     head = ("| engines | N x measured capacity (tok/s, engine clock) | trainer limit: B x n x mean plan length / trainer step | "
-            + " | ".join(f"{b}: trained tok/s (efficiency vs N x capacity)" for b in bases) + " |")
-    lines = [head, "|" + "---|" * (3 + len(bases))]
+            + " | ".join(f"{b}: trained tok/s (efficiency vs N x capacity) | {b}: generated tok/s, each engine on its "
+                         f"own clock, summed (vs N x capacity) | {b}: generated tok per busy engine-s, each engine"
+                         for b in bases) + " |")
+    lines = [head, "|" + "---|" * (3 + 3 * len(bases))]
     for n in counts:
         cells = []
         for b in bases:
             runs = per_engines.get((b, n), [])
             tok = [r.trained_tokens_per_s for r in runs]
-            cells.append(f"{_cell(tok)} ({_cell([t / (n * cap) for t in tok], '.2f')})" if runs else "-")
+            generated = [fleet_generated_per_s(r) for r in runs]
+            cells += ([f"{_cell(tok)} ({_cell([t / (n * cap) for t in tok], '.2f')})",
+                       f"{_cell(generated)} ({_cell([g / (n * cap) for g in generated], '.2f')})",
+                       " / ".join(_cell(list(x)) for x in zip(*(per_engine_busy_rates(r) for r in runs), strict=False))]
+                      if runs else ["-", "-", "-"])
         plans = [float(np.mean(r.planned_lengths)) for runs in per_engines.values() for r in runs if r.planned_lengths]
         trainer = wl.batch * wl.n * (statistics.median(plans) if plans else float("nan")) / wl.train_step_s
         lines.append(f"| {n} | {n * cap:,.0f} | {trainer:,.0f} | " + " | ".join(cells) + " |")
@@ -400,16 +562,16 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
 
 
 def steady_goals(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
-                 fa_best: list[Result]) -> list[Figure]:
+                 fa_best: list[Result], bias_of: Callable[[Result], float] | None = None) -> list[Figure]:
     """Issue 38's and 46's goals, met or missed: pipeline eta 2's steady trained tokens/s >= 0.95
     of the bound's ideal at its eta and B, >= 0.95 of measured capacity, and >= 1x the best fully
     async's (same repeat; median of per-repeat ratios, worst repeat >= 0.95x)."""
     labels = [k for k in rows if k.startswith("pipeline eta 2") and ENGINES_LABEL not in k] or ["pipeline eta 2"]
-    return [f for label in labels for f in _eta2_goals(label, rows, caps, wl, fa_best)]
+    return [f for label in labels for f in _eta2_goals(label, rows, caps, wl, fa_best, bias_of)]
 
 
 def _eta2_goals(label: str, rows: dict[str, list[Result]], caps: dict[int, Result], wl: Workload,
-                fa_best: list[Result]) -> list[Figure]:
+                fa_best: list[Result], bias_of: Callable[[Result], float] | None = None) -> list[Figure]:
     eta2 = [r for r in rows.get(label, []) if r.ran and r.window]
     if not eta2 or not caps:
         return [Figure(section="peer", name=f"steady state: {label} or the capacity run did not run",
@@ -432,9 +594,27 @@ def _eta2_goals(label: str, rows: dict[str, list[Result]], caps: dict[int, Resul
     if vs:
         figures.append(Figure(
             section="peer", name=f"{label} steady state vs the best fully async of the same repeat: "
-            f"{_ratio_cell(vs)} (each repeat: {', '.join(f'{x:.2f}x' for x in vs)})",
+            f"{_ratio_cell(vs)} (each repeat: {', '.join(f'{x:.2f}x' for x in vs)}); "
+            f"{beside(eta2, 'pipeline', bias_of)}; {beside(list(fa.values()), 'fully async', bias_of)}",
             value=tok, unit="tok/s", baseline="best fully async, steady (median)",
             baseline_value=statistics.median(r.trained_tokens_per_s for r in fa.values()),
             ratio=statistics.median(vs), goal=f">= {FA_GOAL:g}x, worst repeat >= {FA_WORST_GOAL:g}x",
             met=statistics.median(vs) >= FA_GOAL and min(vs) >= FA_WORST_GOAL))
     return figures
+
+
+def window_of(runs: Sequence[Result]) -> str:
+    """The window the runs were read over and where each one's stock went flat."""
+    spans = sorted({(int(r.window["first"]), int(r.window["last"])) for r in runs if "first" in r.window})
+    flat = [int(r.window["flat_from"]) for r in runs if "flat_from" in r.window]
+    return (f"steps {', '.join(f'{a}..{b}' for a, b in spans)}" + (
+        f", stock flat from step {', '.join('never' if x < 0 else str(x) for x in flat)}" if flat else ""))
+
+
+def beside(runs: Sequence[Result], name: str, bias_of: Callable[[Result], float] | None) -> str:
+    """Lag (mean, max) and length bias of `runs`, and their window: what a ratio is read with."""
+    lags = [lag for r in runs for lag in r.lags]
+    text = f"{name}: lag mean {np.mean(lags) if lags else float('nan'):.2f} max {max(lags, default=0)}"
+    if bias_of is not None:
+        text += f", length bias {_cell([bias_of(r) for r in runs], '+.1f')} %"
+    return f"{text}, {window_of(runs)}"

@@ -516,7 +516,9 @@ class SimEngine:
             return {}
         sch = self.scheduler
         return {**sch.stats, "kv_pool_tokens": sch.config.kv_pool_tokens, "kv_used": sch.kv_used,
-                "sim_time_s": sch.sim_now, "num_waiting_reqs": len(sch.waiting), "num_running_reqs": len(sch.running)}
+                "sim_time_s": sch.sim_now, "num_waiting_reqs": len(sch.waiting), "num_running_reqs": len(sch.running),
+                # output tokens the held requests have made so far (not yet answered): the bench's stock
+                "held_output_tokens": sum(r.produced for r in (*sch.running, *sch.waiting))}
 
     # ------------------------------------------------------------ generate
 

@@ -225,7 +225,8 @@ def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions)
     from pipeline.config import parse_config
     from pipeline.local_redis import LocalRedis
     from scripts.processes import SimEngineProcess
-    from workers.sim.arith import prepare_tasks, tasks_of, warm_checkpoint
+    from scripts.tiny_tasks import prepare_tasks
+    from workers.sim.arith import tasks_of, warm_checkpoint
 
     warm = warm_checkpoint()  # ~60 s of one core the first time on a machine, then cached
     checkpoints = {0: warm, 1: pushed_policy(warm, workdir / "policy-1")}

@@ -20,19 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.tiny_tasks import prepare_tasks  # noqa: F401  (the tests import it from here)
 from workers.sim.arith import (  # noqa: F401  (the tasks and warm start moved to the product; tests import them here)
     FOLLOW_UP,
-    REPO,
     TwoTurnArithmetic,
     grader,
     math_env,
-    prepare_tasks,
     problems,
     sample_accuracy,
     two_turn_env,
     warm_checkpoint,
     warm_start,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------- the run
 

@@ -209,7 +209,8 @@ def _setup(workdir: Path) -> Any:
     slime = require_slime("slime.ray.rollout", "slime.backends.megatron_utils.loss",
                           "slime.observability.rollout_data_utils", "slime.ray.placement_group")
     import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
-    from workers.sim.arith import prepare_tasks, warm_checkpoint
+    from scripts.tiny_tasks import prepare_tasks
+    from workers.sim.arith import warm_checkpoint
 
     tasks, heldout = prepare_tasks(workdir / "tasks")
     return slime, warm_checkpoint(), tasks, heldout

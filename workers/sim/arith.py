@@ -2,8 +2,8 @@
 `rollout check-signal` run the tiny LM (workers/sim/tinylm.py) on.
 
 - **Tasks**: single-digit arithmetic ("What is 7 * 8?", + and *, 200 problems), written as raw
-  JSONL and turned into tasks.jsonl by the project's own `rollout prepare` for a `math`
-  environment (`\\boxed{}` + math-verify), and once more as the two-turn task `arith2`
+  JSONL and turned into tasks.jsonl by the project's own `rollout prepare` (scripts/tiny_tasks.py:
+  a producer's step, above this layer) for a `math` environment (`\\boxed{}` + math-verify), and once more as the two-turn task `arith2`
   (`TwoTurnArithmetic`: answer, an observation, the answer plus one). A fixed fifth of the
   problems is the held-out split (the eval dataset); the rest is what the producer enqueues.
 - **Warm start**: a short supervised run of the tiny LM on "\\boxed{answer}" over every problem
@@ -16,12 +16,9 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent.parent  # the checkout (`rollout prepare` runs from it)
 WARM_STEPS = 600  # supervised steps of 64 examples
 WARM_LR = 3e-3
 WARM_TWO_TURN = 0.25  # share of the warm start's examples in the two-turn task's layout
@@ -47,36 +44,6 @@ def problems() -> list[tuple[str, str, bool]]:
 
 def math_env() -> dict[str, Any]:
     return {"kind": "math", "options": {"answer": "boxed", "check_in": "inline"}}
-
-
-def _dataset(raw: str) -> dict[str, Any]:
-    return {"source": "jsonl", "files": [raw], "fields": {"id": "id", "prompt": "question", "label": "answer"}}
-
-
-def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
-    """tasks.jsonl (the train split, once as the single-turn `arith` task and once as the
-    two-turn `arith2` task) and heldout.jsonl (`arith`), each written by `rollout prepare`."""
-    import yaml
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = []
-    for split, held in (("train", False), ("heldout", True)):
-        rows = [(i, q, a) for i, (q, a, h) in enumerate(problems()) if h == held]
-        raw = workdir / f"{split}-raw.jsonl"
-        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
-        envs = {"arith": {**math_env(), "dataset": _dataset(raw.name)}}
-        if not held:
-            two = workdir / f"{split}2-raw.jsonl"
-            two.write_text("".join(json.dumps({"id": f"{split}2-{i}", "question": q, "answer": a}) + "\n"
-                                   for i, q, a in rows))
-            envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
-        config = workdir / f"prepare-{split}.yaml"
-        config.write_text(yaml.safe_dump({"environments": envs}))
-        tasks = workdir / ("tasks.jsonl" if split == "train" else "heldout.jsonl")
-        subprocess.run([sys.executable, "-m", "producers.prepare_tasks", "--config", str(config),
-                        "--output", str(tasks)], check=True, cwd=REPO, capture_output=True)
-        out.append(tasks)
-    return out[0], out[1]
 
 
 # ---------------------------------------------------------------- warm start

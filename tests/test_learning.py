@@ -50,6 +50,8 @@ def learn_setup(tmp_path_factory):
     warm = warm_checkpoint()
     info = json.loads((warm / "warm_start.json").read_text())
     assert 0.10 <= info["accuracy"] <= 0.50, info  # at temperature 1, before RL
+    # the start on the held-out problems (none in its data: workers/sim/arith.py), at temperature 1
+    assert 0.10 <= info["heldout_accuracy"] <= 0.50, info
     return warm, tasks, heldout
 
 

@@ -246,7 +246,7 @@ def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions)
     from scripts.processes import SimEngineProcess
     from workers.sim.arith import prepare_tasks, tasks_of, warm_checkpoint
 
-    warm = warm_checkpoint()  # ~60 s of one core the first time on a machine, then cached
+    warm = warm_checkpoint()  # 2-5 min of one core the first time on a machine, then cached
     checkpoints = {0: warm, 1: pushed_policy(warm, workdir / "policy-1")}
     tasks = prepare_tasks(workdir / "tasks")[0]
     engine_args = ["--policy-path", str(warm), "--weight-version", "0"]

@@ -35,7 +35,7 @@ FOLLOW_UP = "\nNow add 1 to it.\n"  # the two-turn task's observation after the 
 # The trainer's default learning rate for the tiny policy (the learning bench, the learning test):
 # one step of lag then moves the policy about as far as a real run's does (docs/benchmarks.md
 # "Learning": lag 1's mean |dlogp| <= 0.03 a token, <= 3% of tokens outside |ratio - 1| > 0.2)
-LEARN_LR = 2e-4
+LEARN_LR = 5e-4
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 

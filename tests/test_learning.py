@@ -76,8 +76,10 @@ async def _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup
                                     warm=warm, tasks=tasks, heldout=heldout)
     finally:
         await asyncio.to_thread(stack.configure)  # the scripted policy back for the next test
-    print(f"\nheld-out accuracy: greedy {result.greedy}, sampled {result.accuracy} ({controls or 'no control'}; "
-          f"{result.wall_s:.1f}s)")
+    from pipeline.drift import format_table
+
+    print(f"\nheld-out accuracy: greedy {result.greedy}, sampled {result.accuracy} ± {result.accuracy_se} "
+          f"({controls or 'no control'}; {result.wall_s:.1f}s)\ndrift per lag:\n{format_table(result.drift)}")
     return result.greedy[STEPS] - result.greedy[0], result
 
 

@@ -13,12 +13,16 @@ controls at sync: (a) advantages of the wrong sign, (b) the actor's targets one 
 rollout log-probs of another sample, (d) rewards shuffled across groups; and slime's own fully
 async rollout (slime.rollout.fully_async_rollout with slime's RolloutDataSourceWithBuffer, its
 generate and the math environment's reward, under train_async.py; tests/learning.py
-`slime_fully_async_args`). The train mix is the single-turn problems unless `--two-turn` (slime's
+`slime_fully_async_args`); the stress rows, sync and eta 2 at lr 1e-3. The train mix is the single-turn problems unless `--two-turn` (slime's
 generate runs one turn; the CI test keeps the two-turn task in its mix). Seeds (engine
 sampling, trainer init order, control shuffles) run seed-major, so a run cut short still has
 whole seeds. Reported: accuracy per step and per second (mean over seeds), steps and seconds to
 reach sync's final accuracy, per-step accuracy minus sync's with a bootstrap 95% interval over
-seeds.
+seeds, each accuracy with the eval's standard error over the held-out problems (201, none in the
+warm start's data: workers/sim/arith.py; the start at temperature 1 printed first), and per
+contender the drift per lag of its trained tokens (pipeline/drift.py: mean |dlogp|, the share
+outside |ratio - 1| > 0.2, slime's TIS-clipped share, the ESS). The trainer's lr is `--lr`
+(default the calibrated 5e-4, workers/sim/arith.py `LEARN_LR`); the stress rows run 1e-3.
 
 Seconds are a simulated H100's. The world runs `--time-scale` (default 0.025) times as fast as
 the GPUs it plays: the engine's steps are the Qwen3-0.6B H100 aiconfigurator table's, slowed by
@@ -68,8 +72,8 @@ AREAL_PARAMS, MODEL_PARAMS = 7.6e9, 0.6e9
 SIMULATED = "simulated H100"
 # The trainer's default learning rate: calibrated so that one step of lag moves the tiny policy
 # about as far as a real run's policy moves (lag 1's mean |dlogp| <= 0.03 a token, <= 3% of tokens
-# outside |ratio - 1| > 0.2; docs/benchmarks.md "Learning", the drift table and its anchors).
-# STRESS_LR, the old default, moves it several times further.
+# outside |ratio - 1| > 0.2; docs/benchmarks.md "The drift per lag", the table and its anchors:
+# 0.018 and 0.7% measured at 5e-4). STRESS_LR, the old default, moves it twice as far and more.
 DEFAULT_LR = LEARN_LR
 STRESS_LR = 1e-3
 
@@ -128,7 +132,8 @@ CONTENDERS = (
     Contender("slime fully async, concurrency 64", rollout="slime_fully_async", loop="train_async",
               slime_concurrency=64),
     # the stress rows: the old default lr, whose one step of lag moves the tiny policy by a mean
-    # |dlogp| of ~0.1 a token, several times a real run's drift (docs/benchmarks.md "Learning")
+    # |dlogp| of 0.036 a token with 7% of its tokens outside |ratio - 1| > 0.2 (warm start w5; 0.10
+    # and 15% on the earlier one): past a real run's drift (docs/benchmarks.md "The drift per lag")
     Contender("sync, lr 1e-3 (stress)", lr=STRESS_LR), Contender("eta 2, lr 1e-3 (stress)", 2, lr=STRESS_LR),
 )
 

@@ -4,7 +4,8 @@
 - **Tasks**: arithmetic over operands 0..19 ("What is 17 * 8?", + and *, 800 problems), written
   as raw JSONL and turned into tasks.jsonl by the project's own `rollout prepare` for a `math`
   environment (`\\boxed{}` + math-verify), and once more as the two-turn task `arith2`
-  (`TwoTurnArithmetic`: answer, an observation, the answer plus one). The held-out split (the
+  (`TwoTurnArithmetic`: answer, an observation, the answer plus one; over the train problems
+  with single-digit operands, whose two turns fit 16 tokens). The held-out split (the
   eval dataset, `problems`) is 201 problems: whole facts (both operand orders) drawn with a seed
   of their own, in neither the train split the producer enqueues nor the warm start's data.
 - **Warm start**: a supervised run of the tiny LM on the train split's answers, boxed
@@ -42,6 +43,10 @@ _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 OPERANDS = 20  # operands 0..OPERANDS-1
 HELD_OUT = 200  # at least this many held-out problems
 HELD_OUT_SEED = 1234
+# The two-turn task's problems: single-digit operands, so that both answers and the observation
+# between them fit the runs' 16 response tokens (a three-digit product takes more tokens than
+# the budget leaves a second turn)
+TWO_TURN_OPERANDS = 10
 
 
 def fact(question: str) -> tuple[str, frozenset[int]]:
@@ -103,7 +108,7 @@ def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
         if not held:
             two = workdir / f"{split}2-raw.jsonl"
             two.write_text("".join(json.dumps({"id": f"{split}2-{i}", "question": q, "answer": a}) + "\n"
-                                   for i, q, a in rows))
+                                   for i, q, a in rows if max(fact(q)[1]) < TWO_TURN_OPERANDS))
             envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
         config = workdir / f"prepare-{split}.yaml"
         config.write_text(yaml.safe_dump({"environments": envs}))

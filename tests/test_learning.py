@@ -14,8 +14,8 @@ runs the same steps and must stay below it: one that learned would fail this tes
 problems are none of the train split's or the warm start's (workers/sim/arith.py, issue 45); the
 trainer runs at the calibrated lr 5e-4 (`LEARN_LR`: one step of lag moves the policy by a mean
 |dlogp| of ~0.018 a token, docs/benchmarks.md "The drift per lag"). Measured on this machine
-(2026-12-06, load 4-8): greedy 0 -> 0.418 (sampled 0.13 -> 0.30, one sample per task), 0 -> 0
-for controls (a) and (b); at lr 2e-4 greedy 0 -> 0.398 (sampled 0.17 -> 0.19), 0 -> 0 for both
+(2026-12-06, load 4-8): greedy 0 -> 0.398, 0.403 and 0.418 in three runs (sampled 0.13-0.18
+-> 0.26-0.35, one sample per task), 0 -> 0 for controls (a) and (b) in both of their runs; at lr 2e-4 greedy 0 -> 0.398 (sampled 0.17 -> 0.19), 0 -> 0 for both
 controls. The greedy start is 0 because the warm start's greedy answer is unboxed (it boxes half
 its answers; 0.14 at temperature 1, and 0.39 greedy after a forced "\\boxed{"): the greedy
 margin sees it learn to box the answers it knows of problems it never saw. Every step's signal

@@ -11,7 +11,7 @@ group into this round's own stream `{ns}:eval:<round>`: never the training buffe
 (`pipeline_eval_timeout_s`, then an error naming what is missing, with the round's queued
 jobs withdrawn) and returns slime's `RolloutFnEvalOutput`: `data[name] = {rewards,
 truncated, samples}` as slime's `eval_rollout` builds it, and per-dataset metrics
-(`eval/<name>/pass@1`, `pass@<n>`, `reward_mean` (over the samples that did not fail),
+(`eval/<name>/pass@1` and its standard error over the tasks `pass@1_stderr`, `pass@<n>`, `reward_mean` (over the samples that did not fail),
 `samples_failed`, `failure_rate`, `turns_mean`, `response_tokens_mean`); each dataset's result
 also goes to `{ns}:eval_results` for the monitor (`DatasetResult`).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 import uuid
 from dataclasses import dataclass
@@ -179,7 +180,11 @@ def dataset_metrics(name: str, groups: list[SampleGroup], failed_groups: int = 0
         return m
     n = groups[0].n_samples
     passes = [sum(s.reward >= PASS_REWARD and s.status is not Status.FAILED for s in g.samples) for g in groups]
-    m[f"eval/{name}/pass@1"] = sum(pass_at_k(n, c, 1) for c in passes) / len(groups)
+    per_task = [pass_at_k(n, c, 1) for c in passes]
+    m[f"eval/{name}/pass@1"] = sum(per_task) / len(groups)
+    # its standard error over the tasks (the sampling noise of the round: a task's samples share
+    # its difficulty, so the tasks, not the samples, are the independent draws); 0 with one task
+    m[f"eval/{name}/pass@1_stderr"] = statistics.stdev(per_task) / math.sqrt(len(per_task)) if len(per_task) > 1 else 0.0
     m[f"eval/{name}/pass@{n}"] = sum(pass_at_k(n, c, n) for c in passes) / len(groups)
     # a failed sample's 0 is no measurement (the trainer gives it no loss, pipeline/slime.py): the
     # mean is over the measured samples, their failed ones counted beside it

@@ -148,6 +148,8 @@ def _to_trainer_group(entry: Entry, group_index: int) -> list[Any]:
         metadata["reward_components"] = s.reward_components
         metadata["source_name"] = group.env  # slime's per-source rollout metrics group by it
         metadata["engine_weight_versions"] = list(s.weight_versions)  # the engine's own labels
+        # each response token's policy version (run-length pairs): the drift per lag reads it (pipeline/drift.py)
+        metadata["token_version_runs"] = [list(run) for run in s.token_version_runs]
         sample = SampleClass(
             group_index=group_index,
             index=group_index * n + j,
@@ -195,7 +197,7 @@ def from_trainer_group(samples: list[Any]) -> SampleGroup:
     for s in samples:
         metadata = {
             k: v for k, v in s.metadata.items()
-            if k not in ("pipeline", "reward_components", "source_name", "engine_weight_versions")
+            if k not in ("pipeline", "reward_components", "source_name", "engine_weight_versions", "token_version_runs")
         }
         status = s.status.value if isinstance(s.status, enum.Enum) else str(s.status)
         wire.append(
@@ -211,6 +213,7 @@ def from_trainer_group(samples: list[Any]) -> SampleGroup:
                 policy_versions=[int(v) for v in s.weight_versions if str(v).lstrip("-").isdigit()]
                 if "engine_weight_versions" in s.metadata else [],
                 policy_run=int(meta.get("policy_run", 0)),
+                token_version_runs=[(int(v), int(n)) for v, n in s.metadata.get("token_version_runs", [])],
                 prompt=s.prompt,
                 response=s.response,
                 label=s.label,

@@ -20,8 +20,10 @@ the checks of pipeline/signal_check.py (docs/signal-bugs.md):
   recompute, the one whose weights made the tokens).
 
 It prints each figure and check, then `VERDICT: PASS` (exit 0) or `VERDICT: FAIL` (exit 4).
-Not covered here: learning itself and the drift per lag (the learning bench, `rollout bench
---sections learn`), slime's loss flags (no trainer step runs), your tool formats.
+It prints the drift per lag too (pipeline/drift.py: mean |dlogp|, the share outside |ratio - 1|
+> 0.2, the TIS-clipped share, the ESS), every sample against version 1; version 1 being a
+perturbed copy, not a trained step, a real run's drift is the learning bench's. Not covered
+here: learning itself (the learning bench, `rollout bench --sections learn`), slime's loss flags (no trainer step runs), your tool formats.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class SignalVerdict:
     turns: dict[int, int] = field(default_factory=dict)  # episode turns -> samples
     by_version: dict[str, int] = field(default_factory=dict)  # policy versions of a sample's calls -> samples
     spanning: int = 0  # samples whose calls span the push (left out of the token audit)
+    drift: list[Any] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, against the newest version
 
     @property
     def passed(self) -> bool:
@@ -152,9 +155,10 @@ def push_policy(engine_url: str, path: Path, label: str, mode: Any) -> None:
     post_json(engine_url, "/continue_generation", {})
 
 
-def recompute_log_probs(checkpoints: dict[int, Path], samples: list[Any]) -> list[list[float]]:
+def recompute_log_probs(checkpoints: dict[int, Path], samples: list[Any], *,
+                        version: int | None = None) -> list[list[float]]:
     """Each sample's response log-probs under the checkpoint of the policy version it says made
-    it: the log-softmax of the logits before each response token, at that token (what slime's
+    it (or of `version`): the log-softmax of the logits before each response token, at that token (what slime's
     `compute_log_prob` computes, fp32, one sample at a time)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -168,7 +172,7 @@ def recompute_log_probs(checkpoints: dict[int, Path], samples: list[Any]) -> lis
     with torch.no_grad():
         for s in samples:
             ids = torch.as_tensor(s.tokens, dtype=torch.long).unsqueeze(0)
-            logits = models[_version(s)](input_ids=ids).logits.float()[0]
+            logits = models[_version(s) if version is None else version](input_ids=ids).logits.float()[0]
             prompt = len(s.tokens) - s.response_length
             log_probs = torch.log_softmax(logits[prompt - 1: len(s.tokens) - 1], dim=-1)
             out.append(log_probs.gather(1, ids[0, prompt:].unsqueeze(1)).squeeze(1).tolist())
@@ -217,7 +221,22 @@ def verdict(samples: list[tuple[int, Any]], checkpoints: dict[int, Path], eta: i
         by_version[key] = by_version.get(key, 0) + 1
     failures = {**audit.failures(), **{check: messages for check, messages in found.items() if messages}}
     return SignalVerdict(audit=audit, failures=failures, samples=len(flat), turns=turns, by_version=by_version,
-                         spanning=len(flat) - len(one_version))
+                         spanning=len(flat) - len(one_version), drift=drift_against_newest(checkpoints, flat))
+
+
+def drift_against_newest(checkpoints: dict[int, Path], samples: list[Any]) -> list[Any]:
+    """The drift per lag (pipeline/drift.py) as the trainer would see it holding the newest
+    version: every sample recomputed under it, each token at its own version's lag."""
+    from pipeline.drift import DriftTally, token_versions
+
+    newest = max(checkpoints)
+    current = recompute_log_probs(checkpoints, samples, version=newest)
+    masks = [[0] * s.response_length if s.remove_sample else list(s.loss_mask) for s in samples]
+    versions = [token_versions(s.response_length, s.metadata.get("token_version_runs"), s.weight_versions, mask)
+                for s, mask in zip(samples, masks)]
+    tally = DriftTally()
+    tally.add_step(newest, current, [list(s.rollout_log_probs) for s in samples], masks, versions)
+    return tally.table()
 
 
 def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions) -> SignalVerdict:
@@ -228,7 +247,7 @@ def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions)
     from scripts.tiny_tasks import prepare_tasks
     from workers.sim.arith import tasks_of, warm_checkpoint
 
-    warm = warm_checkpoint()  # ~60 s of one core the first time on a machine, then cached
+    warm = warm_checkpoint()  # 2-5 min of one core the first time on a machine, then cached
     checkpoints = {0: warm, 1: pushed_policy(warm, workdir / "policy-1")}
     tasks = prepare_tasks(workdir / "tasks")[0]
     engine_args = ["--policy-path", str(warm), "--weight-version", "0"]
@@ -269,6 +288,12 @@ def report(result: SignalVerdict) -> str:
             continue
         lines.append(f"FAIL {check}: " + "; ".join(messages[:3]) + (f" (+{len(messages) - 3} more)"
                                                                     if len(messages) > 3 else ""))
+    if result.drift:
+        from pipeline.drift import format_table
+
+        lines += ["drift per lag, every sample against the newest version (version 1 is a perturbed copy of the "
+                  "policy, not a trained step: the rows show each token's lag, the learning bench a real run's drift):",
+                  format_table(result.drift)]
     lines.append(f"VERDICT: {'PASS' if result.passed else 'FAIL'}")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from workers.sim.arith import math_env, problems, two_turn_env
+from workers.sim.arith import TWO_TURN_OPERANDS, fact, math_env, problems, two_turn_env
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout (`rollout prepare` runs from it)
 
@@ -30,12 +30,12 @@ def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
     for split, held in (("train", False), ("heldout", True)):
         rows = [(i, q, a) for i, (q, a, h) in enumerate(problems()) if h == held]
         raw = workdir / f"{split}-raw.jsonl"
-        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
+        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows if max(fact(q)[1]) < TWO_TURN_OPERANDS))
         envs = {"arith": {**math_env(), "dataset": _dataset(raw.name)}}
         if not held:
             two = workdir / f"{split}2-raw.jsonl"
             two.write_text("".join(json.dumps({"id": f"{split}2-{i}", "question": q, "answer": a}) + "\n"
-                                   for i, q, a in rows))
+                                   for i, q, a in rows if max(fact(q)[1]) < TWO_TURN_OPERANDS))
             envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
         config = workdir / f"prepare-{split}.yaml"
         config.write_text(yaml.safe_dump({"environments": envs}))

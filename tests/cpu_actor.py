@@ -154,6 +154,9 @@ class CPUTrainer:
         self.rng = random.Random(seed)
         self.metrics: list[dict[str, float]] = []  # slime's per-step means, one dict a step
         self.recomputed: dict[int, list[list[float]]] = {}  # rollout id -> per sample: the recomputed old log-probs
+        # rollout id -> the policy version that recomputed them: the steps taken before it (the
+        # k-th push is version k, so a token's lag is this minus its own version: pipeline/drift.py)
+        self.version_at: dict[int, int] = {}
         self.clock = clock or TrainerClock()
 
     def _packed_logits(self, model: Any, tokens: list[Any]) -> Any:
@@ -201,6 +204,7 @@ class CPUTrainer:
         if not args.use_rollout_logprobs:
             batch["log_probs"] = old
         self.recomputed[rollout_id] = [lp.tolist() for lp in old]
+        self.version_at[rollout_id] = len(self.metrics)
         slime_loss.compute_advantages_and_returns(args, batch)
         if controls.wrong_sign:
             batch["advantages"] = [-a for a in batch["advantages"]]

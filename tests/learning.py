@@ -23,6 +23,7 @@ from typing import Any
 from scripts.tiny_tasks import prepare_tasks  # noqa: F401  (the tests import it from here)
 from workers.sim.arith import (  # noqa: F401  (the tasks and warm start moved to the product; tests import them here)
     FOLLOW_UP,
+    LEARN_LR,
     TwoTurnArithmetic,
     grader,
     math_env,
@@ -52,7 +53,7 @@ class LearnRun:
     # also a greedy round (temperature 0, one episode per task): no sampling noise, so a CI test can
     # hold a margin on it (tests/test_learning.py); LearnResult.greedy
     eval_greedy: bool = False
-    lr: float = 1e-3
+    lr: float = LEARN_LR
     use_tis: bool = True
     use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs
     seed: int = 0
@@ -93,6 +94,8 @@ class LearnResult:
     untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
     greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
     signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
+    drift: list[Any] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, over every trained step
+    accuracy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> the eval's standard error
 
 
 @dataclass
@@ -232,12 +235,13 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         if child is not None:
             await asyncio.to_thread(child.stop)
         await redis.aclose()
-    accuracy, greedy = {}, {}
+    accuracy, greedy, accuracy_se = {}, {}, {}
     rounds = [(0, first_eval.metrics, first_eval_at)] if first_eval is not None else []
     for i, (rid, metrics, when) in enumerate(manager.evals):
         rounds.append((0 if (i == 0 and not args.skip_eval_before_train) else rid + 1, metrics, when))  # train.py's eval before step 0
     for done, metrics, when in rounds:
         accuracy[done], seconds[done] = float(metrics["eval/heldout/pass@1"]), when - started
+        accuracy_se[done] = float(metrics.get("eval/heldout/pass@1_stderr", float("nan")))
         if "eval/greedy/pass@1" in metrics:
             greedy[done] = float(metrics["eval/greedy/pass@1"])
     signal = step_signals(cluster, manager, trainer.recomputed, sync=run.loop == "train" and run.eta == 0
@@ -249,7 +253,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
                        trainer_overruns=trainer.clock.overruns, trainer_cpu_share=trainer.clock.cpu_share,
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
-                       greedy=greedy, signal=signal)
+                       greedy=greedy, signal=signal, drift=drift_by_lag(cluster, manager, trainer),
+                       accuracy_se=accuracy_se)
 
 
 def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,
@@ -271,6 +276,23 @@ def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[flo
                               removal=removal_mismatches(samples, data["loss_masks"]),
                               versions=version_mismatches(samples, rid) if sync else None, turns=turns)
     return out
+
+
+def drift_by_lag(cluster: Any, manager: Any, trainer: Any) -> list[Any]:
+    """The drift per lag (pipeline/drift.py) over every step the actor trained: each trained
+    token's rollout log-prob against the trainer's recompute at that step, its lag the trainer's
+    version then minus the token's own policy version."""
+    from pipeline.drift import DriftTally, token_versions
+
+    trained = cluster.trained[max(cluster.trained)] if cluster.trained else {}
+    tally = DriftTally()
+    for rid, data in sorted(trained.items()):
+        samples = flat_samples(manager.batches[rid])
+        versions = [token_versions(s.response_length, s.metadata.get("token_version_runs"), s.weight_versions, mask)
+                    for s, mask in zip(samples, data["loss_masks"])]
+        tally.add_step(trainer.version_at[rid], trainer.recomputed[rid], data["rollout_log_probs"],
+                       data["loss_masks"], versions)
+    return tally.table()
 
 
 def flat_samples(batch: list[Any]) -> list[Any]:

@@ -32,6 +32,13 @@ def test_check_signal_passes_on_the_demo_configuration(demo_config, tmp_path, ca
     print(out)
     assert code == 0, out
     assert "VERDICT: PASS" in out and "two-turn none" not in out, out
+    # the drift per lag against version 1 (pipeline/drift.py): the tokens version 1 made agree
+    # with it to float error, version 0's (rollout 0, and rollout 1's before the push) are a lag
+    # of 1 behind it: the perturbed copy moved them
+    rows = {int(cells[1]): float(cells[3]) for line in out.splitlines()
+            if line.startswith("| ") and (cells := [c.strip() for c in line.split("|")])[1].isdigit()}
+    assert "drift per lag" in out and sorted(rows) == [0, 1], out
+    assert rows[0] < 1e-4 < 1e-2 < rows[1], rows
 
 
 @pytest.mark.timeout(600)

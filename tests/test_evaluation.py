@@ -131,6 +131,11 @@ async def test_multi_turn_eval_round_pinned_and_apart_from_training(stack, redis
             sum(s.response_length for s in samples) / len(samples))
         passed = [sum(r >= 1.0 for r in d["rewards"][i * n:(i + 1) * n]) for i in range(tasks)]
         assert m[f"eval/{name}/pass@1"] == pytest.approx(sum(c / n for c in passed) / tasks)
+        # its standard error over the tasks (the bench prints it beside each accuracy)
+        per_task = [c / n for c in passed]
+        mean = sum(per_task) / tasks
+        assert m[f"eval/{name}/pass@1_stderr"] == pytest.approx(
+            (sum((p - mean) ** 2 for p in per_task) / (tasks - 1) / tasks) ** 0.5)
         assert m[f"eval/{name}/pass@{n}"] == pytest.approx(sum(c > 0 for c in passed) / tasks)
         # pinned: the jobs carry the published version, and the workers stamped it on every call
         assert {s.metadata["pipeline"]["admission_version"] for s in samples} == {pinned}

@@ -13,12 +13,16 @@ controls at sync: (a) advantages of the wrong sign, (b) the actor's targets one 
 rollout log-probs of another sample, (d) rewards shuffled across groups; and slime's own fully
 async rollout (slime.rollout.fully_async_rollout with slime's RolloutDataSourceWithBuffer, its
 generate and the math environment's reward, under train_async.py; tests/learning.py
-`slime_fully_async_args`). The train mix is the single-turn problems unless `--two-turn` (slime's
+`slime_fully_async_args`); the stress rows, sync and eta 2 at lr 1e-3. The train mix is the single-turn problems unless `--two-turn` (slime's
 generate runs one turn; the CI test keeps the two-turn task in its mix). Seeds (engine
 sampling, trainer init order, control shuffles) run seed-major, so a run cut short still has
 whole seeds. Reported: accuracy per step and per second (mean over seeds), steps and seconds to
 reach sync's final accuracy, per-step accuracy minus sync's with a bootstrap 95% interval over
-seeds.
+seeds, each accuracy with the eval's standard error over the held-out problems (201, none in the
+warm start's data: workers/sim/arith.py; the start at temperature 1 printed first), and per
+contender the drift per lag of its trained tokens (pipeline/drift.py: mean |dlogp|, the share
+outside |ratio - 1| > 0.2, slime's TIS-clipped share, the ESS). The trainer's lr is `--lr`
+(default the calibrated 5e-4, workers/sim/arith.py `LEARN_LR`); the stress rows run 1e-3.
 
 Seconds are a simulated H100's. The world runs `--time-scale` (default 0.025) times as fast as
 the GPUs it plays: the engine's steps are the Qwen3-0.6B H100 aiconfigurator table's, slowed by
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import statistics
@@ -45,7 +50,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from pipeline.drift import LagDrift, format_table
 from scripts.bench.report import Figure
+from workers.sim.arith import LEARN_LR
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL, GPU, TIME_SCALE = "Qwen/Qwen3-0.6B", "h100_sxm", 0.025
@@ -61,6 +70,12 @@ AREAL_PARAMS, MODEL_PARAMS = 7.6e9, 0.6e9
 
 
 SIMULATED = "simulated H100"
+# The trainer's default learning rate: calibrated so that one step of lag moves the tiny policy
+# about as far as a real run's policy moves (lag 1's mean |dlogp| <= 0.03 a token, <= 3% of tokens
+# outside |ratio - 1| > 0.2; docs/benchmarks.md "The drift per lag", the table and its anchors:
+# 0.018 and 0.7% measured at 5e-4). STRESS_LR, the old default, moves it twice as far and more.
+DEFAULT_LR = LEARN_LR
+STRESS_LR = 1e-3
 
 
 def trainer_tokens_per_s() -> float:
@@ -93,6 +108,7 @@ class Contender:
     rollout: str = "pipeline"  # tests/learning.py LearnRun.rollout: "pipeline" or "slime_fully_async"
     loop: str = "train"  # slime's train.py or train_async.py
     slime_concurrency: int = 512  # slime's --sglang-server-concurrency (its default) for slime's own rollout
+    lr: float | None = None  # the trainer's learning rate; None: the run's default (bench_learn's `lr`)
 
 
 CONTENDERS = (
@@ -115,6 +131,10 @@ CONTENDERS = (
     # the pipeline's own episodes in flight (2 workers x 32), 8 steps at most
     Contender("slime fully async, concurrency 64", rollout="slime_fully_async", loop="train_async",
               slime_concurrency=64),
+    # the stress rows: the old default lr, whose one step of lag moves the tiny policy by a mean
+    # |dlogp| of 0.036 a token with 7% of its tokens outside |ratio - 1| > 0.2 (warm start w5; 0.10
+    # and 15% on the earlier one): past a real run's drift (docs/benchmarks.md "The drift per lag")
+    Contender("sync, lr 1e-3 (stress)", lr=STRESS_LR), Contender("eta 2, lr 1e-3 (stress)", 2, lr=STRESS_LR),
 )
 
 
@@ -139,6 +159,9 @@ class Curve:
     # budget. Exact where the trainer is the critical path (sync: the engine idles while it
     # trains); a lower bound where generation is (an overrun then hides behind it)
     seconds_kept: dict[int, float] = field(default_factory=dict)
+    lr: float = 0.0  # the trainer's learning rate (0: not recorded)
+    accuracy_se: dict[int, float] = field(default_factory=dict)  # the eval's standard error over its problems
+    drift: list[dict[str, Any]] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, as builtins
 
 
 def _sim_stat(url: str, key: str) -> float:
@@ -147,7 +170,7 @@ def _sim_stat(url: str, key: str) -> float:
 
 
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
-            time_scale: float = TIME_SCALE, two_turn: bool = False) -> Curve:
+            time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> Curve:
     import pytest
     from cpu_actor import Controls  # type: ignore[import-not-found]  # tests/, on sys.path after _setup
     from learning import LearnRun, run_learning  # type: ignore[import-not-found]
@@ -160,7 +183,8 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
     sub.mkdir(parents=True, exist_ok=True)
     engine_args = ["--policy-path", str(warm), "--model", MODEL, "--gpu", GPU, "--time-scale", str(time_scale),
                    "--seed", str(seed), "--weight-version", "0"]
-    run = LearnRun(steps=steps, eval_interval=eval_interval, eta=contender.eta, use_tis=contender.use_tis,
+    lr = contender.lr if contender.lr is not None else lr
+    run = LearnRun(steps=steps, eval_interval=eval_interval, eta=contender.eta, lr=lr, use_tis=contender.use_tis,
                    use_rollout_logprobs=contender.use_rollout_logprobs, seed=seed, controls=Controls(**contender.controls),
                    trainer_tokens_per_s=trainer_tokens_per_s(), time_scale=time_scale, worker_process=True,
                    rollout=contender.rollout, loop=contender.loop, slime_concurrency=contender.slime_concurrency,
@@ -178,9 +202,10 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
         behind = _sim_stat(engine.url, "max_behind_sim_s")
     kept = {k: (v - _overrun_before(result.trainer_steps, k)) * time_scale for k, v in result.seconds.items()}
     return Curve(contender.name, seed, result.accuracy, {k: v * time_scale for k, v in result.seconds.items()}, rate,
-                 result.wall_s, time_scale=time_scale, trainer_overruns=result.trainer_overruns,
+                 result.wall_s, accuracy_se=dict(result.accuracy_se), time_scale=time_scale, trainer_overruns=result.trainer_overruns,
                  trainer_cpu_share=result.trainer_cpu_share, seconds_are=SIMULATED, engine_behind_s=behind,
-                 untrained_groups=result.untrained_groups, seconds_kept=kept, **_lags(result.samples))
+                 untrained_groups=result.untrained_groups, seconds_kept=kept, lr=lr,
+                 drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.samples))
 
 
 def _overrun_before(steps: list[tuple[int, float, float]], done: int) -> float:
@@ -216,6 +241,19 @@ def _setup(workdir: Path) -> Any:
     return slime, warm_checkpoint(), tasks, heldout
 
 
+def start_line(warm: Path) -> str:
+    """The warm start on the held-out problems (none of them in its data), as its build measured
+    it: at temperature 1 (the eval's pass@1; goal 10-50%, room both ways) and greedy."""
+    info = json.loads((warm / "warm_start.json").read_text())
+    if "heldout_accuracy" not in info:
+        return f"[learn] warm start {warm}: held-out accuracy not measured (built before issue 45)"
+    t1 = info["heldout_accuracy"]
+    verdict = "MET" if 0.10 <= t1 <= 0.50 else "NOT MET"
+    return (f"[learn] the start on the held-out problems: {t1:.3f} at temperature 1 (goal 10-50%: {verdict}), "
+            f"greedy {info['heldout_greedy_accuracy']:.3f}, greedy after a forced \\boxed{{ "
+            f"{info['heldout_boxed_greedy_accuracy']:.3f}; on its train problems {info['accuracy']:.3f} at temperature 1")
+
+
 def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
     steps = sorted(set.intersection(*(set(getattr(c, key)) for c in curves))) if curves else []
     return {s: statistics.fmean(getattr(c, key)[s] for c in curves) for s in steps}
@@ -238,6 +276,8 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
     out: dict[str, Any] = {"sync_final_accuracy": target, "contenders": {}}
     for name, runs in by.items():
         acc, secs, kept = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds"), _mean_curve(runs, "seconds_kept")
+        # the eval's standard error of the mean over seeds (each seed's round independent)
+        se = {s: (sum(c.accuracy_se.get(s, float("nan")) ** 2 for c in runs)) ** 0.5 / len(runs) for s in acc}
         reach = next((s for s in sorted(acc) if acc[s] >= target), None)
         per_step = {}
         for step in sorted(acc):
@@ -249,7 +289,7 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
                 per_step[step] = {"diff": statistics.fmean(diffs), "ci95": [low, high]}
         first, last = min(acc), max(acc)
         out["contenders"][name] = {
-            "seeds": sorted(c.seed for c in runs), "accuracy": acc, "seconds": secs,
+            "seeds": sorted(c.seed for c in runs), "accuracy": acc, "accuracy_se": se, "seconds": secs,
             "gain": acc[last] - acc[first], "gain_per_seed": [c.accuracy[last] - c.accuracy[first] for c in runs],
             "steps_to_sync_final": reach, "seconds_to_sync_final": secs.get(reach) if reach is not None else None,
             "seconds_kept": kept,
@@ -261,19 +301,55 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
             "engine_behind_s": [round(c.engine_behind_s, 3) for c in runs],
             "lag_mean": [round(c.lag_mean, 2) for c in runs], "lag_max": [c.lag_max for c in runs],
             "untrained_groups": [c.untrained_groups for c in runs],
+            "lr": sorted({c.lr for c in runs}), "drift": [msgspec.to_builtins(r) for r in _pooled_drift(runs)],
         }
     return out
 
 
+def _pooled_drift(runs: list[Curve]) -> list[LagDrift]:
+    """The drift per lag over the seeds: token-weighted means of the per-run figures (ESS too:
+    a pooled ESS over runs whose weights differ in scale would mix them)."""
+    by_lag: dict[int, list[LagDrift]] = {}
+    for c in runs:
+        for row in c.drift:
+            by_lag.setdefault(int(row["lag"]), []).append(msgspec.convert(row, LagDrift))
+    out = []
+    for lag, rows in sorted(by_lag.items()):
+        total = sum(r.tokens for r in rows)
+        if not total:
+            out.append(LagDrift(lag=lag, tokens=0, mean_abs_dlogp=0.0, share_outside=0.0, tis_clipped=0.0, ess=1.0))
+            continue
+
+        def mean(key: str, rows: list[LagDrift] = rows, total: int = total) -> float:
+            return sum(getattr(r, key) * r.tokens for r in rows) / total
+
+        out.append(LagDrift(lag=lag, tokens=total, mean_abs_dlogp=mean("mean_abs_dlogp"),
+                            share_outside=mean("share_outside"), tis_clipped=mean("tis_clipped"), ess=mean("ess")))
+    return out
+
+
+def drift_tables(summary: dict[str, Any]) -> str:
+    """Per contender, its trained tokens' drift per lag (pipeline/drift.py), pooled over seeds."""
+    parts = []
+    for name, c in summary["contenders"].items():
+        rows = [msgspec.convert(r, LagDrift) for r in c.get("drift", [])]
+        if rows:
+            lr = ", ".join(f"{v:g}" for v in c.get("lr", []))
+            parts.append(f"drift per lag, {name} (lr {lr}):\n" + format_table(rows))
+    return "\n\n".join(parts)
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = [f"sync's final held-out accuracy (mean of its seeds): {summary['sync_final_accuracy']:.3f}", "",
-             "| contender | seeds | held-out accuracy by step (mean) | gain (per seed) | steps to sync's final | "
+             "| contender | seeds | held-out accuracy by step (mean ± the eval's standard error) | gain (per seed) | steps to sync's final | "
              "simulated H100 s to sync's final (at step) | final step minus sync (95% bootstrap over seeds) | "
              "simulated H100 s at the last step, mean [less overruns] | lag per generate call, mean / max | finished groups never trained | "
              "engine busy share (behind its clock, max s) | trainer CPU share of its step, max (overruns) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in summary["contenders"].items():
-        acc = ", ".join(f"{s}: {v:.3f}" for s, v in c["accuracy"].items())
+        se = c.get("accuracy_se", {})
+        acc = ", ".join(f"{s}: {v:.3f}" + (f" ± {se[s]:.3f}" if not math.isnan(se.get(s, math.nan)) else "")
+                        for s, v in c["accuracy"].items())
         last = max(c["vs_sync"]) if c["vs_sync"] else None
         vs = (f"{c['vs_sync'][last]['diff']:+.3f} [{c['vs_sync'][last]['ci95'][0]:+.3f}, "
               f"{c['vs_sync'][last]['ci95'][1]:+.3f}]") if last is not None else "-"
@@ -341,7 +417,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_interval: int = 4,
                 deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS,
                 seed_ids: tuple[int, ...] | None = None, merge: Path | None = None,
-                time_scale: float = TIME_SCALE, two_turn: bool = False) -> list[Figure]:
+                time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> list[Figure]:
     """Run every contender for every seed (seed-major), write learn.json / learn.txt / learn.png
     in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table).
     `seed_ids`: these seeds instead of 0..seeds-1. `merge`: an earlier learn.json whose curves
@@ -355,6 +431,7 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
     workdir = Path(tempfile.mkdtemp(prefix="bench-learn-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(workdir)
+    print(start_line(setup[1]), flush=True)
     from cpu_actor import quiet_transformers  # type: ignore[import-not-found]  # tests/ is on sys.path now
 
     quiet_transformers()
@@ -370,19 +447,21 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                 continue
             try:
                 curve = run_one(contender, seed, steps=steps, eval_interval=eval_interval, workdir=workdir, setup=setup,
-                                time_scale=time_scale, two_turn=two_turn)
+                                time_scale=time_scale, two_turn=two_turn, lr=lr)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others go on
                 curve = Curve(contender.name, seed, {}, {}, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
             curves.append(curve)
-            print(f"[learn] {contender.name} seed {seed}: {curve.accuracy or curve.error} "
+            accuracy = {k: f"{v:.3f} ± {curve.accuracy_se.get(k, float('nan')):.3f}" for k, v in curve.accuracy.items()}
+            print(f"[learn] {contender.name} seed {seed}: {accuracy or curve.error} "
                   f"({curve.wall_s:.0f} s real, {curve.wall_s * time_scale:.1f} s simulated; engine busy "
                   f"{curve.clock_rate:.2f}, behind its clock by up to {curve.engine_behind_s:.2f} s; trainer CPU share {curve.trainer_cpu_share:.2f}, "
                   f"{curve.trainer_overruns} overruns"
-                  f"{f'; {curve.untrained_groups} finished groups never trained' if curve.untrained_groups else ''})",
-                  flush=True)
+                  f"{f'; {curve.untrained_groups} finished groups never trained' if curve.untrained_groups else ''})"
+                  f"; lr {curve.lr:g}, drift per lag: " + _drift_line(curve), flush=True)
             _write(curves, skipped, out_dir)
     summary = _write(curves, skipped, out_dir)
     print(table(summary))
+    print(drift_tables(summary))
     figures = []
     for name, c in summary["contenders"].items():
         goal_met = c["gain"] < 0.1 if name.startswith("(") else c["steps_to_sync_final"] is not None
@@ -392,12 +471,19 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
     return figures
 
 
+def _drift_line(curve: Curve) -> str:
+    return "; ".join(f"lag {r['lag']}: |dlogp| {r['mean_abs_dlogp']:.4f}, outside {r['share_outside']:.1%}, "
+                     f"TIS-clipped {r['tis_clipped']:.1%}, ESS {r['ess']:.3f} ({r['tokens']} tokens)"
+                     for r in curve.drift) or "-"
+
+
 def _load(path: Path) -> tuple[list[Curve], list[str]]:
     """An earlier run's curves (JSON keys back to step numbers) and the runs it skipped."""
     data = json.loads(path.read_text())
     curves = [Curve(**{**c, "accuracy": {int(k): v for k, v in c["accuracy"].items()},
                        "seconds": {int(k): v for k, v in c["seconds"].items()},
-                       "seconds_kept": {int(k): v for k, v in c.get("seconds_kept", {}).items()}})
+                       "seconds_kept": {int(k): v for k, v in c.get("seconds_kept", {}).items()},
+                       "accuracy_se": {int(k): v for k, v in c.get("accuracy_se", {}).items()}})
               for c in data["curves"]]
     return curves, list(data["summary"].get("skipped", []))
 
@@ -422,7 +508,7 @@ def _write(curves: list[Curve], skipped: list[str], out_dir: Path) -> dict[str, 
     summary["failed"] = [f"{c.contender} seed {c.seed}: {c.error}" for c in curves if c.error]
     (out_dir / "learn.json").write_text(json.dumps({"summary": summary, "curves": [asdict(c) for c in curves]},
                                                    indent=1, default=str))
-    text = table(summary) if summary["contenders"] else "(no run finished)"
+    text = table(summary) + "\n\n" + drift_tables(summary) if summary["contenders"] else "(no run finished)"
     if skipped:
         text += f"\n\nnot run (time budget): {', '.join(skipped)}"
     if summary["failed"]:
@@ -450,13 +536,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--two-turn", action="store_true",
                    help="the two-turn task in the train mix (default: the single-turn problems, which slime's own "
                         "fully async rollout can run too; it trains single-turn either way)")
+    p.add_argument("--lr", type=float, default=DEFAULT_LR,
+                   help=f"the trainer's learning rate for contenders without their own (default {DEFAULT_LR:g}, "
+                        f"calibrated to a real run's drift; the stress rows run {STRESS_LR:g})")
     p.add_argument("--merge", type=Path, default=None,
                    help="an earlier learn.json: keep its curves (those rerun here replaced) in the table and plot")
     a = p.parse_args(argv)
     seed_ids = tuple(int(s) for s in a.seed_ids.split(",")) if a.seed_ids.strip() else None
     bench_learn(seeds=a.seeds, steps=a.steps, eval_interval=a.eval_interval, deadline_s=a.deadline_s,
                 out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge,
-                time_scale=a.time_scale, two_turn=a.two_turn)
+                time_scale=a.time_scale, two_turn=a.two_turn, lr=a.lr)
     return 0
 
 

@@ -1,14 +1,19 @@
 """The tiny policy's tasks, their graders and its warm start: what the learning oracle and
 `rollout check-signal` run the tiny LM (workers/sim/tinylm.py) on.
 
-- **Tasks**: single-digit arithmetic ("What is 7 * 8?", + and *, 200 problems), written as raw
-  JSONL and turned into tasks.jsonl by the project's own `rollout prepare` (scripts/tiny_tasks.py:
-  a producer's step, above this layer) for a `math` environment (`\\boxed{}` + math-verify), and once more as the two-turn task `arith2`
-  (`TwoTurnArithmetic`: answer, an observation, the answer plus one). A fixed fifth of the
-  problems is the held-out split (the eval dataset); the rest is what the producer enqueues.
-- **Warm start**: a short supervised run of the tiny LM on "\\boxed{answer}" over every problem
-  (its "pre-training": it has seen the held-out problems too), so it starts between 10% and 50%
-  and RL has room to sharpen it; built once per machine and cached.
+- **Tasks**: arithmetic over operands 0..19 ("What is 17 * 8?", + and *, 800 problems), written
+  as raw JSONL and turned into tasks.jsonl by the project's own `rollout prepare` (scripts/tiny_tasks.py: a
+  producer's step, above this layer) for a `math` environment (`\\boxed{}` + math-verify), and once more as the two-turn task `arith2`
+  (`TwoTurnArithmetic`: answer, an observation, the answer plus one; over the train problems
+  with single-digit operands, whose two turns fit 16 tokens). The held-out split (the
+  eval dataset, `problems`) is 201 problems: whole facts (both operand orders) drawn with a seed
+  of their own, in neither the train split the producer enqueues nor the warm start's data.
+- **Warm start**: a supervised run of the tiny LM on the train split's answers, boxed
+  ("\\boxed{answer}") half the time and "Answer: answer" (graded 0) the other half. It knows
+  some sums and products it never saw (greedy after a forced "\\boxed{": 0.39 of the held-out
+  problems) and boxes half its answers, so it starts at 0.14 on the held-out problems at
+  temperature 1 (its build measures it: `warm_start.json` `heldout_accuracy`) and RL has room
+  both ways; built once per machine and cached.
 """
 
 from __future__ import annotations
@@ -19,27 +24,62 @@ import re
 from pathlib import Path
 from typing import Any
 
-WARM_STEPS = 600  # supervised steps of 64 examples
+WARM_STEPS = 1500  # supervised steps of 64 examples
 WARM_LR = 3e-3
 WARM_TWO_TURN = 0.25  # share of the warm start's examples in the two-turn task's layout
-WARM_BOXED = 0.25  # share of the warm start's examples that box their answer
-WARM_VERSION = "w3"  # bump when the tasks, the model shape or the warm start change
+WARM_BOXED = 0.5  # share of the warm start's examples that box their answer
+WARM_VERSION = "w5"  # bump when the tasks, the model shape or the warm start change
 FOLLOW_UP = "\nNow add 1 to it.\n"  # the two-turn task's observation after the first answer
+# The trainer's default learning rate for the tiny policy (the learning bench, the learning test):
+# one step of lag then moves the policy about as far as a real run's does (docs/benchmarks.md
+# "Learning": lag 1's mean |dlogp| <= 0.03 a token, <= 3% of tokens outside |ratio - 1| > 0.2)
+LEARN_LR = 5e-4
 _BOXED = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
+OPERANDS = 20  # operands 0..OPERANDS-1
+HELD_OUT = 200  # at least this many held-out problems
+HELD_OUT_SEED = 1234
+# The two-turn task's problems: single-digit operands, so that both answers and the observation
+# between them fit the runs' 16 response tokens (a three-digit product takes more tokens than
+# the budget leaves a second turn)
+TWO_TURN_OPERANDS = 10
+
+
+def fact(question: str) -> tuple[str, frozenset[int]]:
+    """A problem's fact: its operator and operands, order aside ("3 + 5" and "5 + 3" are one fact)."""
+    found = re.fullmatch(r"What is (\d+) ([+*]) (\d+)\?", question)
+    if found is None:
+        raise ValueError(f"fact: {question!r} is not an arithmetic problem of workers/sim/arith.py")
+    return found.group(2), frozenset((int(found.group(1)), int(found.group(3))))
+
+
 def problems() -> list[tuple[str, str, bool]]:
-    """(question, answer, held_out) for every problem; every fifth is held out."""
+    """(question, answer, held_out) for every problem: + and * over operands 0..OPERANDS-1. The
+    held-out problems are whole facts (both operand orders) drawn with their own seed until there
+    are HELD_OUT of them: no held-out fact is in the train split or the warm start's data, which
+    both take the rest only."""
     rows = []
-    for a in range(10):
-        for b in range(10):
+    for a in range(OPERANDS):
+        for b in range(OPERANDS):
             for op, value in (("+", a + b), ("*", a * b)):
                 rows.append((f"What is {a} {op} {b}?", str(value)))
-    rng = random.Random(1234)
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    held = set(order[: len(rows) // 5])
-    return [(q, a, i in held) for i, (q, a) in enumerate(rows)]
+    facts = sorted({fact(q) for q, _ in rows}, key=lambda f: (f[0], sorted(f[1])))
+    random.Random(HELD_OUT_SEED).shuffle(facts)
+    held: set[tuple[str, frozenset[int]]] = set()
+    count = {f: 0 for f in facts}
+    for q, _ in rows:
+        count[fact(q)] += 1
+    for f in facts:
+        if sum(count[h] for h in held) >= HELD_OUT:
+            break
+        held.add(f)
+    return [(q, a, fact(q) in held) for q, a in rows]
+
+
+def warm_start_rows() -> list[tuple[str, str, bool]]:
+    """The problems the warm start trains on: the train split's, never a held-out one."""
+    return [row for row in problems() if not row[2]]
 
 
 def math_env() -> dict[str, Any]:
@@ -88,12 +128,14 @@ def sample_accuracy(policy: Any, tokenizer: Any, rows: list[tuple[str, str, bool
 
 def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_share: float = WARM_BOXED,
                lr: float = WARM_LR) -> dict[str, Any]:
-    """Train the tiny LM on every problem's answer, written "\\boxed{answer}" in `boxed_share`
-    of the examples and "Answer: answer" (which the math environment's `answer: boxed` scores 0)
-    in the rest; save it at `path` (a second call with the same path reuses it). The model learns
-    the sums and a habit of boxing a quarter of the time: at temperature 1 its accuracy starts
-    low, and what RL can teach it (box, and be sure of the sum) carries over to the held-out
-    problems. Returns {steps, accuracy, parameters}."""
+    """Train the tiny LM on the train split's answers (`warm_start_rows`: never a held-out
+    problem), written "\\boxed{answer}" in `boxed_share` of the examples and "Answer: answer"
+    (which the math environment's `answer: boxed` scores 0) in the rest; save it at `path` (a
+    second call with the same path reuses it). What RL can teach it (box, and be sure of the
+    answer) is measured on problems it never saw. Returns {steps, accuracy (train problems,
+    temperature 1), boxed_greedy_accuracy, parameters, version, heldout_accuracy (temperature 1:
+    the start), heldout_greedy_accuracy, heldout_boxed_greedy_accuracy}: 1500 steps measured
+    0.36, 0.90, 166528, w5, 0.14, 0.0 and 0.39 here (295 s of one core at a load of ~7)."""
     import torch
 
     from workers.sim.tinylm import TinyPolicy, count_parameters, new_model, save_checkpoint
@@ -105,7 +147,8 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
     torch.set_num_threads(1)
     tokenizer = load_test_tokenizer(default_tokenizer_path())
     model = new_model(len(tokenizer), seed=seed, eos_id=tokenizer.eos_token_id)
-    rows = problems()
+    rows = warm_start_rows()
+    held_out = [row for row in problems() if row[2]]
     eos = tokenizer.eos_token_id
     clients = prompt_tokenizers()
     singles, doubles = [], []  # (token ids, which of them are trained) per example form
@@ -148,13 +191,18 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
     accuracy = sample_accuracy(policy, tokenizer, rows, repeats=2)
     knows = sample_accuracy(policy, tokenizer, rows, repeats=1, temperature=0.0, prefix="\\boxed{")
     info = {"steps": steps, "accuracy": accuracy, "boxed_greedy_accuracy": knows, "parameters": count_parameters(model),
-            "version": WARM_VERSION}
+            "version": WARM_VERSION,
+            # the start on the held-out problems (never in its data): at temperature 1 and greedy
+            "heldout_accuracy": sample_accuracy(policy, tokenizer, held_out, repeats=2),
+            "heldout_greedy_accuracy": sample_accuracy(policy, tokenizer, held_out, repeats=1, temperature=0.0),
+            "heldout_boxed_greedy_accuracy": sample_accuracy(policy, tokenizer, held_out, repeats=1, temperature=0.0,
+                                                             prefix="\\boxed{")}
     info_file.write_text(json.dumps(info))
     return info
 
 
 def warm_checkpoint() -> Path:
-    """The warm start, built once per machine (~45 s of one core) under
+    """The warm start, built once per machine (~2-5 min of one core) under
     ~/.cache/rollout-pipeline/tiny-warm-<version> (a staging directory renamed into place, so
     racing builders never see half a checkpoint)."""
     import os

@@ -30,7 +30,7 @@ def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
     for split, held in (("train", False), ("heldout", True)):
         rows = [(i, q, a) for i, (q, a, h) in enumerate(problems()) if h == held]
         raw = workdir / f"{split}-raw.jsonl"
-        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows if max(fact(q)[1]) < TWO_TURN_OPERANDS))
+        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
         envs = {"arith": {**math_env(), "dataset": _dataset(raw.name)}}
         if not held:
             two = workdir / f"{split}2-raw.jsonl"

@@ -77,7 +77,8 @@ def test_held_out_problems_are_disjoint_from_train_and_warm_start_items(tmp_path
     train problem or in the warm start's data; the task files `rollout prepare` writes agree."""
     import json
 
-    from workers.sim.arith import HELD_OUT, fact, prepare_tasks, problems, warm_start_rows
+    from scripts.tiny_tasks import prepare_tasks
+    from workers.sim.arith import HELD_OUT, fact, problems, warm_start_rows
 
     rows = problems()
     held = {q for q, _, h in rows if h}

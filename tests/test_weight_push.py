@@ -15,9 +15,11 @@ ENGINE_MODULE = "slime.backends.sglang_utils.sglang_engine"
 
 @pytest.fixture(scope="module")
 def engine_cls():
-    """slime's SGLangEngine (the class its Ray actors run), slime's methods back afterwards."""
+    """slime's SGLangEngine (the class its Ray actors run) with slime's own methods, before (whatever
+    an earlier test in this process installed) and afterwards."""
     ns = require_slime(ENGINE_MODULE)
     cls = ns.modules[ENGINE_MODULE].SGLangEngine
+    install(PushMode.ABORT, cls)
     yield cls
     install(PushMode.ABORT, cls)
 

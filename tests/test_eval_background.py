@@ -7,6 +7,7 @@ tests/test_conformance_slime.py (`test_background_eval_under_train_async`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -245,18 +246,8 @@ async def test_the_monitor_shows_each_datasets_last_round(redis, redis_url, keys
 
     datasets = [DATASETS[0], {"env": "ghost", "tasks": "eval_tasks.jsonl"}]
     args = _background(redis_url, namespace, tmp_path, datasets)
-    async with serve_sim_engine() as sim:
-        config = parse_config(config_dict(redis_url, namespace, sim.url))
-        ds = ps.RedisDataSource(args)
-        try:
-            ds.publish(3)
-            await _evaluate(ps, args, 3, ds)
-            [round_id] = await _round_ids(redis, keys)
-            async with _worker(config):
-                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS + 1), 30, "the round")
-            assert await asyncio.to_thread(report_finished, args, ds) == 1
-        finally:
-            ds.close()
+    async with _round_generated(ps, args, redis, keys, redis_url, namespace, N_TASKS + 1) as (ds, round_id):
+        assert await asyncio.to_thread(report_finished, args, ds) == 1
     snap = await snapshot(redis, keys)
     calc, ghost = snap.eval_results["calc"], snap.eval_results["ghost"]
     # eval(3) under train_async.py publishes version 4 (what the engines hold after step 3's push)
@@ -274,6 +265,24 @@ async def test_the_monitor_shows_each_datasets_last_round(redis, redis_url, keys
     assert "evaluation (last round reported, per dataset)" in view
     [row] = [line for line in view.splitlines() if line.lstrip("│ ").startswith("calc ")]
     assert f"{calc.pass_at_1:.3f}" in row and " 4 " in row and f" {N_TASKS} " in row, row
+
+
+@contextlib.asynccontextmanager
+async def _round_generated(ps, args, redis, keys, redis_url: str, namespace: str, entries: int):
+    """A trainer (slime's data source) at step 3 whose eval call started one background round, run by a
+    worker on the simulator until its stream holds `entries`: yields (the data source, the round id)."""
+    async with serve_sim_engine() as sim:
+        config = parse_config(config_dict(redis_url, namespace, sim.url))
+        ds = ps.RedisDataSource(args)
+        try:
+            ds.publish(3)
+            await _evaluate(ps, args, 3, ds)
+            [round_id] = await _round_ids(redis, keys)
+            async with _worker(config):
+                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), entries), 30, "the round")
+            yield ds, round_id
+        finally:
+            ds.close()
 
 
 @pytest.mark.parametrize("crash_at", ["ledger", "after_log", "retire"])
@@ -305,31 +314,21 @@ async def test_a_round_is_logged_once_whatever_point_the_trainer_dies_at(redis, 
         return out
 
     args = _background(redis_url, namespace, tmp_path)
-    async with serve_sim_engine() as sim:
-        config = parse_config(config_dict(redis_url, namespace, sim.url))
-        first = ps.RedisDataSource(args)
-        try:
-            first.publish(3)
-            await _evaluate(ps, args, 3, first)
-            [round_id] = await _round_ids(redis, keys)
-            async with _worker(config):
-                await wait_for(lambda: _xlen_at_least(redis, keys.eval_stream(round_id), N_TASKS), 30, "the round")
-            monkeypatch.setattr(eb, "log_eval", log_then_crash if crash_at == "after_log" else recording_log)
-            monkeypatch.setattr(eb, "_write_ledger", crash if crash_at == "ledger" else real_ledger)
-            monkeypatch.setattr(eb, "_retire", crash if crash_at == "retire" else real_retire)
-            with pytest.raises(Killed):
-                await asyncio.to_thread(report_finished, args, first)
-        finally:
-            first.close()
-        monkeypatch.setattr(eb, "log_eval", recording_log)
-        monkeypatch.setattr(eb, "_write_ledger", real_ledger)
-        monkeypatch.setattr(eb, "_retire", real_retire)
-        second = ps.RedisDataSource(args)  # the restarted trainer
-        try:
-            assert await asyncio.to_thread(report_finished, args, second) == 1
-            assert await asyncio.to_thread(report_finished, args, second) == 0
-        finally:
-            second.close()
+    async with _round_generated(ps, args, redis, keys, redis_url, namespace, N_TASKS) as (first, round_id):
+        monkeypatch.setattr(eb, "log_eval", log_then_crash if crash_at == "after_log" else recording_log)
+        monkeypatch.setattr(eb, "_write_ledger", crash if crash_at == "ledger" else real_ledger)
+        monkeypatch.setattr(eb, "_retire", crash if crash_at == "retire" else real_retire)
+        with pytest.raises(Killed):
+            await asyncio.to_thread(report_finished, args, first)
+    monkeypatch.setattr(eb, "log_eval", recording_log)
+    monkeypatch.setattr(eb, "_write_ledger", real_ledger)
+    monkeypatch.setattr(eb, "_retire", real_retire)
+    second = ps.RedisDataSource(args)  # the restarted trainer
+    try:
+        assert await asyncio.to_thread(report_finished, args, second) == 1
+        assert await asyncio.to_thread(report_finished, args, second) == 0
+    finally:
+        second.close()
     # the version's slice (version 4: step 3) and the round's own line (its eval call's step, 3)
     assert logged == [3, 3], logged
     assert (await _done(redis, keys))[round_id]["state"] == "finished" and await redis.hlen(keys.eval_rounds) == 0

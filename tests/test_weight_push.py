@@ -13,10 +13,10 @@ from tests.conformance_support import require_slime
 ENGINE_MODULE = "slime.backends.sglang_utils.sglang_engine"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine_cls():
-    """slime's SGLangEngine (the class its Ray actors run) with slime's own methods, before (whatever
-    an earlier test in this process installed) and afterwards."""
+    """slime's SGLangEngine (the class its Ray actors run) with slime's own methods, before each test
+    (whatever an earlier test in this process installed, in any order) and after it."""
     ns = require_slime(ENGINE_MODULE)
     cls = ns.modules[ENGINE_MODULE].SGLangEngine
     install(PushMode.ABORT, cls)

@@ -12,7 +12,7 @@ and then gets one thing wrong, at exactly that layer:
   failed episode reaches the conversion to test the failed-sample mask.
 
 Each names the checks it must trip (pipeline/signal_check.py's, as `StepSignal.failures` of
-tests/learning.py reports them); a bug that tripped none would fail its test.
+scripts/oracle/run.py reports them); a bug that tripped none would fail its test.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ runs on what this pipeline hands it, through a real redis-server.
 - the weight-version law of slime's updaters, executed;
 - the data-source calls of slime's train_async.py on a resume, with the engines' weight
   versions restarting at "1", the groups stamped as workers stamp them;
-- slime's own train.py and train_async.py executed (tests/slime_loop_helpers.py) with real
+- slime's own train.py and train_async.py executed (scripts/oracle/slime_loop.py) with real
   workers on the simulator, intervals 1 and 2, a crash and a resume: every trained call carries
   the true policy version.
 """
@@ -565,7 +565,7 @@ def _check_every_stamp(cluster, eta):
 ])
 async def test_slimes_own_loops_stamp_every_group_with_its_true_version(
         slime, monkeypatch, tmp_path, redis, redis_url, keys, namespace, loop_name, interval, eta):
-    """slime's train.py / train_async.py (the snapshot's files, tests/slime_loop_helpers.py) drive
+    """slime's train.py / train_async.py (the snapshot's files, scripts/oracle/slime_loop.py) drive
     the pipeline: real workers generate against the simulated engine while the loop pushes
     weights in its own order (train.py after every step, whatever the interval; train_async.py
     every `interval` steps). Run 1 saves every 2 steps and dies in step 5; run 2 resumes from
@@ -574,10 +574,10 @@ async def test_slimes_own_loops_stamp_every_group_with_its_true_version(
     import json
 
     from engine_stack import shared_stack
-    from slime_loop_helpers import Cluster, Crash, install, load_loop, slime_args
 
     from pipeline.config import parse_config
     from producers.enqueue import ProducerOptions, run_producer
+    from scripts.oracle.slime_loop import Cluster, Crash, install, load_loop, slime_args
     from workers.settings import build_worker, stop_worker
 
     loop = load_loop(slime.path, loop_name)

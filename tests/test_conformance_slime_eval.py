@@ -1,5 +1,5 @@
 """Background evaluation under slime's own train_async.py (issue 40): the snapshot's loop
-(tests/slime_loop_helpers.py) calls `rollout_manager.eval` every `--eval-interval` steps,
+(scripts/oracle/slime_loop.py) calls `rollout_manager.eval` every `--eval-interval` steps,
 slime's `RolloutManager.eval` calls the pipeline's rollout function with `evaluation=True`, and
 real workers run the rounds on the simulator while the loop trains and pushes weights. Checked:
 the loop never waits for a round (each eval call's wait is measured against the rounds'
@@ -29,10 +29,9 @@ NUM_ROLLOUT, EVAL_INTERVAL = 8, 2  # eval after steps 1, 3, 5 and 7 (the last wa
 @pytest.mark.timeout(180)
 async def test_background_eval_under_train_async(slime, monkeypatch, tmp_path, redis, redis_url, keys,  # noqa: F811
                                                  namespace):
-    from slime_loop_helpers import Cluster, install, load_loop, slime_args
-
     from pipeline.config import parse_config
     from producers.enqueue import ProducerOptions, run_producer
+    from scripts.oracle.slime_loop import Cluster, install, load_loop, slime_args
     from workers.settings import build_worker, stop_worker
     from workers.sim.engine import SimConfig, serve_sim_engine
 

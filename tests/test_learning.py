@@ -3,8 +3,8 @@ controls that break the signal do not (docs/architecture.md "The tiny policy").
 
 producer -> arq -> workers (math env: \\boxed{} + math-verify) -> smg -> SGLang's front -> the
 simulator's scheduler serving the tiny LM (workers/sim/tinylm.py) -> redis-server buffer ->
-slime's own train.py (tests/slime_loop_helpers.py) -> slime's RolloutManager conversion -> the
-CPU actor running slime's advantage and loss code (tests/cpu_actor.py) -> weights pushed with
+slime's own train.py (scripts/oracle/slime_loop.py) -> slime's RolloutManager conversion -> the
+CPU actor running slime's advantage and loss code (scripts/oracle/cpu_actor.py) -> weights pushed with
 /update_weights_from_disk -> held-out accuracy through the pipeline's own eval.
 
 Learning is counted in trainer steps, never in seconds, so a loaded machine is slower, not
@@ -25,7 +25,7 @@ control (b)) against MISMATCH_BOUND = 1e-5, and the drift per lag (pipeline/drif
 one row, lag 0, under it. The sampled accuracy (temperature 1, the bench's pass@1, with its
 standard error) is printed from one sample per task (a rough figure); the bench reports it over
 seeds (docs/benchmarks.md "Learning"). The warm start is built once per machine (2-5 min of one
-core; tests/learning.py `warm_checkpoint`). The three runs took 35-41 s each here, 2m30s with
+core; scripts/oracle/run.py `warm_checkpoint`). The three runs took 35-41 s each here, 2m30s with
 the stack's start and the module's setup.
 """
 
@@ -47,7 +47,7 @@ def learn_setup(tmp_path_factory):
     pytest.importorskip("torch")
     import json
 
-    from learning import prepare_tasks, warm_checkpoint
+    from scripts.oracle.run import prepare_tasks, warm_checkpoint
 
     root = tmp_path_factory.mktemp("learn")
     tasks, heldout = prepare_tasks(root / "tasks")
@@ -62,9 +62,10 @@ def learn_setup(tmp_path_factory):
 async def _learn(slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup, **controls):  # noqa: F811
     import asyncio
 
-    from cpu_actor import Controls
     from engine_stack import shared_stack
-    from learning import LearnRun, run_learning
+
+    from scripts.oracle.cpu_actor import Controls
+    from scripts.oracle.run import LearnRun, run_learning
 
     warm, tasks, heldout = learn_setup
     stack = await asyncio.to_thread(shared_stack)
@@ -91,7 +92,7 @@ async def test_a_real_policy_learns_through_the_pipeline_and_broken_signals_do_n
     every step's signal passes the fast checks (pipeline/signal_check.py): slime's own
     `train_rollout_logprob_abs_diff` under MISMATCH_BOUND over all samples, the single- and the
     two-turn ones and each turn, no model token untrained, rewards, removals and versions right.
-    The controls, applied inside the actor (tests/cpu_actor.py), gain less than MARGIN: (a)
+    The controls, applied inside the actor (scripts/oracle/cpu_actor.py), gain less than MARGIN: (a)
     advantages of the wrong sign, (b) the actor's targets one token back (each trained position
     scores the token before it), which the mismatch bound catches at once too. The bugs planted
     in the pipeline's own code are tests/test_signal_checks.py's."""
@@ -126,7 +127,7 @@ async def test_a_real_policy_learns_through_the_pipeline_and_broken_signals_do_n
 @pytest.mark.timeout(START_TIMEOUT_S + 120)
 async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_groups(
         slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup):  # noqa: F811
-    """slime's own fully async rollout as the bench's contender runs it (tests/learning.py
+    """slime's own fully async rollout as the bench's contender runs it (scripts/oracle/run.py
     `slime_fully_async_args`): RolloutDataSourceWithBuffer over the train split's raw problems,
     slime's generate and AsyncRolloutWorker, rewards from the project's math environment
     (workers.inslime.reward), slime's train_async.py with the CPU actor, held-out accuracy
@@ -139,9 +140,9 @@ async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_gr
     from collections import Counter
 
     from engine_stack import shared_stack
-    from learning import _EVAL_SOURCES, LearnRun, run_learning
     from slime.rollout import fully_async_rollout
 
+    from scripts.oracle.run import _EVAL_SOURCES, LearnRun, run_learning
     from workers.envs.math import check_answer, last_boxed
 
     warm, tasks, heldout = learn_setup

@@ -2,7 +2,7 @@
 
 Each planted bug (tests/signal_bugs.py) replaces one function of the pipeline's own code (the
 samples' conversion, the episode's token bookkeeping) by a variant with the bug, then runs two
-sync steps of the learning oracle's whole path (tests/learning.py `run_learning`: producer,
+sync steps of the learning oracle's whole path (scripts/oracle/run.py `run_learning`: producer,
 arq workers, SGLang's front over the simulator serving the warm tiny LM, slime's train.py and
 conversion, the CPU actor) and asserts the fast checks of pipeline/signal_check.py FAIL on it:
 the check detects the bug within a step, no learning run needed. The clean run passes every
@@ -24,7 +24,7 @@ FAIL_DIVISOR = 2  # the two-turn environment fails on even labels: failed sample
 @pytest.fixture(scope="module")
 def signal_setup(tmp_path_factory):
     pytest.importorskip("torch")
-    from learning import prepare_tasks, warm_checkpoint
+    from scripts.oracle.run import prepare_tasks, warm_checkpoint
 
     tasks, heldout = prepare_tasks(tmp_path_factory.mktemp("signal") / "tasks")
     return warm_checkpoint(), tasks, heldout
@@ -34,7 +34,8 @@ async def _checked_run(slime, monkeypatch, tmp_path, redis_url, namespace, setup
     import asyncio
 
     from engine_stack import shared_stack
-    from learning import LearnRun, run_learning
+
+    from scripts.oracle.run import LearnRun, run_learning
 
     warm, tasks, heldout = setup
     stack = await asyncio.to_thread(shared_stack)
@@ -74,7 +75,7 @@ async def test_the_clean_pipeline_passes_every_signal_check(
 
 
 def _flat(batch):
-    from learning import flat_samples
+    from scripts.oracle.run import flat_samples
 
     return flat_samples(batch)
 

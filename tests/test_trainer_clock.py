@@ -1,4 +1,4 @@
-"""The learning bench's trainer on a simulated GPU's clock (tests/cpu_actor.py `TrainerClock`,
+"""The learning bench's trainer on a simulated GPU's clock (scripts/oracle/cpu_actor.py `TrainerClock`,
 scripts/bench/learn.py `trainer_tokens_per_s`): a step lasts its tokens at the simulated rate,
 slowed by the time scale; CPU work that outlasts it is counted, never hidden."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import time
 
 import pytest
-from cpu_actor import TrainerClock
 
 from scripts.bench.learn import AREAL_GPUS, AREAL_PROMPTS_PER_STEP, trainer_tokens_per_s
 from scripts.bench.peer_contenders import WORKLOADS
+from scripts.oracle.cpu_actor import TrainerClock
 
 
 def test_a_step_lasts_its_simulated_budget() -> None:

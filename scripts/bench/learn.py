@@ -3,16 +3,16 @@ per step as sync does, and sooner per second?
 
 Every run: a fresh redis-server, the simulated engine serving the warm-started tiny LM
 (workers/sim/tinylm.py; step times from the Qwen3-0.6B H100 aiconfigurator table at time scale
-1), the producer and arq workers on the arithmetic task set (tests/learning.py, `rollout
+1), the producer and arq workers on the arithmetic task set (scripts/oracle/run.py, `rollout
 prepare`, the math environment), and slime's own train.py with the CPU actor running slime's
-advantage and loss code (tests/cpu_actor.py). Held-out accuracy is the pipeline's own eval
+advantage and loss code (scripts/oracle/cpu_actor.py). Held-out accuracy is the pipeline's own eval
 (pass@1 over the held-out problems, temperature 1) every `eval_interval` steps.
 
 Contenders: sync (eta 0), this pipeline at eta 1, 2, 4, 8, eta 8 with TIS off, and the four
 controls at sync: (a) advantages of the wrong sign, (b) the actor's targets one token back, (c)
 rollout log-probs of another sample, (d) rewards shuffled across groups; and slime's own fully
 async rollout (slime.rollout.fully_async_rollout with slime's RolloutDataSourceWithBuffer, its
-generate and the math environment's reward, under train_async.py; tests/learning.py
+generate and the math environment's reward, under train_async.py; scripts/oracle/run.py
 `slime_fully_async_args`); the stress rows, sync and eta 2 at lr 1e-3. The train mix is the single-turn problems unless `--two-turn` (slime's
 generate runs one turn; the CI test keeps the two-turn task in its mix). Seeds (engine
 sampling, trainer init order, control shuffles) run seed-major, so a run cut short still has
@@ -105,7 +105,7 @@ class Contender:
     use_tis: bool = True
     use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs: rollout log-probs are the old policy
     controls: dict[str, bool] = field(default_factory=dict)
-    rollout: str = "pipeline"  # tests/learning.py LearnRun.rollout: "pipeline" or "slime_fully_async"
+    rollout: str = "pipeline"  # scripts/oracle/run.py LearnRun.rollout: "pipeline" or "slime_fully_async"
     loop: str = "train"  # slime's train.py or train_async.py
     slime_concurrency: int = 512  # slime's --sglang-server-concurrency (its default) for slime's own rollout
     lr: float | None = None  # the trainer's learning rate; None: the run's default (bench_learn's `lr`)
@@ -124,7 +124,7 @@ CONTENDERS = (
     Contender("(c) foreign rollout log-probs, --use-rollout-logprobs", use_rollout_logprobs=True,
               controls={"foreign_logprobs": True}),
     # slime's own fully async rollout and data source under train_async.py, at slime's defaults
-    # (tests/learning.py slime_fully_async_args): single-turn problems only, the same eval
+    # (scripts/oracle/run.py slime_fully_async_args): single-turn problems only, the same eval
     Contender("slime fully async", rollout="slime_fully_async", loop="train_async"),
     # its staleness is its concurrency: up to that many groups in flight and as many finished ones
     # queued (fully_async_rollout's backpressure), 2 x 512 / 16 = 64 steps at the default; at 64,
@@ -172,10 +172,10 @@ def _sim_stat(url: str, key: str) -> float:
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
             time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> Curve:
     import pytest
-    from cpu_actor import Controls  # type: ignore[import-not-found]  # tests/, on sys.path after _setup
-    from learning import LearnRun, run_learning  # type: ignore[import-not-found]
 
     from pipeline.local_redis import LocalRedis
+    from scripts.oracle.cpu_actor import Controls
+    from scripts.oracle.run import LearnRun, run_learning
     from scripts.processes import SimEngineProcess
 
     slime, warm, tasks, heldout = setup
@@ -228,11 +228,19 @@ def _lags(batches: dict[int, list[Any]]) -> dict[str, Any]:
 
 def _setup(workdir: Path) -> Any:
     """slime on sys.path with pipeline.slime bound to its classes, the task set, the warm start."""
-    sys.path[:0] = [str(REPO / "tests"), str(REPO)]
-    from tests.conformance_support import require_slime
+    import importlib
+    from types import SimpleNamespace
 
-    slime = require_slime("slime.ray.rollout", "slime.backends.megatron_utils.loss",
-                          "slime.observability.rollout_data_utils", "slime.ray.placement_group")
+    from scripts import upstream
+
+    path = upstream.snapshot_path("slime")
+    if not (path / "slime").is_dir():
+        raise SystemExit(f"[learn] slime's snapshot is not at {path}: `python -m scripts.upstream fetch` "
+                         "(scripts/run_conformance.sh --setup-only installs the rest)")
+    sys.path[:0] = [str(path), str(REPO)]
+    names = ("slime.ray.rollout", "slime.backends.megatron_utils.loss", "slime.observability.rollout_data_utils",
+             "slime.ray.placement_group")
+    slime = SimpleNamespace(path=path, modules={name: importlib.import_module(name) for name in names})
     import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
     from scripts.tiny_tasks import prepare_tasks
     from workers.sim.arith import warm_checkpoint
@@ -432,7 +440,7 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = _setup(workdir)
     print(start_line(setup[1]), flush=True)
-    from cpu_actor import quiet_transformers  # type: ignore[import-not-found]  # tests/ is on sys.path now
+    from scripts.oracle.cpu_actor import quiet_transformers
 
     quiet_transformers()
     started = time.monotonic()

@@ -1,6 +1,6 @@
 """The Megatron actor of slime's loop, on a CPU, training the tiny LM (workers/sim/tinylm.py).
 
-`CPUActor` stands where tests/slime_loop_helpers.py's `MegatronActor` stands: slime's own
+`CPUActor` stands where scripts/oracle/slime_loop.py's `MegatronActor` stands: slime's own
 train.py / train_async.py call `async_train(rollout_id, data)` with what slime's
 `RolloutManager.generate` returns (`_convert_samples_to_train_data`: GRPO-normalised rewards by
 `_post_process_rewards`, loss masks with `remove_sample` zeroed, rollout log-probs), and
@@ -44,9 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slime_loop_helpers import Cluster, MegatronActor
-
 from pipeline.weight_push import pause_body, post_json
+from scripts.oracle.slime_loop import Cluster, MegatronActor
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
   runs too), imported here under their old names.
 - **Run** (`run_learning`): redis-server, the producer, arq workers, SGLang's front over the
   simulator serving the tiny LM (tests/engine_stack.py), and slime's own train.py /
-  train_async.py (tests/slime_loop_helpers.py) with the CPU actor (tests/cpu_actor.py) training
+  train_async.py (scripts/oracle/slime_loop.py) with the CPU actor (scripts/oracle/cpu_actor.py) training
   on what slime's RolloutManager hands it and pushing weights with /update_weights_from_disk.
   Held-out accuracy is the pipeline's own eval (`pipeline_eval_datasets`, slime's
   `rollout_manager.eval` at `eval_interval`).
@@ -155,12 +155,18 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
     import asyncio
     import time
 
-    from cpu_actor import Controls, CPUActor, CPUTrainer, TrainerClock, quiet_transformers, slime_loss_args
-    from slime_loop_helpers import Cluster, install, load_loop, slime_args
-
     from pipeline.config import parse_config
     from pipeline.redis_conn import connect
     from producers.enqueue import ProducerOptions, run_producer
+    from scripts.oracle.cpu_actor import (
+        Controls,
+        CPUActor,
+        CPUTrainer,
+        TrainerClock,
+        quiet_transformers,
+        slime_loss_args,
+    )
+    from scripts.oracle.slime_loop import Cluster, install, load_loop, slime_args
     from workers.settings import build_worker, stop_worker
 
     if run.rollout not in ROLLOUTS:
@@ -360,7 +366,7 @@ def slime_fully_async_args(run: LearnRun, workdir: Path, engine_url: str, engine
                          "set two_turn=False")
     raw = tasks.parent / "train-raw.jsonl"  # prepare_tasks' train split, before `rollout prepare`
     if not raw.exists():
-        raise FileNotFoundError(f"{raw}: the train split's raw problems (tests/learning.py prepare_tasks writes it)")
+        raise FileNotFoundError(f"{raw}: the train split's raw problems (scripts/oracle/run.py prepare_tasks writes it)")
     reward_config = workdir / "slime-reward.yaml"
     reward_config.write_text(json.dumps({"environments": {"arith": math_env()}}))  # JSON is YAML
     workload = Workload(batch=run.batch, n=run.n, max_response_len=16, concurrency=run.slime_concurrency,

@@ -168,14 +168,18 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
                  etas: tuple[int, ...] = FRONTIER_ETAS, sweep: tuple[int, ...] = FA_SWEEP,
                  fcfs: bool = False, syncs: tuple[int, ...] = (SLIME_DEFAULT_CONCURRENCY,), same_lag: bool = True,
                  engines: tuple[int, ...] = (), checkpoint: Callable[[list[Result]], None] | None = None,
-                 pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Result]:
+                 pipeline_push_modes: tuple[str, ...] = ("abort",), engines_scale_batch: bool = False,
+                 engines_only: bool = False) -> list[Result]:
     """Per repeat: the engine's capacity (the workload alone), the pipeline at eta 2, fully async
     at the first multiple in `sweep`, slime sync at each concurrency in `syncs`, fully async at the
     other multiples, the other etas (and the pipeline at the best fully-async run's max lag, `same_lag`): the goal's points
     first, so a run cut short keeps them. After the first repeat, once: the pipeline at eta 2 and
     fully async at that repeat's best multiple with each engine count in `engines` (> 1) behind
     one router. Every run on fresh engines, one after the other, read over the same steady
-    window; `checkpoint(results)` after each run (the raw dump, so a cut run can be reported)."""
+    window; `checkpoint(results)` after each run (the raw dump, so a cut run can be reported).
+    `engines_scale_batch`: the engines runs take B x N groups a step (the planner's advice for N
+    engines fed by one trainer, `rollout plan`); `engines_only`: each repeat is the capacity run and
+    the engines runs alone (fully async at the sweep's first multiple), in every repeat."""
     results: list[Result] = []
     first, last = window(wl.steps, max(etas, default=2))
     print(f"[peer] provisional window: steps {first}..{last} of 0..{wl.steps - 1}; after each repeat every contender "
@@ -209,6 +213,10 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             f"{cap.trained_tokens_per_s:.0f} generated tok/s per engine-clock s ({cap.run_tokens_per_s:.0f} per wall s), "
             f"window clock {cap.window.get('clock_rate', float('nan')):.2f} of the scale; {cap.notes[-1]} "
             f"({time.monotonic() - t0:.0f} s)" if cap.ran else f"could not run: {cap.reason}"), flush=True)
+        if engines_only:
+            engines_runs(one, wl, engines, sweep[0], pipeline_push_modes[-1], rep, engines_scale_batch)
+            window_by_stock([r for r in results if r.repeat == rep], wl)
+            continue
         by_eta = {eta: one("d", f"pipeline eta {eta}", replace(wl, eta=eta), rep) for eta in etas if eta == 2}
         for mode in (m for m in pipeline_push_modes if m != "abort"):  # the pipeline's own default push
             one("d", f"pipeline eta 2{push_suffix(mode)}", replace(wl, eta=2, push_mode=mode), rep)
@@ -231,16 +239,24 @@ def run_frontier(wl: Workload, workdir: Path, tasks: Path, prompts: Path, *, rep
             twin = replace(same, label="pipeline eta = fully async's max lag", notes=[*same.notes, f"eta {target}"])
             results.append(twin)
         if rep == 0:  # after the first repeat: a run cut short keeps them
-            k = best_ks[0] if best_ks else 1
-            mode = pipeline_push_modes[-1]
-            for n in (n for n in engines if n > 1):
-                one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
-                    replace(wl, eta=2, engines=n, push_mode=mode), 0)
-                one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}", replace(wl, concurrency=k * wl.slots, engines=n), 0)
+            engines_runs(one, wl, engines, best_ks[0] if best_ks else 1, pipeline_push_modes[-1], 0, engines_scale_batch)
         window_by_stock([r for r in results if r.repeat == rep], wl)  # the repeat's engines runs too
         if checkpoint is not None:
             checkpoint(results)
     return results
+
+
+def engines_runs(one: Callable[[str, str, Workload, int], Result], wl: Workload, engines: tuple[int, ...], k: int,
+                 mode: str, rep: int, scale_batch: bool) -> None:
+    """The pipeline at eta 2 and fully async at k x slots, with each engine count (> 1) behind one
+    router; with `scale_batch`, B x N groups a step (fully async's concurrency is per engine already, as
+    slime multiplies --sglang-server-concurrency by the engines)."""
+    for n in (n for n in engines if n > 1):
+        batch = wl.batch * n if scale_batch else wl.batch
+        one("d", f"pipeline eta 2{push_suffix(mode)}, {n}{ENGINES_LABEL}",
+            replace(wl, eta=2, engines=n, push_mode=mode, batch=batch), rep)
+        one("c", f"slime fully async {k}x, {n}{ENGINES_LABEL}",
+            replace(wl, concurrency=k * wl.slots, engines=n, batch=batch), rep)
 
 
 def push_suffix(mode: str) -> str:
@@ -701,7 +717,8 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
                sweep: tuple[int, ...] | None = None, fcfs: bool = False, workload: str = DEFAULT_WORKLOAD,
                time_scale: float | None = None, command: str = "", batch: int | None = None,
                syncs: tuple[int, ...] | None = None, same_lag: bool = True,
-               engines: tuple[int, ...] = (), pipeline_push_modes: tuple[str, ...] = ("abort",)) -> list[Figure]:
+               engines: tuple[int, ...] = (), pipeline_push_modes: tuple[str, ...] = ("abort",),
+               engines_scale_batch: bool = False, engines_only: bool = False) -> list[Figure]:
     """The frontier section (`rollout bench --sections peer`): tables, plot, goals as figures."""
     wl = replace(WORKLOADS[workload], steps=steps or (QUICK_STEPS if quick else WORKLOADS[workload].steps))
     if time_scale:
@@ -721,6 +738,7 @@ def bench_peer(*, quick: bool, repeats: int | None = None, steps: int | None = N
         tasks, prompts = write_inputs(workdir)
         results = run_frontier(wl, workdir, tasks, prompts, repeats=repeats, etas=etas, sweep=sweep, fcfs=fcfs,
                                syncs=syncs, same_lag=same_lag, engines=engines, pipeline_push_modes=pipeline_push_modes,
+                               engines_scale_batch=engines_scale_batch, engines_only=engines_only,
                                checkpoint=(lambda rs: dump_raw(rs, wl, raw_path, repeats, time.monotonic() - started,
                                                                command)) if raw_path else None)
     return report(results, wl, repeats=repeats, seconds=time.monotonic() - started,
@@ -759,6 +777,10 @@ def main(argv: list[str] | None = None) -> int:
                    "in_place: the pipeline launcher's default), e.g. abort,in_place; engines runs use the last")
     p.add_argument("--engines", default="", help="also run pipeline eta 2 and fully async with these engine counts "
                    "behind one router, e.g. 2,4 (once, after the repeats)")
+    p.add_argument("--engines-scale-batch", action="store_true",
+                   help="the engines runs take B x N groups a step (the planner's B for N engines), not B")
+    p.add_argument("--engines-only", action="store_true",
+                   help="each repeat: the capacity run and the engines runs only (in every repeat)")
     p.add_argument("--fcfs", action="store_true",
                    help="also run each pipeline point on an engine without priority scheduling (the ablation)")
     opts = p.parse_args(argv)
@@ -777,7 +799,8 @@ def main(argv: list[str] | None = None) -> int:
                              json_path=opts.json, raw_path=opts.raw, keep=opts.keep, etas=_ints(opts.etas),
                              sweep=_ints(opts.sweep), fcfs=opts.fcfs, workload=opts.workload, time_scale=opts.time_scale,
                              batch=opts.batch, syncs=() if opts.syncs == "none" else _ints(opts.syncs), same_lag=not opts.no_same_lag,
-                             engines=_ints(opts.engines) or (),
+                             engines=_ints(opts.engines) or (), engines_scale_batch=opts.engines_scale_batch,
+                             engines_only=opts.engines_only,
                              pipeline_push_modes=tuple(m.strip() for m in opts.pipeline_push_modes.split(",") if m.strip()))
         for figure in figures:
             print(figure.line())

@@ -159,7 +159,9 @@ class Workload:
                 f"{math.exp(self.length_mu):.0f} sigma {self.length_sigma:g} capped at {self.max_response_len}; {scale}")
 
     def pipeline_groups(self) -> int:
-        return self.groups_in_flight or max(1, 4 * self.slots // self.n)
+        """Groups the pipeline's workers hold at once: 4 x slots / n per engine, as a user sizes the
+        pool to the fleet (fully async's concurrency is per engine too: slime multiplies it)."""
+        return self.groups_in_flight or max(1, 4 * self.slots * self.engines // self.n)
 
 
 # The default benchmark workload, from AReaL's published 7B math run (AReaL v0.2 "boba" recipe:

@@ -540,7 +540,8 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
     counts = sorted({n for b, n in per_engines if b in bases})
     if not bases:
         return ""
-    head = ("| engines | N x measured capacity (tok/s, engine clock) | trainer limit: B x n x mean plan length / trainer step | "
+    head = ("| engines | N x measured capacity (tok/s, engine clock) | trainer limit: B x n x mean plan length / trainer step "
+            "(B as the runs took it) | "
             + " | ".join(f"{b}: trained tok/s (efficiency vs N x capacity) | {b}: generated tok/s, each engine on its "
                          f"own clock, summed (vs N x capacity) | {b}: generated tok per busy engine-s, each engine"
                          for b in bases) + " |")
@@ -556,7 +557,10 @@ def engines_table(rows: dict[str, list[Result]], caps: dict[int, Result], wl: Wo
                        " / ".join(_cell(list(x)) for x in zip(*(per_engine_busy_rates(r) for r in runs), strict=False))]
                       if runs else ["-", "-", "-"])
         plans = [float(np.mean(r.planned_lengths)) for runs in per_engines.values() for r in runs if r.planned_lengths]
-        trainer = wl.batch * wl.n * (statistics.median(plans) if plans else float("nan")) / wl.train_step_s
+        # B as these runs took it (`--engines-scale-batch`: B x N), else the workload's
+        taken = [max(r.groups_per_step) for b in bases for r in per_engines.get((b, n), []) if r.groups_per_step]
+        batch = max(taken) if taken else wl.batch
+        trainer = batch * wl.n * (statistics.median(plans) if plans else float("nan")) / wl.train_step_s
         lines.append(f"| {n} | {n * cap:,.0f} | {trainer:,.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

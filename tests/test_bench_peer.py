@@ -407,6 +407,35 @@ def test_engines_per_trainer_are_read_against_n_times_capacity_and_the_trainer()
     assert lines[3] == "| 2 | 40 | 40 | 36 (0.90) | - (-) |  |" and lines[4] == "| 4 | 80 | 40 | 41 (0.51) | - (-) |  |"
 
 
+
+def test_engines_goals_hold_each_count_to_n_times_capacity_until_the_trainer_binds():
+    """Issue 46 item 4: >= 0.9 of N x capacity in the median, or of the trainer's limit where that
+    is lower; B as the runs took it (`--engines-scale-batch`: B x N groups a step)."""
+    from scripts.bench.peer import _rows
+    from scripts.bench.peer_contenders import Workload
+    from scripts.bench.peer_steady import capacities, engines_goals
+
+    wl = Workload(batch=2, n=4, train_step_s=10.0)  # 8 answers of 50 planned tokens / 10 s: 40 tok/s at B 2
+
+    def goals(runs: list[tuple[int, float, int]]) -> list[str]:
+        rs = _steady_frontier()  # capacity 20 tok/s a repeat
+        for rep, (n, tok, batch) in enumerate(runs):
+            r = _result(f"pipeline eta 2, {n} engines", rep, eta=2, tok_s=tok)
+            r.window, r.groups_per_step = {"first": 4, "last": 21}, [batch] * 3
+            rs.append(r)
+        return [f.line() for f in engines_goals(_rows(rs), capacities(rs), wl)]
+
+    # 2 engines at B 2: 36 of 40 (N x capacity; the trainer's 40 is not below it): 0.90, met
+    assert goals([(2, 36.0, 2)]) == [
+        "[peer] pipeline eta 2, 2 engines: trained tokens/s 36 (median of 1 run(s), worst 0.90) against N x capacity: "
+        "36 tok/s | N x capacity: 40 tok/s | ratio 0.9x | goal >= 0.9 in the median: MET"]
+    # 4 engines at B 2: the trainer's 40 tok/s binds before 80 of capacity; 41 is all of it
+    (line,) = goals([(4, 41.0, 2)])
+    assert "against the trainer's limit (it binds first)" in line and line.endswith("ratio 1.02x | goal >= 0.9 in the median: MET")
+    # 4 engines at B 8 (B x N): the trainer's limit 160 no longer binds: 41 of 80, missed; two runs, the median
+    (line,) = goals([(4, 41.0, 8), (4, 79.0, 8)])
+    assert "median of 2 run(s), worst 0.51) against N x capacity" in line and line.endswith("ratio 0.75x | goal >= 0.9 in the median: NOT MET")
+
 def _two_engines():
     """Two engines over 4 steps of 1 wall s at 50x: engine 0 busy 0.2 s of each (10 engine-s, 100
     tokens) and idle the rest; engine 1 busy throughout at half the scale (25 engine-s, 1,000 tokens)."""

@@ -51,6 +51,7 @@ from scripts.bench.peer_steady import (
     capacity_run,
     capacity_summary,
     common_window,
+    engines_goals,
     engines_table,
     ideal_lines,
     steady_goals,
@@ -625,7 +626,7 @@ def report(results: list[Result], wl: Workload, *, repeats: int, seconds: float,
     print(cpu_table(results, wl))
     rows = _rows(results)
     figures = steady_goals(rows, capacities(results), wl, rows.get(FA_BEST, []),
-                           bias_of=lambda r: length_bias(r)[0]) + goals(results)
+                           bias_of=lambda r: length_bias(r)[0]) + engines_goals(rows, capacities(results), wl) + goals(results)
     path = plot(results, plot_path) if plot_path else None
     if path is not None:
         print(f"[peer] plot: {path}")

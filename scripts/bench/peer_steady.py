@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from scripts.bench.harness import get_json
 from scripts.bench.ideal import IdealResult, bound_ideal, task_prompts
-from scripts.bench.peer_contenders import Result, SlotSampler, Workload, _get_json, mark
+from scripts.bench.peer_measure import PER_ENGINE_COLUMN, SlotSampler, mark
+from scripts.bench.peer_workload import Result, Workload
 from scripts.bench.report import Figure
 
 CAPACITY = "engine capacity (workload alone, saturated)"
@@ -238,7 +240,6 @@ def per_engine(r: Result, wl: Workload, a: list[float], b: list[float]) -> list[
     """Each engine of the run over the window between marks a and b, on its OWN clock (its busy
     seconds and its own idle wall time x the scale). Empty where the marks carry no per-engine
     columns (older dumps) or an engine's samples are missing."""
-    from scripts.bench.peer_contenders import PER_ENGINE_COLUMN
 
     count = (min(len(a), len(b)) - PER_ENGINE_COLUMN) // 2
     if count < 1 or count - 1 > len(r.engine_slot_samples) or count - 1 > len(r.engine_clock_samples):
@@ -325,7 +326,7 @@ def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]]
 
         async def until(clock_s: float) -> None:
             while time.monotonic() < give_up:
-                stats = await asyncio.to_thread(_get_json, urls[0] + "/sim/stats")
+                stats = await asyncio.to_thread(get_json, urls[0] + "/sim/stats")
                 if float(stats.get("sim_time_s", 0.0)) >= clock_s:
                     return
                 if result.step_marks:
@@ -351,7 +352,7 @@ def measure_capacity(wl: Workload, urls: Sequence[str], prompts: list[list[int]]
                      "generated_tokens": result.engine_tokens, "busy_s": round(b[3] - a[3], 2),
                      "clock_rate": round((b[5] - a[5]) / result.wall_s / wl.time_scale, 3)}
     result.ran, result.steps = True, 1
-    stats = _get_json(urls[0] + "/sim/stats")
+    stats = get_json(urls[0] + "/sim/stats")
     result.engine_stats = {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     running = [b for _t, b in result.slot_samples[len(result.slot_samples) // 3:]]
     result.notes.append(f"window {b[5] - a[5]:.0f} s engine clock ({result.wall_s:.1f} s wall) after {a[4]:.0f} s "

@@ -60,7 +60,7 @@ def _peer_section(quick: bool) -> list[Figure]:
     at eta 1, 2, 4, 8 and at fully async's max lag, on the default workload (AReaL's published
     7B run, time-scaled; scripts/bench/peer.py prints its tables and writes
     bench-peer-frontier.png and the compact summary to bench-peer.json here; it needs the slime
-    snapshot, see tests/conformance_support.py). Its goals come back as figures."""
+    snapshot, found by scripts/upstream.py). Its goals come back as figures."""
     from scripts.bench.peer import bench_peer
 
     return bench_peer(quick=quick, plot_path=Path("bench-peer-frontier.png"), json_path="bench-peer.json")

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
-
 from pipeline.local_redis import LocalRedis
-from scripts.bench.report import Figure
+from scripts.bench.report import Figure, Report, machine, print_figures
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")
 # asked for by name only (minutes each): slime's own rollout functions next to this pipeline
@@ -64,7 +60,7 @@ def _peer_section(quick: bool) -> list[Figure]:
     at eta 1, 2, 4, 8 and at fully async's max lag, on the default workload (AReaL's published
     7B run, time-scaled; scripts/bench/peer.py prints its tables and writes
     bench-peer-frontier.png and the compact summary to bench-peer.json here; it needs the slime
-    snapshot, see tests/conformance_support.py). Its goals come back as figures."""
+    snapshot, found by scripts/upstream.py). Its goals come back as figures."""
     from scripts.bench.peer import bench_peer
 
     return bench_peer(quick=quick, plot_path=Path("bench-peer-frontier.png"), json_path="bench-peer.json")
@@ -107,10 +103,8 @@ def run(sections: list[str], *, quick: bool) -> list[Figure]:
                 produced = _section_runner(name, server.url, quick)()
             except Exception as exc:  # one broken section must not hide the others' figures
                 print(f"[{name}] FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-                produced = [Figure(section=name, name="section failed", value=float("nan"), unit="",
-                                   details={"error": f"{type(exc).__name__}: {exc}"})]
-            for figure in produced:
-                print(figure.line(), flush=True)
+                produced = [Figure.failed(name, exc)]
+            print_figures(produced)
             print(f"[{name}] {time.monotonic() - started:.1f} s", flush=True)
             figures += produced
     return figures
@@ -139,20 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.monotonic()
     figures = run(sections, quick=args.quick)
-    report = {
-        "quick": args.quick, "seconds": round(time.monotonic() - started, 1),
-        "machine": {"python": platform.python_version(), "platform": platform.platform(), "cpus": _cpus()},
-        "figures": msgspec.to_builtins(figures),
-    }
-    Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-    missed = [f for f in figures if f.met is False]
-    print(f"\n{len(figures)} figures in {report['seconds']} s -> {args.json}; goals not met: {len(missed)}")
+    report = Report(quick=args.quick, seconds=round(time.monotonic() - started, 1), machine=machine(), figures=figures)
+    report.write(args.json)
+    print(f"\n{len(figures)} figures in {report.seconds} s -> {args.json}; goals not met: {len(report.missed)}")
     return 0
-
-
-def _cpus() -> int:
-    import os
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 if __name__ == "__main__":

@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,13 +47,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-import yaml
 
 from pipeline.keys import Counter, Keys
 from pipeline.schema import SampleGroup, Status, decode_group
 from pipeline.slime import RedisDataSource, generate_rollout
 from pipeline.weight_push import push_weights
+from scripts.bench.harness import TASKS, PipelineProcs, engine_stats, fleet_of, post_json
 from scripts.bench.report import Figure
+from scripts.processes import write_config
 
 AREAL_SPEEDUP = 2.77  # AReaL (Fu et al. 2025): async RL vs synchronous, same hardware
 OCCUPANCY_GOAL = 0.9
@@ -63,7 +62,7 @@ WASTE_GOAL_PCT = 1.0
 LENGTH_GOAL_PCT = 2.0
 ETAS = (1, 2, 4)
 ORDERS = ("arrival", "due-first")
-TASKS_FILE = Path(__file__).resolve().parents[2] / "scripts" / "demo_tasks.jsonl"
+TASKS_FILE = TASKS
 
 
 @dataclass
@@ -128,18 +127,6 @@ def token_lags(sample: Any, rid: int, fallback: int) -> list[tuple[int, int]]:
     return [(rid - (min(stamps) if stamps else fallback), model_tokens(sample))]
 
 
-def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        return json.loads(reply.read() or b"{}")
-
-
-def engine_stats(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as reply:
-        return json.loads(reply.read())
-
-
 def engine_args(setup: Setup) -> list[str]:
     return ["--length-sigma", str(setup.length_sigma), "--token-latency-s", str(setup.token_latency_s),
             "--slots", str(setup.slots), "--seed", str(setup.seed), "--accuracy", str(setup.accuracy),
@@ -175,7 +162,6 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
     """One pipeline run: fresh namespace, workers and producer subprocesses, the trainer loop here.
     Returns the run's figures (and, with `keep_source`, the closed data source with its records)."""
     from scripts.demo import Profile, pipeline_config
-    from scripts.processes import ChildProcess, WorkerProcess
     from workers.sim.tokenizer import default_tokenizer_path
 
     steps = steps or setup.steps
@@ -184,8 +170,7 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
     profile = Profile(steps=steps, batch=setup.batch, n=setup.n, eta=eta, worker_processes=setup.worker_processes,
                       concurrency=setup.concurrency, train_step_s=setup.train_s, length_sigma=setup.length_sigma)
     config = pipeline_config(profile, redis_url, ns, engine_url, default_tokenizer_path())
-    config_path = workdir / f"{ns}.yaml"
-    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    config_path = write_config(config, workdir / f"{ns}.yaml")
     args = SimpleNamespace(
         pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=setup.batch,
         n_samples_per_prompt=setup.n, pipeline_eta=eta, pipeline_stale_policy="requeue",
@@ -194,13 +179,11 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
         pipeline_trainer_loop="sync",  # weights pushed after each step, before the next rollout
     )
     source = RecordingSource(args)
-    _post(engine_url, "/update_weight_version", {"new_version": "1"})  # slime's first push: label "1" = version 0
+    post_json(engine_url, "/update_weight_version", {"new_version": "1"}, timeout=10)  # slime's first push: label "1" = version 0
     tokens_before = int(engine_stats(engine_url)["output_tokens"])
-    log = str(workdir / f"{ns}.log")
-    workers = WorkerProcess(str(config_path), processes=setup.worker_processes, concurrency=setup.concurrency,
-                            log_path=log).start()
-    producer = ChildProcess(["enqueue", "--config", str(config_path), "--tasks", str(TASKS_FILE), "--follow",
-                             "--seed", str(setup.seed), "--quiet"], log_path=log).start()
+    procs = PipelineProcs(config_path, TASKS_FILE, workdir, processes=setup.worker_processes,
+                          concurrency=setup.concurrency, enqueue_args=["--seed", str(setup.seed)],
+                          log=str(workdir / f"{ns}.log")).start()
     sampler = OccupancySampler(redis_url, keys, eta, setup.batch)
     sampler.start()
     wait_s = 0.0
@@ -220,15 +203,14 @@ def run_once(redis_url: str, engine_url: str, setup: Setup, *, eta: int, order: 
             push_weights([engine_url], str(rid + 2), setup.push_mode)  # version rid + 1
         window_end = time.monotonic()
         sampler.recording.clear()
-        producer.stop()
+        procs.producer.stop()
         in_flight = _drain(source, keys, setup.drain_s)
         generated = int(engine_stats(engine_url)["output_tokens"]) - tokens_before
         counters = source._run(source.state.counters())
         left = [decode_group(fields[b"g"]) for _id, fields in source._run(source._redis.xrange(keys.groups))]
     finally:
         sampler.stopped.set()
-        producer.stop()
-        workers.stop()
+        procs.stop()
         source.close()
     summary = _summarise(setup, eta=eta, order=order, steps=steps, source=source, generated=generated, left=left,
                          in_flight=in_flight, counters=counters, occupancy=sampler.samples,
@@ -302,11 +284,9 @@ def configurations(etas: tuple[int, ...] = ETAS, orders: tuple[str, ...] = ORDER
 
 def run_all(redis_url: str, setup: Setup, *, repeats: int, configs: list[tuple[int, str]],
             progress: bool = True) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    from scripts.processes import SimEngineProcess
-
     results: dict[tuple[int, str], list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp, \
-            SimEngineProcess(engine_args(setup), log_path=os.path.join(tmp, "engine.log")) as engine:
+            fleet_of(engine_args(setup), 1, Path(tmp)) as engine:
         for rep in range(repeats):
             sync = None
             for eta, order in configs:

@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from scripts.bench.harness import fleet_of
 from scripts.bench.peer_contenders import (
     WORKLOADS,
     Result,
@@ -34,14 +35,10 @@ FLOOR = 0.80  # stated goal: training with a background round keeps >= this shar
 
 
 def _run(wl, workdir: Path, tasks: Path, evaluation: dict | None) -> Result:
-    from scripts.processes import SimEngineProcess
-
     sub = workdir / ("with-eval" if evaluation else "alone")
     sub.mkdir(parents=True, exist_ok=True)
-    with SimEngineProcess(wl.engine_args(str(tasks)), log_path=str(sub / "engine.log")) as engine:
-        assert engine.proc is not None
-        return finish(run_pipeline_contender(wl, engine.url, tasks, sub, engine_pid=engine.proc.pid,
-                                             evaluation=evaluation), wl)
+    with fleet_of(wl.engine_args(str(tasks)), 1, sub) as fleet:
+        return finish(run_pipeline_contender(wl, fleet, tasks, sub, evaluation=evaluation), wl)
 
 
 def _eval_waits(result: Result) -> list[float]:

@@ -41,12 +41,10 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from pipeline.keys import Counter, Keys
-from pipeline.local_redis import LocalRedis
 from pipeline.redis_conn import connect
 from pipeline.state import PipelineState, TrainerInfo
+from scripts.bench.harness import math_tasks, pipeline_contender
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO_TASKS = REPO / "scripts" / "demo_tasks.jsonl"
 NS = "gap"
 PROBE_S = 0.001  # the probe's period: the resolution of the admitted and claimed times
 STEP_TIMEOUT_S = 60.0
@@ -171,25 +169,9 @@ async def _wait_for(predicate: Any, timeout_s: float) -> None:
 
 def run_setup(setup: Setup, workdir: Path) -> GapRun:
     """One measurement on fresh processes: Redis, the engine, one worker process, the producer."""
-    from scripts.processes import ChildProcess, SimEngineProcess, WorkerProcess, write_config
-
     tasks = math_tasks(workdir)
-    engine_args = setup.engine_args(tasks)
-    with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(workdir / "engine.log")) as engine:
-        config_path = write_config(setup.pipeline_config(server.url, engine.url), workdir / "pipeline.yaml")
-        workers = WorkerProcess(config_path, log_path=str(workdir / "workers.log"))
-        producer = ChildProcess(["enqueue", "--config", config_path, "--tasks", str(tasks), "--follow", "--quiet"],
-                                log_path=str(workdir / "enqueue.log"))
-        with workers, producer:
-            return GapRun(setup, asyncio.run(_measure_on(server.url, engine.url, setup)))
-
-
-def math_tasks(workdir: Path) -> Path:
-    """The demo's math tasks (the one environment configured here) as tasks.jsonl in `workdir`."""
-    rows = [line for line in DEMO_TASKS.read_text().splitlines() if json.loads(line or "{}").get("env") == "math"]
-    tasks = workdir / "tasks.jsonl"
-    tasks.write_text("".join(row + "\n" for row in rows))
-    return tasks
+    with pipeline_contender(workdir, tasks, setup.pipeline_config, engine_args=setup.engine_args(tasks)) as c:
+        return GapRun(setup, asyncio.run(_measure_on(c.redis.url, c.fleet.url, setup)))
 
 
 async def _measure_on(redis_url: str, engine_url: str, setup: Setup) -> list[StepGap]:

@@ -30,7 +30,7 @@ from pipeline.local_redis import LocalRedis  # noqa: E402
 from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import PromptJob, Task  # noqa: E402
 from pipeline.state import PipelineState  # noqa: E402
-from scripts.processes import SimEngineProcess  # noqa: E402
+from scripts.bench.harness import engine_stats, fleet_of  # noqa: E402
 from workers.jobs import CTX_KEY  # noqa: E402
 from workers.settings import build_worker, stop_worker  # noqa: E402
 
@@ -79,7 +79,7 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
     sampler.cancel()
     await stop_worker(worker, worker_task)
     counters = {k.decode(): int(v) for k, v in (await redis.hgetall(keys.counters)).items()}  # type: ignore[misc]  # redis-py types async replies Awaitable[T] | T
-    engine = await asyncio.to_thread(_engine_stats, engine_url)
+    engine = await asyncio.to_thread(engine_stats, engine_url)
     await redis.aclose()
     lag_ms = np.asarray(lags) * 1000 if lags else np.zeros(1)
     return {
@@ -96,21 +96,13 @@ async def _bench(redis_url: str, engine_url: str, concurrency: int, episodes: in
     }
 
 
-def _engine_stats(url: str) -> dict:
-    import json
-    import urllib.request
-
-    with urllib.request.urlopen(f"{url}/sim/stats", timeout=10) as reply:
-        return json.loads(reply.read())
-
-
 def run_worker_bench(
     concurrency: int, episodes: int, *, n_samples: int = 8, env: str = "calculator", engine_args: list[str] | None = None
 ) -> dict[str, Any]:
     """One in-process worker, `concurrency` episodes at once, against the simulated engine (zero latency
     unless `engine_args` set one, e.g. ["--token-latency-s", "0.01"]; `rollout bench` does)."""
     logging.getLogger("arq.worker").setLevel(logging.WARNING)
-    with LocalRedis() as redis, SimEngineProcess(["--slots", "0", *(engine_args or [])]) as engine:
+    with LocalRedis() as redis, fleet_of(["--slots", "0", *(engine_args or [])], 1, None) as engine:
         return asyncio.run(_bench(redis.url, engine.url, concurrency, episodes, n_samples, env))
 
 

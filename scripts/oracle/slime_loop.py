@@ -20,6 +20,7 @@ requests as SGLang does, under in_place / retract they keep them) and records wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 import time
@@ -28,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+from unittest import mock
 
 from pipeline.weight_push import PushMode, push_weights
 
@@ -218,10 +220,32 @@ def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int
     ), **pipeline_args})
 
 
+class Patches:
+    """Attributes replaced for one run and put back by `undo()`: the two methods of pytest's
+    MonkeyPatch that `install` calls (`setattr`, `undo`), without pytest (a test dependency, not a
+    runtime one), on the standard library's `unittest.mock.patch.object` (the attribute must exist;
+    undone in reverse order). Also a context manager: `with Patches() as patches: ...`."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+
+    def setattr(self, target: Any, name: str, value: Any) -> None:
+        self._stack.enter_context(mock.patch.object(target, name, value))
+
+    def undo(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Patches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
 def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None,
             actor: Any = None) -> None:
-    """Stand in for Ray, placement and the actor model under slime's own functions, for one
-    trainer process (its run number is the one its data source began). `actor(cluster, run,
+    """Stand in for Ray, placement and the actor model under slime's own functions (through
+    `monkeypatch.setattr`: a `Patches`, or pytest's MonkeyPatch in a test), for one trainer process (its run number is the one its data source began). `actor(cluster, run,
     start, crash_at)` builds the actor (default: `MegatronActor`, which trains nothing)."""
     placement = slime.modules["slime.ray.placement_group"]
     rollout = slime.modules["slime.ray.rollout"]

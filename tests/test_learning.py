@@ -129,7 +129,8 @@ async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_gr
         slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup):  # noqa: F811
     """slime's own fully async rollout as the bench's contender runs it (scripts/oracle/run.py
     `slime_fully_async_args`): RolloutDataSourceWithBuffer over the train split's raw problems,
-    slime's generate and AsyncRolloutWorker, rewards from the project's math environment
+    slime's generate and AsyncRolloutWorker in a RolloutManager process of its own
+    (scripts/oracle/rollout_process.py), rewards from the project's math environment
     (workers.inslime.reward), slime's train_async.py with the CPU actor, held-out accuracy
     through the pipeline's eval. Three steps: it trains (whole groups of n, graded 0 and 1 as
     the project's grader grades them, rollout log-probs on every sample) and evaluates; learning

@@ -70,7 +70,8 @@ class LearnRun:
     worker_process: bool = False
     # what feeds slime's loop: "pipeline" (RedisDataSource + pipeline.slime.generate_rollout, the
     # producer and workers) or "slime_fully_async" (slime's own RolloutDataSourceWithBuffer and
-    # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`)
+    # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`;
+    # its RolloutManager in a process of its own, scripts/oracle/rollout_process.py)
     rollout: str = "pipeline"
     two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
     env_fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (TwoTurnArithmetic)
@@ -170,6 +171,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         quiet_transformers,
         slime_loss_args,
     )
+    from scripts.oracle.rollout_process import RolloutProcess
     from scripts.oracle.slime_loop import Cluster, Patches, install, load_loop, slime_args
     from workers.settings import build_worker, stop_worker
 
@@ -219,15 +221,17 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
 
     args = slime_args(pipeline_args, num_rollout=run.steps, interval=1, save_interval=10**6)
     args.eval_interval, args.skip_eval_before_train = run.eval_interval, run.loop != "train"
+    # slime's fully async rollout: its RolloutManager in a process of its own, as a Ray actor is,
+    # started (its imports done) before the clock
+    rollout_process = RolloutProcess(slime.path) if fully_async else None
     started = time.monotonic()
     seconds: dict[int, float] = {}
     first_eval, untrained = None, 0
     own_patches = Patches() if monkeypatch is None else None
     patches = own_patches or monkeypatch
     try:
-        install(patches, loop, slime, cluster, actor=actor)
-        if fully_async:
-            fresh_slime_rollout_process()
+        install(patches, loop, slime, cluster, actor=actor,
+                manager=rollout_process.manager if rollout_process is not None else None)
         if fully_async and args.skip_eval_before_train:  # train_async.py evaluates after steps only: the start too
             first_eval = await asyncio.to_thread(pipeline_eval, args, 0, None)
             first_eval_at = time.monotonic()
@@ -236,9 +240,9 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         manager = cluster.managers[-1]
         await asyncio.to_thread(manager.close)
     finally:
-        if fully_async:
-            untrained = await asyncio.to_thread(stop_fully_async_worker, args)
-            close_eval_sources()
+        if rollout_process is not None:
+            untrained = await asyncio.to_thread(rollout_process.stop)
+            close_eval_sources()  # the first eval's, in this process
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

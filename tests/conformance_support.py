@@ -10,33 +10,25 @@ Each `require_*()` imports what a test needs and skips the test with the reason 
 cannot. With `ROLLOUT_REQUIRE_CONFORMANCE=1` (set by `.ci/run`) a missing upstream FAILS the
 test instead: CI must never pass because conformance silently did not run.
 
-One stub, in `require_sglang()` only: importing `sglang.srt.managers.io_struct` (where
-`GenerateReqInput` lives) drags in sglang's model configs, and one of them
-(`sglang/srt/multimodal/internvl_utils.py`, an image-preprocessing helper) does
-`import torchvision.transforms` at module level. The PyPI torchvision wheels are CUDA builds
-that do not load against the CPU torch wheel, and no CPU build is reachable, so `torchvision`
-is stubbed by an import hook *only while that import runs*: the request classes never touch
-it. The hook is removed and the stub modules are dropped from `sys.modules` afterwards, and
-transformers' `is_torchvision_available()` is evaluated (and cached, False) before the hook
-goes in, so no other code sees a fake torchvision.
+One stub, in `require_sglang()` only: `torchvision`, while `sglang.srt.managers.io_struct`
+imports (workers/sim/sglang_front.py `import_with_stubs` says why and how; the engine stack's
+front process imports SGLang's server with it too).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
 import types
-import warnings
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import pytest
 
 from scripts import upstream
+from workers.sim import stack
+from workers.sim.sglang_front import import_with_stubs as _import_with_stubs
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRE_ENV = "ROLLOUT_REQUIRE_CONFORMANCE"
@@ -125,70 +117,7 @@ def require_nemo_skills(*modules: str) -> types.SimpleNamespace:
 
 # ------------------------------------------------------------------------------ SGLang
 
-SGLANG_VERSION = "0.5.23"
-
-
-class _StubType(type):
-    """Any attribute of a stubbed class is another stub class (`InterpolationMode.BICUBIC`)."""
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StubType(name, (), {})
-
-
-class _StubModule(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _StubType(name, (), {})
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, roots: tuple[str, ...]):
-        self.roots = roots
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name.partition(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        module = _StubModule(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        pass
-
-
-def _import_with_stubs(name: str, roots: tuple[str, ...]) -> types.ModuleType:
-    """Import `name` with the top-level packages `roots` stubbed while it runs (see the module
-    docstring). Environment variables and warning filters that the import sets (sglang sets its
-    cache directories and a dozen filters) are put back, so the rest of the session is unchanged."""
-    environ = dict(os.environ)
-    try:  # cache transformers' verdict on the real environment before the hook exists
-        from transformers.utils import import_utils
-
-        import_utils.is_torchvision_available()
-    except Exception:  # noqa: BLE001
-        pass
-    real = [r for r in roots if importlib.util.find_spec(r) is not None]
-    roots = tuple(r for r in roots if r not in real)  # never shadow a real installation
-    finder = _StubFinder(roots)
-    sys.meta_path.insert(0, finder)
-    try:
-        with warnings.catch_warnings():  # restores the filters the import adds
-            return importlib.import_module(name)
-    finally:
-        sys.meta_path.remove(finder)
-        for key in [k for k in sys.modules if k.partition(".")[0] in roots]:
-            del sys.modules[key]
-        for key in set(os.environ) - set(environ):
-            del os.environ[key]
-        for key, value in environ.items():
-            if os.environ.get(key) != value:
-                os.environ[key] = value
+SGLANG_VERSION = stack.SGLANG_VERSION
 
 
 _SGLANG: types.SimpleNamespace | None = None

@@ -8,7 +8,7 @@ and then gets one thing wrong, at exactly that layer:
   Samples: the loss mask, rollout log-probs, reward, `remove_sample` and versions it sets);
 - the episode's token bookkeeping, `workers.episode._Trace.add_model` / `add_template` (which
   response tokens are the model's, trained, and which the template's or environment's, not);
-- the environment's failure (`tests.learning.TwoTurnArithmetic` with `fail_share`), where a
+- the environment's failure (`workers.sim.arith.TwoTurnArithmetic` with `fail_divisor`), where a
   failed episode reaches the conversion to test the failed-sample mask.
 
 Each names the checks it must trip (pipeline/signal_check.py's, as `StepSignal.failures` of

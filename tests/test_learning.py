@@ -129,7 +129,8 @@ async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_gr
         slime, monkeypatch, tmp_path, redis_url, namespace, learn_setup):  # noqa: F811
     """slime's own fully async rollout as the bench's contender runs it (scripts/oracle/run.py
     `slime_fully_async_args`): RolloutDataSourceWithBuffer over the train split's raw problems,
-    slime's generate and AsyncRolloutWorker, rewards from the project's math environment
+    slime's generate and AsyncRolloutWorker in a RolloutManager process of its own
+    (scripts/oracle/rollout_process.py), rewards from the project's math environment
     (workers.inslime.reward), slime's train_async.py with the CPU actor, held-out accuracy
     through the pipeline's eval. Three steps: it trains (whole groups of n, graded 0 and 1 as
     the project's grader grades them, rollout log-probs on every sample) and evaluates; learning
@@ -183,6 +184,16 @@ async def test_slimes_fully_async_rollout_trains_the_cpu_actor_on_math_graded_gr
             rewards.add(s.reward)
             assert s.rollout_log_probs is not None and len(s.rollout_log_probs) == s.response_length > 0
     assert rewards == {0.0, 1.0}, f"rewards seen: {rewards}"
+    # slime's samples keep SGLang's labels (no per-token versions): the drift maps them through
+    # the actor's pushes (scripts/oracle/run.py call_versions), so every trained token has its lag,
+    # none below 0 (a label read as a version would be one step too new)
+    from pipeline.drift import format_table
+
+    print(format_table(result.drift))
+    assert result.drift and all(row.lag >= 0 for row in result.drift), result.drift
+    from pipeline.signal_check import MISMATCH_BOUND  # lag 0 is the current policy's own tokens
+
+    assert all(row.mean_abs_dlogp <= MISMATCH_BOUND for row in result.drift if row.lag == 0), result.drift
     assert sorted(result.accuracy) == [0, run.steps], result.accuracy
     for metrics in result.eval_metrics:  # the pipeline's eval (pipeline/evaluation.py dataset_metrics), every round
         assert metrics["eval/heldout/groups_failed"] == 0 and "eval/heldout/turns_mean" in metrics, metrics

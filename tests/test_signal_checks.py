@@ -40,13 +40,19 @@ async def _checked_run(slime, monkeypatch, tmp_path, redis_url, namespace, setup
     warm, tasks, heldout = setup
     stack = await asyncio.to_thread(shared_stack)
     await asyncio.to_thread(stack.configure, policy_path=str(warm))
+    rollout = slime.modules["slime.ray.rollout"]
+    manager_class = rollout.RolloutManager
     try:
         run = LearnRun(steps=STEPS, batch=8, n=4, eval_interval=None, **run_options)
-        return await run_learning(run, slime=slime, monkeypatch=monkeypatch, workdir=tmp_path, redis_url=redis_url,
-                                  ns=namespace, engine_url=stack.router_url, engine_urls=stack.engine_urls,
-                                  warm=warm, tasks=tasks, heldout=heldout)
+        # no monkeypatch: the run installs and undoes slime's stand-ins itself (slime_loop.Patches),
+        # as the bench and `rollout check-signal` run it without pytest
+        result = await run_learning(run, slime=slime, workdir=tmp_path, redis_url=redis_url, ns=namespace,
+                                    engine_url=stack.router_url, engine_urls=stack.engine_urls, warm=warm,
+                                    tasks=tasks, heldout=heldout)
     finally:
         await asyncio.to_thread(stack.configure)
+    assert rollout.RolloutManager is manager_class, "the run left its stand-in for slime's RolloutManager installed"
+    return result
 
 
 def _report(result) -> str:

@@ -1,9 +1,10 @@
 """`rollout bench --sections learn`: does a policy trained on what the pipeline hands slime learn,
 per step as sync does, and sooner per second?
 
-Every run: a fresh redis-server, the simulated engine serving the warm-started tiny LM
-(workers/sim/tinylm.py; step times from the Qwen3-0.6B H100 aiconfigurator table at time scale
-1), the producer and arq workers on the arithmetic task set (scripts/oracle/run.py, `rollout
+Every run: a fresh redis-server; the engine path CI's learning tests run (workers/sim/stack.py,
+child processes of their own: smg -> SGLang's own HTTP front and TokenizerManager -> the simulator
+as its scheduler) serving the warm-started tiny LM (workers/sim/tinylm.py; step times from the
+Qwen3-0.6B H100 aiconfigurator table), the producer and arq workers on the arithmetic task set (scripts/oracle/run.py, `rollout
 prepare`, the math environment), and slime's own train.py with the CPU actor running slime's
 advantage and loss code (scripts/oracle/cpu_actor.py). Held-out accuracy is the pipeline's own eval
 (pass@1 over the held-out problems, temperature 1) every `eval_interval` steps.
@@ -153,7 +154,7 @@ class Curve:
     seconds_are: str = "this machine's"  # or "simulated H100" (the trainer on the engine's clock)
     engine_behind_s: float = 0.0  # the most the engine's steps fell behind its clock, in simulated s
     untrained_groups: int = 0  # slime's fully async: finished groups its worker held at the end (never trained)
-    lag_mean: float = 0.0  # trained samples' policy lag per generate call: rollout id - weight version
+    lag_mean: float = 0.0  # trained tokens' policy lag: the trainer's version then - the token's own (_lags)
     lag_max: int = -1  # -1: not recorded (curves from before the lag was counted)
     # `seconds` less the trainer's overruns so far (x the scale): the time had every step kept its
     # budget. Exact where the trainer is the critical path (sync: the engine idles while it
@@ -171,12 +172,9 @@ def _sim_stat(url: str, key: str) -> float:
 
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
             time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> Curve:
-    import pytest
-
     from pipeline.local_redis import LocalRedis
     from scripts.oracle.cpu_actor import Controls
     from scripts.oracle.run import LearnRun, run_learning
-    from scripts.processes import SimEngineProcess
 
     slime, warm, tasks, heldout = setup
     sub = workdir / f"{re.sub(r'[^a-z0-9]+', '-', contender.name.lower()).strip('-')}-s{seed}"
@@ -189,23 +187,34 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
                    trainer_tokens_per_s=trainer_tokens_per_s(), time_scale=time_scale, worker_process=True,
                    rollout=contender.rollout, loop=contender.loop, slime_concurrency=contender.slime_concurrency,
                    two_turn=two_turn and contender.rollout == "pipeline")  # slime's generate: one turn
-    with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(sub / "engine.log")) as engine:
-        monkeypatch = pytest.MonkeyPatch()
-        clock0, real0 = _sim_stat(engine.url, "sim_time_s"), time.monotonic()
-        try:
-            result = asyncio.run(run_learning(run, slime=slime, monkeypatch=monkeypatch, workdir=sub,
-                                              redis_url=server.url, ns="learn", engine_url=engine.url,
-                                              engine_urls=[engine.url], warm=warm, tasks=tasks, heldout=heldout))
-        finally:
-            monkeypatch.undo()
-        rate = (_sim_stat(engine.url, "sim_time_s") - clock0) / max(time.monotonic() - real0, 1e-9) / time_scale
-        behind = _sim_stat(engine.url, "max_behind_sim_s")
+    with LocalRedis() as server, _engine(engine_args, sub) as stack:
+        stats = stack.control_url(0)  # the simulator's own routes, beside SGLang's front
+        clock0, real0 = _sim_stat(stats, "sim_time_s"), time.monotonic()
+        result = asyncio.run(run_learning(run, slime=slime, workdir=sub, redis_url=server.url, ns="learn",
+                                          engine_url=stack.router_url, engine_urls=stack.engine_urls, warm=warm,
+                                          tasks=tasks, heldout=heldout))
+        rate = (_sim_stat(stats, "sim_time_s") - clock0) / max(time.monotonic() - real0, 1e-9) / time_scale
+        behind = _sim_stat(stats, "max_behind_sim_s")
     kept = {k: (v - _overrun_before(result.trainer_steps, k)) * time_scale for k, v in result.seconds.items()}
     return Curve(contender.name, seed, result.accuracy, {k: v * time_scale for k, v in result.seconds.items()}, rate,
                  result.wall_s, accuracy_se=dict(result.accuracy_se), time_scale=time_scale, trainer_overruns=result.trainer_overruns,
                  trainer_cpu_share=result.trainer_cpu_share, seconds_are=SIMULATED, engine_behind_s=behind,
                  untrained_groups=result.untrained_groups, seconds_kept=kept, lr=lr,
-                 drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.samples))
+                 drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.drift))
+
+
+def _engine(engine_args: list[str], sub: Path) -> Any:
+    """The engine path CI's learning tests run (workers/sim/stack.py): smg -> SGLang's own HTTP
+    front and TokenizerManager (its /generate, /update_weights_from_disk, /update_weight_version,
+    /pause_generation) -> the simulator as its scheduler, in child processes of their own; the
+    simulator set by `engine_args`, `rollout engine` flags. SGLang and smg are the `conformance`
+    extra's: without them the bench says so rather than run another engine path."""
+    from workers.sim.stack import engine_stack, missing_parts, sim_fields
+
+    missing = missing_parts("smg")
+    if missing is not None:
+        raise SystemExit(f"[learn] the bench runs SGLang's front as CI does: {missing}")
+    return engine_stack(sub / "engine", 1, router="smg", sim=sim_fields(engine_args))
 
 
 def _overrun_before(steps: list[tuple[int, float, float]], done: int) -> float:
@@ -213,17 +222,15 @@ def _overrun_before(steps: list[tuple[int, float, float]], done: int) -> float:
     return sum(max(0.0, used - budget) for _, budget, used in steps[:done] if budget)
 
 
-def _lags(batches: dict[int, list[Any]]) -> dict[str, Any]:
-    """The lag of every generate call of every trained sample: the rollout id that trained it
-    minus the weight version that answered it (the engine starts at version 0 and the CPU actor's
-    k-th push is version k, so under train.py's order a sample of rollout r made after r pushes
-    has lag 0), as the peer bench counts it (peer_contenders.record_step)."""
-    lags = []
-    for rollout_id, batch in batches.items():
-        for sample in (s for item in batch for s in (item if isinstance(item, list) else [item])):
-            if not getattr(sample, "remove_sample", False):
-                lags += [rollout_id - int(label) for label in (sample.weight_versions or [])]
-    return {"lag_mean": statistics.fmean(lags) if lags else 0.0, "lag_max": max(lags, default=0)}
+def _lags(drift: list[Any]) -> dict[str, Any]:
+    """The policy lag of every trained token, from the run's drift table (scripts/oracle/run.py
+    `drift_by_lag`): the trainer's version at the step that trained it minus the token's own
+    policy version (`Sample.token_version_runs`, so a call that lived through a push counts each
+    token at the weights that made it, not at the call's first label). Sync: 0 for every token."""
+    counted = [(int(row.lag), int(row.tokens)) for row in drift if row.tokens]
+    tokens = sum(n for _, n in counted)
+    return {"lag_mean": sum(lag * n for lag, n in counted) / tokens if tokens else 0.0,
+            "lag_max": max((lag for lag, _ in counted), default=0)}
 
 
 def _setup(workdir: Path) -> Any:
@@ -351,7 +358,7 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"sync's final held-out accuracy (mean of its seeds): {summary['sync_final_accuracy']:.3f}", "",
              "| contender | seeds | held-out accuracy by step (mean ± the eval's standard error) | gain (per seed) | steps to sync's final | "
              "simulated H100 s to sync's final (at step) | final step minus sync (95% bootstrap over seeds) | "
-             "simulated H100 s at the last step, mean [less overruns] | lag per generate call, mean / max | finished groups never trained | "
+             "simulated H100 s at the last step, mean [less overruns] | lag per trained token (its own version), mean / max | finished groups never trained | "
              "engine busy share (behind its clock, max s) | trainer CPU share of its step, max (overruns) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in summary["contenders"].items():

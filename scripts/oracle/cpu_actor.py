@@ -284,7 +284,7 @@ class CPUActor(MegatronActor):
         for url in self.cluster.engine_urls:
             post_json(url, "/pause_generation", pause_body(self.cluster.push_mode))
             # under an in_place pause the paused requests hold KV: SGLang refuses the default cache
-            # flush (HTTP 400, tests/engine_stack.py), so that push keeps the cache, as slime's
+            # flush (HTTP 400, workers/sim/sglang_front.py), so that push keeps the cache, as slime's
             # updaters do (flush_cache=False on every update call)
             post_json(url, "/update_weights_from_disk", {"model_path": path, "weight_version": label,
                                                          "flush_cache": self.cluster.push_mode != "in_place"})

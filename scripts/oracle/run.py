@@ -3,7 +3,7 @@
 - **Tasks and warm start**: workers/sim/arith.py (the product's, which `rollout check-signal`
   runs too), imported here under their old names.
 - **Run** (`run_learning`): redis-server, the producer, arq workers, SGLang's front over the
-  simulator serving the tiny LM (tests/engine_stack.py), and slime's own train.py /
+  simulator serving the tiny LM (workers/sim/stack.py), and slime's own train.py /
   train_async.py (scripts/oracle/slime_loop.py) with the CPU actor (scripts/oracle/cpu_actor.py) training
   on what slime's RolloutManager hands it and pushing weights with /update_weights_from_disk.
   Held-out accuracy is the pipeline's own eval (`pipeline_eval_datasets`, slime's
@@ -70,7 +70,8 @@ class LearnRun:
     worker_process: bool = False
     # what feeds slime's loop: "pipeline" (RedisDataSource + pipeline.slime.generate_rollout, the
     # producer and workers) or "slime_fully_async" (slime's own RolloutDataSourceWithBuffer and
-    # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`)
+    # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`;
+    # its RolloutManager in a process of its own, scripts/oracle/rollout_process.py)
     rollout: str = "pipeline"
     two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
     env_fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (TwoTurnArithmetic)
@@ -149,9 +150,13 @@ def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[s
     }
 
 
-async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: Path, redis_url: str, ns: str,
-                       engine_url: str, engine_urls: list[str], warm: Path, tasks: Path, heldout: Path) -> LearnResult:
-    """slime's loop with the CPU actor over the whole pipeline; held-out accuracy per eval."""
+async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: str, ns: str, engine_url: str,
+                       engine_urls: list[str], warm: Path, tasks: Path, heldout: Path,
+                       monkeypatch: Any = None) -> LearnResult:
+    """slime's loop with the CPU actor over the whole pipeline; held-out accuracy per eval.
+
+    The stand-ins under slime's loop (slime_loop.install) go in through `monkeypatch` (pytest's,
+    which the test undoes) or, None, through a `Patches` of the run's own, undone when it ends."""
     import asyncio
     import time
 
@@ -166,7 +171,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         quiet_transformers,
         slime_loss_args,
     )
-    from scripts.oracle.slime_loop import Cluster, install, load_loop, slime_args
+    from scripts.oracle.rollout_process import RolloutProcess
+    from scripts.oracle.slime_loop import Cluster, Patches, install, load_loop, slime_args
     from workers.settings import build_worker, stop_worker
 
     if run.rollout not in ROLLOUTS:
@@ -215,13 +221,17 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
 
     args = slime_args(pipeline_args, num_rollout=run.steps, interval=1, save_interval=10**6)
     args.eval_interval, args.skip_eval_before_train = run.eval_interval, run.loop != "train"
+    # slime's fully async rollout: its RolloutManager in a process of its own, as a Ray actor is,
+    # started (its imports done) before the clock
+    rollout_process = RolloutProcess(slime.path) if fully_async else None
     started = time.monotonic()
     seconds: dict[int, float] = {}
     first_eval, untrained = None, 0
+    own_patches = Patches() if monkeypatch is None else None
+    patches = own_patches or monkeypatch
     try:
-        install(monkeypatch, loop, slime, cluster, actor=actor)
-        if fully_async:
-            fresh_slime_rollout_process()
+        install(patches, loop, slime, cluster, actor=actor,
+                manager=rollout_process.manager if rollout_process is not None else None)
         if fully_async and args.skip_eval_before_train:  # train_async.py evaluates after steps only: the start too
             first_eval = await asyncio.to_thread(pipeline_eval, args, 0, None)
             first_eval_at = time.monotonic()
@@ -230,9 +240,9 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         manager = cluster.managers[-1]
         await asyncio.to_thread(manager.close)
     finally:
-        if fully_async:
-            untrained = await asyncio.to_thread(stop_fully_async_worker, args)
-            close_eval_sources()
+        if rollout_process is not None:
+            untrained = await asyncio.to_thread(rollout_process.stop)
+            close_eval_sources()  # the first eval's, in this process
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
@@ -241,6 +251,8 @@ async def run_learning(run: LearnRun, *, slime: Any, monkeypatch: Any, workdir: 
         if child is not None:
             await asyncio.to_thread(child.stop)
         await redis.aclose()
+        if own_patches is not None:
+            own_patches.undo()
     accuracy, greedy, accuracy_se = {}, {}, {}
     rounds = [(0, first_eval.metrics, first_eval_at)] if first_eval is not None else []
     for i, (rid, metrics, when) in enumerate(manager.evals):
@@ -290,15 +302,30 @@ def drift_by_lag(cluster: Any, manager: Any, trainer: Any) -> list[Any]:
     version then minus the token's own policy version."""
     from pipeline.drift import DriftTally, token_versions
 
-    trained = cluster.trained[max(cluster.trained)] if cluster.trained else {}
+    run = max(cluster.trained) if cluster.trained else 0
+    trained = cluster.trained.get(run, {})
     tally = DriftTally()
     for rid, data in sorted(trained.items()):
         samples = flat_samples(manager.batches[rid])
-        versions = [token_versions(s.response_length, s.metadata.get("token_version_runs"), s.weight_versions, mask)
+        versions = [token_versions(s.response_length, s.metadata.get("token_version_runs"),
+                                   call_versions(s, cluster.truth, run), mask)
                     for s, mask in zip(samples, data["loss_masks"])]
         tally.add_step(trainer.version_at[rid], trainer.recomputed[rid], data["rollout_log_probs"],
                        data["loss_masks"], versions)
     return tally.table()
+
+
+def call_versions(sample: Any, truth: dict[tuple[int, str], int], run: int) -> list[Any]:
+    """A sample's policy version per generate call. The pipeline's samples carry versions already
+    (pipeline/slime_samples.py: `weight_versions` are policy versions, the engine's labels kept in
+    `engine_weight_versions`); slime's own generate (the fully async contender) keeps SGLang's
+    labels, which the actor's pushes map to versions (`Cluster.truth`: slime's k-th push of a
+    process is label k, the policy after k - 1 steps there); a label no push made (the engine's
+    start, "0" in the bench) is its own number."""
+    labels = list(sample.weight_versions or [])
+    if "engine_weight_versions" in (sample.metadata or {}):
+        return labels
+    return [truth.get((run, str(label)), label) for label in labels]
 
 
 def flat_samples(batch: list[Any]) -> list[Any]:
@@ -327,7 +354,7 @@ def _gap_between_turns(mask: list[int]) -> bool:
 # ---------------------------------------------------------------- slime's fully async rollout
 
 ROLLOUTS = ("pipeline", "slime_fully_async")
-EVAL_FUNCTION_PATH = "learning.pipeline_eval"  # slime's --eval-function-path for slime's own rollout
+EVAL_FUNCTION_PATH = "scripts.oracle.run.pipeline_eval"  # slime's --eval-function-path for slime's own rollout
 _EVAL_SOURCES: dict[tuple[str, str], Any] = {}  # (redis url, namespace) -> the eval's RedisDataSource
 
 
@@ -349,7 +376,7 @@ def slime_fully_async_args(run: LearnRun, workdir: Path, engine_url: str, engine
     --data-source-path slime.rollout.data_source.RolloutDataSourceWithBuffer
     --prompt-data train-raw.jsonl --input-key question --label-key answer --apply-chat-template
     --custom-rm-path workers.inslime.reward --custom-config-path <the `arith` math environment>
-    --eval-function-path learning.pipeline_eval --sglang-server-concurrency `run.slime_concurrency`
+    --eval-function-path scripts.oracle.run.pipeline_eval --sglang-server-concurrency `run.slime_concurrency`
 
     The prompts are the train split's raw problems (what `rollout prepare` turned into the
     pipeline's `arith` tasks); slime's default generate runs one turn, so only those. The reward
@@ -392,7 +419,7 @@ def pipeline_eval(args: Any, rollout_id: int, data_source: Any, evaluation: bool
     from pipeline.slime import RedisDataSource
 
     if not evaluation:
-        raise ValueError("learning.pipeline_eval is an eval function (slime calls it with evaluation=True)")
+        raise ValueError("scripts.oracle.run.pipeline_eval is an eval function (slime calls it with evaluation=True)")
     key = (str(args.pipeline_redis_url), str(args.pipeline_namespace))
     source = _EVAL_SOURCES.get(key)
     if source is None:

@@ -20,6 +20,7 @@ requests as SGLang does, under in_place / retract they keep them) and records wh
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import threading
 import time
@@ -28,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
+from unittest import mock
 
 from pipeline.weight_push import PushMode, push_weights
 
@@ -163,7 +165,7 @@ class Cluster:
         self.checkpoint: int | None = None  # the last rollout id saved
         self.trained: dict[int, dict[int, Any]] = {}  # run -> rollout id -> what the actor trained on
         self.starts: dict[int, int] = {}  # run -> its start_rollout_id
-        self.managers: list[RolloutManagerActor] = []
+        self.managers: list[Any] = []  # RolloutManagerActor, or rollout_process.RolloutManagerHandle
 
 
 class MegatronActor:
@@ -218,11 +220,35 @@ def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int
     ), **pipeline_args})
 
 
+class Patches:
+    """Attributes replaced for one run and put back by `undo()`: the two methods of pytest's
+    MonkeyPatch that `install` calls (`setattr`, `undo`), without pytest (a test dependency, not a
+    runtime one), on the standard library's `unittest.mock.patch.object` (the attribute must exist;
+    undone in reverse order). Also a context manager: `with Patches() as patches: ...`."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+
+    def setattr(self, target: Any, name: str, value: Any) -> None:
+        self._stack.enter_context(mock.patch.object(target, name, value))
+
+    def undo(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> Patches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.undo()
+
+
 def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *, crash_at: int | None = None,
-            actor: Any = None) -> None:
-    """Stand in for Ray, placement and the actor model under slime's own functions, for one
-    trainer process (its run number is the one its data source began). `actor(cluster, run,
-    start, crash_at)` builds the actor (default: `MegatronActor`, which trains nothing)."""
+            actor: Any = None, manager: Any = None) -> None:
+    """Stand in for Ray, placement and the actor model under slime's own functions (through
+    `monkeypatch.setattr`: a `Patches`, or pytest's MonkeyPatch in a test), for one trainer process (its run number is the one its data source began). `actor(cluster, run,
+    start, crash_at)` builds the actor (default: `MegatronActor`, which trains nothing); `manager(args)`
+    the RolloutManager (default: a `RolloutManagerActor` in this process; rollout_process.py's in a
+    process of its own)."""
     placement = slime.modules["slime.ray.placement_group"]
     rollout = slime.modules["slime.ray.rollout"]
     manager_cls = rollout.RolloutManager.__ray_actor_class__  # slime's class (@ray.remote wraps it)
@@ -234,10 +260,10 @@ def install(monkeypatch: Any, loop: ModuleType, slime: Any, cluster: Cluster, *,
         def options(**_: Any) -> Any:
             return SimpleNamespace(remote=lambda args, pg: _new_manager(args))
 
-    def _new_manager(args: Namespace) -> RolloutManagerActor:
-        manager = RolloutManagerActor(manager_cls, args)
-        cluster.managers.append(manager)
-        return manager
+    def _new_manager(args: Namespace) -> Any:
+        built = manager(args) if manager is not None else RolloutManagerActor(manager_cls, args)
+        cluster.managers.append(built)
+        return built
 
     def create_actor_model(args: Namespace, pgs: Any, rollout_manager: Any, actor_cls: Any = None) -> Any:
         start = 0 if cluster.checkpoint is None else cluster.checkpoint + 1  # actor.py: loaded_rollout_id + 1

@@ -344,7 +344,7 @@ def _gap_between_turns(mask: list[int]) -> bool:
 # ---------------------------------------------------------------- slime's fully async rollout
 
 ROLLOUTS = ("pipeline", "slime_fully_async")
-EVAL_FUNCTION_PATH = "learning.pipeline_eval"  # slime's --eval-function-path for slime's own rollout
+EVAL_FUNCTION_PATH = "scripts.oracle.run.pipeline_eval"  # slime's --eval-function-path for slime's own rollout
 _EVAL_SOURCES: dict[tuple[str, str], Any] = {}  # (redis url, namespace) -> the eval's RedisDataSource
 
 
@@ -366,7 +366,7 @@ def slime_fully_async_args(run: LearnRun, workdir: Path, engine_url: str, engine
     --data-source-path slime.rollout.data_source.RolloutDataSourceWithBuffer
     --prompt-data train-raw.jsonl --input-key question --label-key answer --apply-chat-template
     --custom-rm-path workers.inslime.reward --custom-config-path <the `arith` math environment>
-    --eval-function-path learning.pipeline_eval --sglang-server-concurrency `run.slime_concurrency`
+    --eval-function-path scripts.oracle.run.pipeline_eval --sglang-server-concurrency `run.slime_concurrency`
 
     The prompts are the train split's raw problems (what `rollout prepare` turned into the
     pipeline's `arith` tasks); slime's default generate runs one turn, so only those. The reward
@@ -409,7 +409,7 @@ def pipeline_eval(args: Any, rollout_id: int, data_source: Any, evaluation: bool
     from pipeline.slime import RedisDataSource
 
     if not evaluation:
-        raise ValueError("learning.pipeline_eval is an eval function (slime calls it with evaluation=True)")
+        raise ValueError("scripts.oracle.run.pipeline_eval is an eval function (slime calls it with evaluation=True)")
     key = (str(args.pipeline_redis_url), str(args.pipeline_namespace))
     source = _EVAL_SOURCES.get(key)
     if source is None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from workers.sim import sums
 from workers.sim.arith import TWO_TURN_OPERANDS, fact, math_env, problems, two_turn_env
 
 REPO = Path(__file__).resolve().parent.parent  # the checkout (`rollout prepare` runs from it)
@@ -39,6 +40,24 @@ def prepare_tasks(workdir: Path) -> tuple[Path, Path]:
             envs["arith2"] = {**two_turn_env(), "dataset": _dataset(two.name)}
         config = workdir / f"prepare-{split}.yaml"
         config.write_text(yaml.safe_dump({"environments": envs}))
+        tasks = workdir / ("tasks.jsonl" if split == "train" else "heldout.jsonl")
+        subprocess.run([sys.executable, "-m", "producers.prepare_tasks", "--config", str(config),
+                        "--output", str(tasks)], check=True, cwd=REPO, capture_output=True)
+        out.append(tasks)
+    return out[0], out[1]
+
+
+def prepare_sums_tasks(workdir: Path) -> tuple[Path, Path]:
+    """tasks.jsonl (the `sums` family's train split) and heldout.jsonl (its held-out split),
+    each written by `rollout prepare` for the math environment (workers/sim/sums.py)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for split, held in (("train", False), ("heldout", True)):
+        rows = [(i, q, a) for i, (q, a, h) in enumerate(sums.problems()) if h == held]
+        raw = workdir / f"{split}-raw.jsonl"
+        raw.write_text("".join(json.dumps({"id": f"{split}-{i}", "question": q, "answer": a}) + "\n" for i, q, a in rows))
+        config = workdir / f"prepare-{split}.yaml"
+        config.write_text(yaml.safe_dump({"environments": {sums.ENV: {**math_env(), "dataset": _dataset(raw.name)}}}))
         tasks = workdir / ("tasks.jsonl" if split == "train" else "heldout.jsonl")
         subprocess.run([sys.executable, "-m", "producers.prepare_tasks", "--config", str(config),
                         "--output", str(tasks)], check=True, cwd=REPO, capture_output=True)

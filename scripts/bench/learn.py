@@ -34,6 +34,14 @@ engine's steps fell behind its clock (`max_behind_sim_s`, simulated seconds; ~0 
 kept the scale) and the trainer's CPU share (the largest share of a step's budget the CPU's own
 work took; above 1 the step overran and the seconds are the CPU's, counted as overruns). Beside
 them, the engine's busy share (its clock runs while it has work: busy simulated s / the run's).
+
+`--family sums` (workers/sim/sums.py: worked answers of 2-30 lines, a heavy tail the tiny model
+writes itself) with the engine's steps stretched by the family's calibrated factor
+(`--step-time-factor`; scripts/bench/learn_clock.py) puts the run on a real run's clock: the bench
+then prints, per contender, the generate call's seconds a step against the trainer's (sync's
+against the 2-3x goal), the answers' length percentiles, and the seconds to sync's final accuracy
+(eta 2's against the goal of 0.6x sync's), each goal MET / NOT MET (docs/benchmarks.md "The
+user's clock").
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from typing import Any
 import msgspec
 
 from pipeline.drift import LagDrift, format_table
+from scripts.bench.learn_clock import STEP_TIME_FACTOR, clock_lines, length_stats, step_split
 from scripts.bench.report import Figure
 from workers.sim.arith import LEARN_LR
 
@@ -163,6 +172,8 @@ class Curve:
     lr: float = 0.0  # the trainer's learning rate (0: not recorded)
     accuracy_se: dict[int, float] = field(default_factory=dict)  # the eval's standard error over its problems
     drift: list[dict[str, Any]] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, as builtins
+    split: dict[str, float] = field(default_factory=dict)  # learn_clock.step_split: generate vs trainer s a step
+    response_tokens: dict[str, Any] = field(default_factory=dict)  # learn_clock.length_stats
 
 
 def _sim_stat(url: str, key: str) -> float:
@@ -171,7 +182,8 @@ def _sim_stat(url: str, key: str) -> float:
 
 
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
-            time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> Curve:
+            time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR,
+            family: str = "arith", step_time_factor: float | None = None) -> Curve:
     from pipeline.local_redis import LocalRedis
     from scripts.oracle.cpu_actor import Controls
     from scripts.oracle.run import LearnRun, run_learning
@@ -180,13 +192,14 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
     sub = workdir / f"{re.sub(r'[^a-z0-9]+', '-', contender.name.lower()).strip('-')}-s{seed}"
     sub.mkdir(parents=True, exist_ok=True)
     engine_args = ["--policy-path", str(warm), "--model", MODEL, "--gpu", GPU, "--time-scale", str(time_scale),
-                   "--seed", str(seed), "--weight-version", "0"]
+                   "--seed", str(seed), "--weight-version", "0", "--step-time-factor",
+                   str(step_time_factor if step_time_factor is not None else STEP_TIME_FACTOR[family])]
     lr = contender.lr if contender.lr is not None else lr
     run = LearnRun(steps=steps, eval_interval=eval_interval, eta=contender.eta, lr=lr, use_tis=contender.use_tis,
                    use_rollout_logprobs=contender.use_rollout_logprobs, seed=seed, controls=Controls(**contender.controls),
                    trainer_tokens_per_s=trainer_tokens_per_s(), time_scale=time_scale, worker_process=True,
                    rollout=contender.rollout, loop=contender.loop, slime_concurrency=contender.slime_concurrency,
-                   two_turn=two_turn and contender.rollout == "pipeline")  # slime's generate: one turn
+                   two_turn=two_turn and contender.rollout == "pipeline", family=family)  # slime's generate: one turn
     with LocalRedis() as server, _engine(engine_args, sub) as stack:
         stats = stack.control_url(0)  # the simulator's own routes, beside SGLang's front
         clock0, real0 = _sim_stat(stats, "sim_time_s"), time.monotonic()
@@ -200,7 +213,9 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
                  result.wall_s, accuracy_se=dict(result.accuracy_se), time_scale=time_scale, trainer_overruns=result.trainer_overruns,
                  trainer_cpu_share=result.trainer_cpu_share, seconds_are=SIMULATED, engine_behind_s=behind,
                  untrained_groups=result.untrained_groups, seconds_kept=kept, lr=lr,
-                 drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.drift))
+                 drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.drift),
+                 split=step_split(result.generate_s, result.trainer_steps, time_scale),
+                 response_tokens=length_stats(result.samples))
 
 
 def _engine(engine_args: list[str], sub: Path) -> Any:
@@ -233,7 +248,7 @@ def _lags(drift: list[Any]) -> dict[str, Any]:
             "lag_max": max((lag for lag, _ in counted), default=0)}
 
 
-def _setup(workdir: Path) -> Any:
+def _setup(workdir: Path, family: str = "arith") -> Any:
     """slime on sys.path with pipeline.slime bound to its classes, the task set, the warm start."""
     import importlib
     from types import SimpleNamespace
@@ -249,11 +264,13 @@ def _setup(workdir: Path) -> Any:
              "slime.ray.placement_group")
     slime = SimpleNamespace(path=path, modules={name: importlib.import_module(name) for name in names})
     import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
-    from scripts.tiny_tasks import prepare_tasks
-    from workers.sim.arith import warm_checkpoint
+    from scripts.tiny_tasks import prepare_sums_tasks, prepare_tasks
+    from workers.sim import arith, sums
 
+    if family == "sums":  # the answers of heavy-tailed length (workers/sim/sums.py), its own warm start
+        return slime, sums.warm_checkpoint(), *prepare_sums_tasks(workdir / "tasks")
     tasks, heldout = prepare_tasks(workdir / "tasks")
-    return slime, warm_checkpoint(), tasks, heldout
+    return slime, arith.warm_checkpoint(), tasks, heldout
 
 
 def start_line(warm: Path) -> str:
@@ -264,9 +281,13 @@ def start_line(warm: Path) -> str:
         return f"[learn] warm start {warm}: held-out accuracy not measured (built before issue 45)"
     t1 = info["heldout_accuracy"]
     verdict = "MET" if 0.10 <= t1 <= 0.50 else "NOT MET"
-    return (f"[learn] the start on the held-out problems: {t1:.3f} at temperature 1 (goal 10-50%: {verdict}), "
-            f"greedy {info['heldout_greedy_accuracy']:.3f}, greedy after a forced \\boxed{{ "
-            f"{info['heldout_boxed_greedy_accuracy']:.3f}; on its train problems {info['accuracy']:.3f} at temperature 1")
+    line = (f"[learn] the start on the held-out problems: {t1:.3f} at temperature 1 (goal 10-50%: {verdict}), "
+            f"greedy {info['heldout_greedy_accuracy']:.3f}")
+    if "response_tokens" in info:  # the sums family (workers/sim/sums.py): its answers' lengths at temperature 1
+        return line + ("; its held-out answers' tokens at temperature 1: "
+                       + ", ".join(f"{k} {v:.0f}" for k, v in info["response_tokens"].items()))
+    return (line + f", greedy after a forced \\boxed{{ {info['heldout_boxed_greedy_accuracy']:.3f}; "
+            f"on its train problems {info['accuracy']:.3f} at temperature 1")
 
 
 def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
@@ -317,6 +338,7 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
             "lag_mean": [round(c.lag_mean, 2) for c in runs], "lag_max": [c.lag_max for c in runs],
             "untrained_groups": [c.untrained_groups for c in runs],
             "lr": sorted({c.lr for c in runs}), "drift": [msgspec.to_builtins(r) for r in _pooled_drift(runs)],
+            "split": [c.split for c in runs], "response_tokens": [c.response_tokens.get("overall", {}) for c in runs],
         }
     return out
 
@@ -432,7 +454,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_interval: int = 4,
                 deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS,
                 seed_ids: tuple[int, ...] | None = None, merge: Path | None = None,
-                time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR) -> list[Figure]:
+                time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR,
+                family: str = "arith", step_time_factor: float | None = None) -> list[Figure]:
     """Run every contender for every seed (seed-major), write learn.json / learn.txt / learn.png
     in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table).
     `seed_ids`: these seeds instead of 0..seeds-1. `merge`: an earlier learn.json whose curves
@@ -445,7 +468,7 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
         seeds, steps = 1, 8
     workdir = Path(tempfile.mkdtemp(prefix="bench-learn-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup = _setup(workdir)
+    setup = _setup(workdir, family)
     print(start_line(setup[1]), flush=True)
     from scripts.oracle.cpu_actor import quiet_transformers
 
@@ -462,7 +485,8 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                 continue
             try:
                 curve = run_one(contender, seed, steps=steps, eval_interval=eval_interval, workdir=workdir, setup=setup,
-                                time_scale=time_scale, two_turn=two_turn, lr=lr)
+                                time_scale=time_scale, two_turn=two_turn, lr=lr, family=family,
+                                step_time_factor=step_time_factor)
             except Exception as exc:  # noqa: BLE001 - a failed run is reported, the others go on
                 curve = Curve(contender.name, seed, {}, {}, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}")
             curves.append(curve)
@@ -472,11 +496,12 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                   f"{curve.clock_rate:.2f}, behind its clock by up to {curve.engine_behind_s:.2f} s; trainer CPU share {curve.trainer_cpu_share:.2f}, "
                   f"{curve.trainer_overruns} overruns"
                   f"{f'; {curve.untrained_groups} finished groups never trained' if curve.untrained_groups else ''})"
-                  f"; lr {curve.lr:g}, drift per lag: " + _drift_line(curve), flush=True)
+                  f"; lr {curve.lr:g}, drift per lag: " + _drift_line(curve) + _clock_line(curve), flush=True)
             _write(curves, skipped, out_dir)
     summary = _write(curves, skipped, out_dir)
     print(table(summary))
     print(drift_tables(summary))
+    print(clock_lines(summary))
     figures = []
     for name, c in summary["contenders"].items():
         goal_met = c["gain"] < 0.1 if name.startswith("(") else c["steps_to_sync_final"] is not None
@@ -484,6 +509,16 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
                               unit="accuracy", goal="no rise (a control)" if name.startswith("(") else
                               "reaches sync's final accuracy", met=goal_met, details=c))
     return figures
+
+
+def _clock_line(curve: Curve) -> str:
+    """The run's generation vs trainer seconds a step and its answers' lengths, per step."""
+    if not curve.split:
+        return ""
+    steps = "; ".join(f"{rid}: p50 {p['p50']:.0f} p90 {p['p90']:.0f} max {p['max']:.0f}"
+                      for rid, p in curve.response_tokens.get("by_step", {}).items() if p)
+    return (f"; generate {curve.split['generate_s']:.2f} s vs trainer {curve.split['trainer_s']:.2f} s a step "
+            f"(median, simulated: {curve.split['ratio']:.2f}x); response tokens per step: {steps}")
 
 
 def _drift_line(curve: Curve) -> str:
@@ -523,7 +558,8 @@ def _write(curves: list[Curve], skipped: list[str], out_dir: Path) -> dict[str, 
     summary["failed"] = [f"{c.contender} seed {c.seed}: {c.error}" for c in curves if c.error]
     (out_dir / "learn.json").write_text(json.dumps({"summary": summary, "curves": [asdict(c) for c in curves]},
                                                    indent=1, default=str))
-    text = table(summary) + "\n\n" + drift_tables(summary) if summary["contenders"] else "(no run finished)"
+    text = (table(summary) + "\n\n" + drift_tables(summary) + "\n\n" + clock_lines(summary)
+            if summary["contenders"] else "(no run finished)")
     if skipped:
         text += f"\n\nnot run (time budget): {', '.join(skipped)}"
     if summary["failed"]:
@@ -554,13 +590,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=DEFAULT_LR,
                    help=f"the trainer's learning rate for contenders without their own (default {DEFAULT_LR:g}, "
                         f"calibrated to a real run's drift; the stress rows run {STRESS_LR:g})")
+    p.add_argument("--family", choices=("arith", "sums"), default="arith",
+                   help="the task family: arith (16-token answers; the CI tests') or sums (worked answers of 2-30 "
+                        "lines, a heavy tail: the generation-bound clock, docs/benchmarks.md \"The user's clock\")")
+    p.add_argument("--step-time-factor", type=float, default=None,
+                   help="the engine's steps this many times the table's (default: the family's calibrated factor, "
+                        "scripts/bench/learn_clock.py STEP_TIME_FACTOR)")
     p.add_argument("--merge", type=Path, default=None,
                    help="an earlier learn.json: keep its curves (those rerun here replaced) in the table and plot")
     a = p.parse_args(argv)
     seed_ids = tuple(int(s) for s in a.seed_ids.split(",")) if a.seed_ids.strip() else None
     bench_learn(seeds=a.seeds, steps=a.steps, eval_interval=a.eval_interval, deadline_s=a.deadline_s,
                 out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge,
-                time_scale=a.time_scale, two_turn=a.two_turn, lr=a.lr)
+                time_scale=a.time_scale, two_turn=a.two_turn, lr=a.lr, family=a.family,
+                step_time_factor=a.step_time_factor)
     return 0
 
 

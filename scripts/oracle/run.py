@@ -74,6 +74,9 @@ class LearnRun:
     # its RolloutManager in a process of its own, scripts/oracle/rollout_process.py)
     rollout: str = "pipeline"
     two_turn: bool = True  # the two-turn task in the producer's train mix (a quarter of it)
+    # the task family: "arith" (workers/sim/arith.py, 16 response tokens) or "sums"
+    # (workers/sim/sums.py: worked answers of 2-30 lines, a heavy tail; single-turn only)
+    family: str = "arith"
     env_fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (TwoTurnArithmetic)
     # slime's --sglang-server-concurrency (its default, slime/backends/sglang_utils/arguments.py):
     # the fully async worker's groups in flight and slime's per-sample semaphore, x engines
@@ -97,6 +100,8 @@ class LearnResult:
     signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
     drift: list[Any] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, over every trained step
     accuracy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> the eval's standard error
+    # rollout id -> real seconds slime's loop spent in its generate call (sync: the step's whole generation)
+    generate_s: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -122,28 +127,35 @@ def _first_few(messages: list[str], few: int = 3) -> list[str]:
     return messages[:few] + ([f"... and {len(messages) - few} more"] if len(messages) > few else [])
 
 
-def eval_file(workdir: Path, heldout: Path, samples: int, greedy: bool = False) -> Path:
+def eval_file(workdir: Path, heldout: Path, samples: int, greedy: bool = False, env: str = "arith") -> Path:
     path = workdir / "eval.yaml"
     import yaml
 
-    datasets = [{"name": "heldout", "env": "arith", "tasks": str(heldout), "n_samples": samples,
+    datasets = [{"name": "heldout", "env": env, "tasks": str(heldout), "n_samples": samples,
                  "sampling": {"temperature": 1.0}}]
     if greedy:
-        datasets.append({"name": "greedy", "env": "arith", "tasks": str(heldout), "n_samples": 1,
+        datasets.append({"name": "greedy", "env": env, "tasks": str(heldout), "n_samples": 1,
                          "sampling": {"temperature": 0.0}})
     path.write_text(yaml.safe_dump(datasets))
     return path
 
 
 def worker_config(redis_url: str, ns: str, engine: str, run: LearnRun) -> dict[str, Any]:
+    if run.family == "sums":  # one single-turn environment, answers up to its budget
+        from workers.sim import sums
+
+        environments, max_tokens = {sums.ENV: math_env()}, sums.MAX_RESPONSE_TOKENS
+    else:
+        environments = {"arith": math_env(), **(
+            {"arith2": {**two_turn_env(run.env_fail_divisor), "weight": 1 / 3}} if run.two_turn else {})}
+        max_tokens = 16
     return {
         "redis": {"url": redis_url, "namespace": ns},
         "engine": {"url": engine, "max_retries": 2, "retry_backoff_s": 0.05},
         "rollout": {"n_samples_per_prompt": run.n, "rollout_batch_size": run.batch, "eta": run.eta,
-                    "max_response_tokens": 16, "sampling": run.sampling},
+                    "max_response_tokens": max_tokens, "sampling": run.sampling},
         # the two-turn task is a quarter of what the producer admits (its mixing weight)
-        "environments": {"arith": math_env(),
-                         **({"arith2": {**two_turn_env(run.env_fail_divisor), "weight": 1 / 3}} if run.two_turn else {})},
+        "environments": environments,
         # liveness lenient: the CPU actor shares this process, and a stalled event loop must not
         # make a job that is starting look orphaned (it would be re-run)
         "workers": {"concurrency": run.concurrency, "heartbeat_s": 2.0, "dead_after_s": 30.0, "poll_delay_s": 0.02},
@@ -178,6 +190,9 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     if run.rollout not in ROLLOUTS:
         raise ValueError(f"LearnRun.rollout {run.rollout!r}: one of {', '.join(ROLLOUTS)}")
     fully_async = run.rollout == "slime_fully_async"  # no producer: the workers run the eval jobs only
+    if run.family not in ("arith", "sums") or (run.family == "sums" and (fully_async or run.two_turn)):
+        raise ValueError(f"LearnRun.family {run.family!r}: arith, or sums (single-turn, the pipeline's rollout: "
+                         "slime's fully async contender runs arith's 16-token answers)")
     quiet_transformers()
     loop = load_loop(slime.path, run.loop)
     raw_config = worker_config(redis_url, ns, engine_url, run)
@@ -187,14 +202,16 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     tasks_running = [asyncio.create_task(w.async_run()) for w in workers]
     redis = connect(redis_url)
     producer = None if fully_async else asyncio.create_task(run_producer(
-        config, train_tasks(tasks, run.two_turn), follow=True, epochs=1000, redis=redis,
+        config, train_tasks(tasks, run.two_turn) if run.family == "arith" else tasks, follow=True, epochs=1000, redis=redis,
         options=ProducerOptions(poll_s=0.02)))
     cluster = Cluster(engine_urls)
     pipeline_args = dict(
         pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=run.batch,
         n_samples_per_prompt=run.n, pipeline_eta=run.eta, pipeline_wait_timeout_s=300.0, pipeline_wait_log_s=30.0,
         pipeline_trainer_loop="sync" if run.loop == "train" else "async",
-        pipeline_eval_datasets=str(eval_file(workdir, heldout, run.eval_samples, run.eval_greedy)), pipeline_eval_timeout_s=300.0,
+        pipeline_eval_datasets=str(eval_file(workdir, heldout, run.eval_samples, run.eval_greedy,
+                                             "sums" if run.family == "sums" else "arith")),
+        pipeline_eval_timeout_s=300.0,
         sglang_router_ip="127.0.0.1", sglang_router_port=int(engine_url.rsplit(":", 1)[1]),
         global_batch_size=run.batch * run.n, micro_batch_size=1, use_dynamic_batch_size=False,
         cpu_actor=True, **slime_loss_args(use_tis=run.use_tis, use_rollout_logprobs=run.use_rollout_logprobs),
@@ -272,7 +289,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
                        greedy=greedy, signal=signal, drift=drift_by_lag(cluster, manager, trainer),
-                       accuracy_se=accuracy_se)
+                       accuracy_se=accuracy_se, generate_s=dict(manager.generate_s))
 
 
 def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,

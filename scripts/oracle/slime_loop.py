@@ -97,9 +97,14 @@ class RolloutManagerActor:
         self.eval_calls: list[tuple[int, float]] = []  # (rollout id, seconds the loop waited for the call)
         convert = self._converter(cls, args)
 
+        self.generate_s: dict[int, float] = {}  # rollout id -> seconds its generate call took (the data's wait)
+
         def generate(rollout_id: int) -> Any:
+            started = time.monotonic()
             self.batches[rollout_id] = get_data(rollout_id=rollout_id)[0]
-            return convert(self.batches[rollout_id]) if convert else self.batches[rollout_id]
+            out = convert(self.batches[rollout_id]) if convert else self.batches[rollout_id]
+            self.generate_s[rollout_id] = time.monotonic() - started
+            return out
 
         def evaluate(rollout_id: int) -> None:
             started = time.monotonic()

@@ -203,19 +203,24 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
 
 def warm_checkpoint() -> Path:
     """The warm start, built once per machine (~2-5 min of one core) under
-    ~/.cache/rollout-pipeline/tiny-warm-<version> (a staging directory renamed into place, so
-    racing builders never see half a checkpoint)."""
+    ~/.cache/rollout-pipeline/tiny-warm-<version>."""
+    return cached_build(f"tiny-warm-{WARM_VERSION}", warm_start)
+
+
+def cached_build(name: str, build: Any) -> Path:
+    """`build(path)`'s checkpoint, built once per machine under ~/.cache/rollout-pipeline/`name`
+    (a staging directory renamed into place, so racing builders never see half a checkpoint)."""
     import os
     import shutil
     import tempfile
 
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rollout-pipeline"
-    target = root / f"tiny-warm-{WARM_VERSION}"
+    target = root / name
     if (target / "warm_start.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix="warm-build-", dir=root))
-    warm_start(staging / "ckpt")
+    build(staging / "ckpt")
     try:
         os.rename(staging / "ckpt", target)
     except OSError:  # another process won the race; its copy is built the same way
@@ -290,7 +295,7 @@ def two_turn_env(fail_divisor: int = 0) -> dict[str, Any]:
 
 def grader() -> Any:
     """The reward each task's environment gives a sample, read again from the sample's own
-    response tokens and label: `arith` is the math environment's `check_answer` (\\boxed{} +
+    response tokens and label: `arith` (and `sums`, workers/sim/sums.py) is the math environment's `check_answer` (\\boxed{} +
     math-verify), `arith2` (TwoTurnArithmetic) boxes the label plus one in its second turn."""
     from workers.envs.math import check_answer
     from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
@@ -301,11 +306,11 @@ def grader() -> Any:
         response = tokenizer.decode(sample.tokens[len(sample.tokens) - sample.response_length:],
                                     skip_special_tokens=True)
         env = sample.metadata.get("source_name")
-        if env == "arith":
+        if env in ("arith", "sums"):  # the math environment (workers/sim/sums.py's family too)
             return float(check_answer(response, str(sample.label), "boxed", timeout_s=5).reward)
         if env == "arith2":
             return TwoTurnArithmetic.grade(response, str(sample.label))
-        raise ValueError(f"grader: sample {sample.index} of environment {env!r}: only arith and arith2 are known")
+        raise ValueError(f"grader: sample {sample.index} of environment {env!r}: only arith, arith2 and sums are known")
 
     return grade
 

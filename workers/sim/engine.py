@@ -67,7 +67,7 @@ from aiohttp import web
 
 from pipeline.sampling import sampling_errors
 from pipeline.schema import Task
-from workers.sim.physics import FlatSteps, StepModel, StepTable, load_table, sglang_max_running_requests
+from workers.sim.physics import FlatSteps, ScaledSteps, StepModel, StepTable, load_table, sglang_max_running_requests
 from workers.sim.scheduler import BatchScheduler, SchedulerConfig, SimReq
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class SimConfig:
     tp: int = 1
     time_scale: float = 1.0  # simulated seconds per real second (benchmarks on 2 cores run faster clocks)
     token_latency_s: float = 0.0  # without a model: seconds per decode step; 0 = instant
+    step_time_factor: float = 1.0  # every step (decode and prefill) this many times as long (ScaledSteps)
     latency_sigma: float = 0.0  # ignored: the per-request speed draw is gone (kept so old configs load)
     slots: int = 256  # --max-running-requests (0: SGLang's default from the KV pool)
     mem_fraction_static: float = 0.0  # 0: SGLang's default for the GPU (physics.sglang_mem_fraction_static)
@@ -179,6 +180,10 @@ def engine_physics(c: SimConfig) -> EnginePhysics | None:
         FlatSteps(c.token_latency_s) if c.token_latency_s > 0 else None)
     if steps is None:
         return None
+    if c.step_time_factor != 1.0:
+        if c.step_time_factor <= 0:
+            raise ValueError(f"step_time_factor must be > 0, not {c.step_time_factor}")
+        steps = ScaledSteps(steps, c.step_time_factor)
     if c.time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, not {c.time_scale}")
     mem_fraction = c.mem_fraction_static or (table.default_mem_fraction(c.chunked_prefill_size) if table else 0.0)
@@ -1107,6 +1112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     physics.add_argument("--token-latency-s", type=float, default=d.token_latency_s,
                          help="without --model: every decode step lasts this long, prefill is free (tests); "
                               "0 with no --model = instant answers, no capacity (default %(default)s)")
+    physics.add_argument("--step-time-factor", type=float, default=d.step_time_factor,
+                         help="every step of the model's table (or --token-latency-s) this many times as long: a "
+                              "slower engine per token (default %(default)s)")
     physics.add_argument("--latency-sigma", type=float, default=0.0,
                          help="ignored: the old per-request lognormal speed is gone (every running request gains a "
                               "token per step); accepted so old command lines still start")
@@ -1141,6 +1149,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         mem_fraction_static=args.mem_fraction_static, kv_pool_tokens=args.max_total_tokens,
         chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens,
         weight_push_gbps=args.weight_push_gbps, token_latency_s=args.token_latency_s, slots=args.slots,
+        step_time_factor=args.step_time_factor,
         priority_scheduling=args.enable_priority_scheduling,
         priority_preemption_threshold=args.priority_scheduling_preemption_threshold,
         low_priority_values_first=args.schedule_low_priority_values_first,

@@ -67,6 +67,22 @@ class FlatSteps:
         return 0.0
 
 
+@dataclass(frozen=True)
+class ScaledSteps:
+    """Another step model's steps, each `factor` times as long: a slower engine per token (the
+    learning bench stretches the tiny answers' generation to a real run's share of a step,
+    docs/benchmarks.md "The user's clock")."""
+
+    steps: StepModel
+    factor: float
+
+    def decode_s(self, batch: int, kv_tokens: int) -> float:
+        return self.steps.decode_s(batch, kv_tokens) * self.factor
+
+    def prefill_s(self, seqs: Sequence[tuple[int, int]]) -> float:
+        return self.steps.prefill_s(seqs) * self.factor
+
+
 def table_path(model: str, gpu: str, tp: int) -> Path:
     return TABLE_DIR / f"{model.replace('/', '--')}--{gpu}--tp{tp}.json"
 

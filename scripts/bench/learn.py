@@ -121,9 +121,14 @@ class Contender:
     lr: float | None = None  # the trainer's learning rate; None: the run's default (bench_learn's `lr`)
 
 
+# The pipeline's async contenders run under slime's train_async.py, as the launcher runs them
+# (scripts/run_slime_grpo.sh; `pipeline_trainer_loop: async`): the next rollout is asked for before
+# the step trains, so every token has lag >= 1 and eta bounds it. Sync is train.py at eta 0.
+ASYNC = "train_async"
 CONTENDERS = (
-    Contender("sync"), Contender("eta 1", 1), Contender("eta 2", 2), Contender("eta 4", 4), Contender("eta 8", 8),
-    Contender("eta 8, TIS off", 8, use_tis=False),
+    Contender("sync"), Contender("eta 1", 1, loop=ASYNC), Contender("eta 2", 2, loop=ASYNC),
+    Contender("eta 4", 4, loop=ASYNC), Contender("eta 8", 8, loop=ASYNC),
+    Contender("eta 8, TIS off", 8, use_tis=False, loop=ASYNC),
     Contender("(a) wrong-sign advantages", controls={"wrong_sign": True}),
     Contender("(b) targets one token back in the actor", controls={"actor_targets_shifted": True}),
     Contender("(c) foreign rollout log-probs", controls={"foreign_logprobs": True}),
@@ -144,7 +149,7 @@ CONTENDERS = (
     # the stress rows: the old default lr, whose one step of lag moves the tiny policy by a mean
     # |dlogp| of 0.036 a token with 7% of its tokens outside |ratio - 1| > 0.2 (warm start w5; 0.10
     # and 15% on the earlier one): past a real run's drift (docs/benchmarks.md "The drift per lag")
-    Contender("sync, lr 1e-3 (stress)", lr=STRESS_LR), Contender("eta 2, lr 1e-3 (stress)", 2, lr=STRESS_LR),
+    Contender("sync, lr 1e-3 (stress)", lr=STRESS_LR), Contender("eta 2, lr 1e-3 (stress)", 2, lr=STRESS_LR, loop=ASYNC),
 )
 
 

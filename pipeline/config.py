@@ -18,7 +18,10 @@ import msgspec
 import yaml
 
 from pipeline.keys import DEFAULT_NAMESPACE
-from pipeline.redis_conn import (
+from pipeline.sampling import seed_errors
+from pipeline.schema import SamplingParams
+from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
+from pipeline.store.redis_conn import (
     DEFAULT_REDIS_URL,
     ENV_MIN_REPLICA_ACKS,
     ENV_REDIS_URL,
@@ -26,9 +29,6 @@ from pipeline.redis_conn import (
     redact,
     with_replica_acks,
 )
-from pipeline.sampling import seed_errors
-from pipeline.schema import SamplingParams
-from pipeline.staleness import ConsumeOrder, StalePolicy, TrainerLoop
 
 ENV_NAMESPACE = "ROLLOUT_NAMESPACE"
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "rediss+sentinel")
@@ -133,7 +133,7 @@ class WorkersSection(_Section, frozen=True):
     heartbeat_s: PosFloat = 5.0
     dead_after_s: PosFloat = 20.0  # a worker silent this long has its jobs released
     drain_grace_s: NonNegFloat = 30.0  # SIGTERM: finish running groups within this, then hand back
-    # eval jobs' (pipeline/evaluation.py) share of a process: of its slots, max(1, floor(eval_share x
+    # eval jobs' (pipeline/eval/evaluation.py) share of a process: of its slots, max(1, floor(eval_share x
     # concurrency)), and of its requests at the engine, max(1, floor(eval_share x concurrency x
     # rollout.n_samples_per_prompt)) eval episodes at once (workers/eval_jobs.py); eval jobs are queued
     # first, so training keeps the rest while a round runs. 1.0: a round may take the whole worker
@@ -359,15 +359,15 @@ class TrainerSettings(_Section, frozen=True):
     def __post_init__(self) -> None:
         check_redis_url(self.redis_url, "pipeline_redis_url / $ROLLOUT_REDIS_URL")
         check_namespace(self.namespace, "pipeline_namespace / $ROLLOUT_NAMESPACE")
-    # directory of the ledger of trained groups (one Parquet file per step, pipeline/ledger.py); "" = off
+    # directory of the ledger of trained groups (one Parquet file per step, pipeline/ops/ledger.py); "" = off
     ledger_dir: str = ""
-    # evaluation through the workers (pipeline/evaluation.py): a YAML/JSONL list of eval datasets;
+    # evaluation through the workers (pipeline/eval/evaluation.py): a YAML/JSONL list of eval datasets;
     # "" = slime's own eval_rollout. How long one eval round may take before it is an error.
     eval_datasets: str = ""
     eval_timeout_s: PosFloat = 3600.0
     # blocking: slime's eval call returns the round's results (training waits, as with slime's own
     # eval); background: it starts the round and returns what earlier rounds finished
-    # (pipeline/eval_background.py). Rounds in flight at most (background): a round due when this
+    # (pipeline/eval/background.py). Rounds in flight at most (background): a round due when this
     # many are in flight is skipped, and counted; above 1, the later ones queue behind the first.
     eval_mode: EvalMode = EvalMode.BLOCKING
     eval_max_rounds: PosInt = 1

@@ -124,14 +124,14 @@ class Keys:
         return self._k("open")
 
     def eval_stream(self, round_id: str) -> str:
-        """Stream of one evaluation round's scored groups (pipeline/evaluation.py): workers push
+        """Stream of one evaluation round's scored groups (pipeline/eval/evaluation.py): workers push
         eval groups here, never into `{ns}:groups`; the trainer deletes it after the round."""
         return self._k(f"eval:{round_id}")
 
     @property
     def eval_rounds(self) -> str:
         """Hash round id -> `RoundRecord` (JSON) of every background evaluation round in flight
-        (pipeline/eval_background.py): what a restarted trainer collects; removed when reported."""
+        (pipeline/eval/background.py): what a restarted trainer collects; removed when reported."""
         return self._k("eval_rounds")
 
     @property
@@ -141,7 +141,7 @@ class Keys:
 
     @property
     def eval_calls(self) -> str:
-        """Hash of background evaluation by slime's eval call (pipeline/eval_background.py):
+        """Hash of background evaluation by slime's eval call (pipeline/eval/background.py):
         `<rollout id>` -> the round that call started, `<rollout id>:logged` -> the round whose
         report was handed to the logger. A trainer that resumes and calls eval for the same rollout
         id again starts no second round, and a crash between the log and the retire logs it once."""
@@ -150,7 +150,7 @@ class Keys:
     @property
     def eval_results(self) -> str:
         """Hash dataset -> `DatasetResult` (JSON) of the last evaluation round reported (either
-        mode, pipeline/evaluation.py): what the monitor shows."""
+        mode, pipeline/eval/evaluation.py): what the monitor shows."""
         return self._k("eval_results")
 
     @property
@@ -174,7 +174,7 @@ class Keys:
     @property
     def trained(self) -> str:
         """Capped list, newest first, of the trainer's steps: the staleness of each group at the step
-        that trained it (pipeline/trained_log.py), for the monitor's staleness of what was trained."""
+        that trained it (pipeline/slime/trained_log.py), for the monitor's staleness of what was trained."""
         return self._k("trained")
 
     def arq_job_id(self, group_id: str) -> str:

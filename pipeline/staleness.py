@@ -110,7 +110,7 @@ def pushed_versions(rollout_id: int, *, start: int, interval: int = 1, loop: Tra
     train_async.py pushes when `(r + 1) % interval == 0` (`--update-weights-interval`), giving
     version r + 1, and launches generate(r + 2) only after that push, generate(r + 1) before
     training r; train.py pushes after every step (it ignores the interval) and generates r after
-    the push that follows step r - 1. tests/test_conformance_slime.py (`test_slimes_own_loops_stamp_every_group_with_its_true_version`,
+    the push that follows step r - 1. tests/conformance/test_conformance_slime.py (`test_slimes_own_loops_stamp_every_group_with_its_true_version`,
     through scripts/oracle/slime_loop.py) runs both files.
     """
     if interval < 1:

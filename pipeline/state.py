@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 
 from pipeline.aio import wait_event
 from pipeline.keys import Keys
-from pipeline.redis_conn import new_op_id, run_once
+from pipeline.store.redis_conn import new_op_id, run_once
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class PolicyStamp(msgspec.Struct, frozen=True):
         published version, so a label that seems older only means a trainer that labels its
         pushes otherwise (its own convention), and the published version stays right.
         Raising is exact only while the published labels follow the loop that really runs
-        (`pipeline_trainer_loop`, pipeline/staleness.py): tests/test_conformance_slime.py runs
+        (`pipeline_trainer_loop`, pipeline/staleness.py): tests/conformance/test_conformance_slime.py runs
         slime's own train.py and train_async.py against it."""
         return min(
             (max(self.version, self.labels.get(label, self.version)) for label in engine_labels), default=self.version

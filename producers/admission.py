@@ -11,7 +11,7 @@ forgets a job once its result expires.
 
 The script writes the job the way arq 0.28's `enqueue_job` does (`arq:job:<id>` with
 an expiry, `ZADD queue <enqueue ms> <id>`, refused when the job or result key exists),
-with the envelope encoded by pipeline.jobqueue's msgpack serializer (the workers' own).
+with the envelope encoded by pipeline.store.jobqueue's msgpack serializer (the workers' own).
 Callers pass group ids (`PromptJob.job_id`); the arq id is `Keys.arq_job_id(group id)`,
 namespaced because arq's job keys are global.
 The bound formula mirrors `pipeline.staleness.admission_headroom` (checked in tests).
@@ -38,11 +38,11 @@ from redis.exceptions import RedisError
 from redis.typing import EncodableT
 
 from pipeline.config import ConfigError, RolloutSection
-from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
 from pipeline.keys import Counter, Keys
-from pipeline.redis_conn import OP_TTL_S, confirm_replicated, new_op_id
 from pipeline.schema import PromptJob
 from pipeline.state import TrainerInfo
+from pipeline.store.jobqueue import JOB_EXPIRES_MS, job_envelope
+from pipeline.store.redis_conn import OP_TTL_S, confirm_replicated, new_op_id
 
 log = logging.getLogger(__name__)
 

@@ -53,14 +53,14 @@ if __package__ in (None, ""):  # `python producers/enqueue.py`: make the repo im
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig, load_config
 from pipeline.keys import Counter, Keys, attempts_field
-from pipeline.redis_conn import connect, redact
 from pipeline.schema import PromptJob, SchemaError, Task, decode_requeue, job_id_for
 from pipeline.sizing import SizingAdvice, below_advice, load_advice
 from pipeline.staleness import admission_headroom
 from pipeline.state import PipelineState, TrainerInfo, VersionWake
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.redis_conn import connect, redact
 from pipeline.usage import usage_error
 from producers.admission import Admission, CursorMoved, Limits, job_envelope, resolve_limits
 from producers.task_index import TaskIndex, TaskReader

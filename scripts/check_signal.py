@@ -6,11 +6,11 @@ behind the simulated engine, a redis-server of its own, the producer and the arq
 your configuration's rollout and worker settings (sampling, eta, concurrency, retries) on the
 tiny policy's own tasks (one- and two-turn arithmetic: your environments and their servers are
 not called), and takes two rollouts of each task through the pipeline's slime data source
-(`pipeline.slime.generate_rollout`: the conversion slime trains on) as slime's train.py does,
+(`pipeline.slime.data_source.generate_rollout`: the conversion slime trains on) as slime's train.py does,
 with a weight push between them (`--push-mode`, slime's labels: a perturbed copy of the policy
 as version 1). It recomputes every sample's log-probs under the weights of the version the
 sample says generated it (a sample whose calls span the push is counted and left out) and runs
-the checks of pipeline/signal_check.py (docs/signal-bugs.md):
+the checks of pipeline/learning/signal_check.py (docs/signal-bugs.md):
 
 - the mismatch bound: slime's `train_rollout_logprob_abs_diff` (mean |recomputed - rollout|
   over trained tokens, per sample, averaged) under 1e-5, overall, for one- and two-turn
@@ -20,7 +20,7 @@ the checks of pipeline/signal_check.py (docs/signal-bugs.md):
   recompute, the one whose weights made the tokens).
 
 It prints each figure and check, then `VERDICT: PASS` (exit 0) or `VERDICT: FAIL` (exit 4).
-It prints the drift per lag too (pipeline/drift.py: mean |dlogp|, the share outside |ratio - 1|
+It prints the drift per lag too (pipeline/learning/drift.py: mean |dlogp|, the share outside |ratio - 1|
 > 0.2, the TIS-clipped share, the ESS), every sample against version 1; version 1 being a
 perturbed copy, not a trained step, a real run's drift is the learning bench's. Not covered
 here: learning itself (the learning bench, `rollout bench --sections learn`), slime's loss flags (no trainer step runs), your tool formats.
@@ -44,7 +44,7 @@ class CheckOptions:
     groups: int = 8  # groups in the checked batch
     n: int = 4  # samples per group
     fail_divisor: int = 0  # > 0: the two-turn environment fails on labels divisible by it (failed samples)
-    push_mode: Any = "abort"  # pipeline.weight_push.PushMode of the push between the two rollouts
+    push_mode: Any = "abort"  # pipeline.slime.weight_push.PushMode of the push between the two rollouts
     timeout_s: float = 300.0  # for the batch to fill
 
 
@@ -56,7 +56,7 @@ class SignalVerdict:
     turns: dict[int, int] = field(default_factory=dict)  # episode turns -> samples
     by_version: dict[str, int] = field(default_factory=dict)  # policy versions of a sample's calls -> samples
     spanning: int = 0  # samples whose calls span the push (left out of the token audit)
-    drift: list[Any] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, against the newest version
+    drift: list[Any] = field(default_factory=list)  # pipeline.learning.drift.LagDrift per lag, against the newest version
 
     @property
     def passed(self) -> bool:
@@ -100,8 +100,8 @@ async def two_rollouts(raw_config: dict[str, Any], tasks: Path, redis_url: str, 
     pipeline's slime data source hands them to slime, with `push()` between them where slime's
     train.py updates the weights. Returns (rollout id, sample) in order."""
     from pipeline.config import parse_config
-    from pipeline.redis_conn import connect
-    from pipeline.slime import RedisDataSource, generate_rollout
+    from pipeline.slime.data_source import RedisDataSource, generate_rollout
+    from pipeline.store.redis_conn import connect
     from producers.enqueue import ProducerOptions, run_producer
     from workers.settings import build_worker, stop_worker
 
@@ -146,7 +146,7 @@ def pushed_policy(warm: Path, path: Path, scale: float = 0.02, seed: int = 1) ->
 def push_policy(engine_url: str, path: Path, label: str, mode: Any) -> None:
     """slime's updater on one engine: pause (in `mode`), load the checkpoint with the version
     label, continue (an in-place pause keeps the KV cache: no flush, as slime's updaters do)."""
-    from pipeline.weight_push import PushMode, parse_push_mode, pause_body, post_json
+    from pipeline.slime.weight_push import PushMode, parse_push_mode, pause_body, post_json
 
     mode = parse_push_mode(mode, "push_policy mode")
     post_json(engine_url, "/pause_generation", pause_body(mode))
@@ -184,10 +184,10 @@ def _version(sample: Any) -> int:
 
 
 def verdict(samples: list[tuple[int, Any]], checkpoints: dict[int, Path], eta: int) -> SignalVerdict:
-    """Every check of pipeline/signal_check.py on the two rollouts' samples. A sample whose
+    """Every check of pipeline/learning/signal_check.py on the two rollouts' samples. A sample whose
     generate calls span the push (two versions) has no one policy to recompute it with: counted,
     left out of the token audit."""
-    from pipeline.signal_check import (
+    from pipeline.learning.signal_check import (
         REMOVAL,
         REWARD,
         VERSION,
@@ -225,9 +225,9 @@ def verdict(samples: list[tuple[int, Any]], checkpoints: dict[int, Path], eta: i
 
 
 def drift_against_newest(checkpoints: dict[int, Path], samples: list[Any]) -> list[Any]:
-    """The drift per lag (pipeline/drift.py) as the trainer would see it holding the newest
+    """The drift per lag (pipeline/learning/drift.py) as the trainer would see it holding the newest
     version: every sample recomputed under it, each token at its own version's lag."""
-    from pipeline.drift import DriftTally, token_versions
+    from pipeline.learning.drift import DriftTally, token_versions
 
     newest = max(checkpoints)
     current = recompute_log_probs(checkpoints, samples, version=newest)
@@ -242,7 +242,7 @@ def drift_against_newest(checkpoints: dict[int, Path], samples: list[Any]) -> li
 def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions) -> SignalVerdict:
     """Engine, Redis, tasks and warm start of its own; per task two rollouts with a push between."""
     from pipeline.config import parse_config
-    from pipeline.local_redis import LocalRedis
+    from pipeline.store.local_redis import LocalRedis
     from scripts.processes import SimEngineProcess
     from scripts.tiny_tasks import prepare_tasks
     from workers.sim.arith import tasks_of, warm_checkpoint
@@ -268,7 +268,7 @@ def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions)
 
 
 def report(result: SignalVerdict) -> str:
-    from pipeline.signal_check import CHECKS, MISMATCH_BOUND
+    from pipeline.learning.signal_check import CHECKS, MISMATCH_BOUND
 
     a = result.audit
     lines = [f"samples {result.samples} (episode turns: {dict(sorted(result.turns.items()))}; policy versions: "
@@ -289,7 +289,7 @@ def report(result: SignalVerdict) -> str:
         lines.append(f"FAIL {check}: " + "; ".join(messages[:3]) + (f" (+{len(messages) - 3} more)"
                                                                     if len(messages) > 3 else ""))
     if result.drift:
-        from pipeline.drift import format_table
+        from pipeline.learning.drift import format_table
 
         lines += ["drift per lag, every sample against the newest version (version 1 is a perturbed copy of the "
                   "policy, not a trained step: the rows show each token's lag, the learning bench a real run's drift):",
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--config {args.config}: a YAML mapping expected, got {type(user).__name__}")
     import os
 
-    from pipeline.weight_push import PUSH_MODE_ENV, parse_push_mode
+    from pipeline.slime.weight_push import PUSH_MODE_ENV, parse_push_mode
 
     push_mode = parse_push_mode(args.push_mode or os.environ.get(PUSH_MODE_ENV) or "abort", "--push-mode")
     options = CheckOptions(groups=args.groups, n=args.n, push_mode=push_mode)

@@ -55,7 +55,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
     "check-signal": ("scripts.check_signal:main", "check on a CPU that your configuration hands the trainer an aligned training signal"),
-    "show": ("pipeline.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
+    "show": ("pipeline.ops.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
     "rm-server": ("workers.rm_server:main", "serve slime's remote reward model (--rm-url, behind $ROLLOUT_RM_TOKEN off loopback) with the configured environments"),
 }
 
@@ -148,7 +148,7 @@ def _first_line(exc: BaseException) -> str:
 
 def describe(exc: BaseException, code: int) -> str:
     """What went wrong, redacted (a password in a URL never reaches the terminal)."""
-    from pipeline.redis_conn import redact
+    from pipeline.store.redis_conn import redact
 
     text = _first_line(exc)
     if code == EXIT_CONNECTION:

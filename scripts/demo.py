@@ -9,7 +9,7 @@ One process tree:
   (`math`) and a calculator tool-use environment (`tools`);
 - the producer (producers/enqueue.py) admitting jobs under the staleness bound;
 - a worker pool (`rollout workers` in a child process: arq workers running episodes);
-- a trainer loop calling the real `pipeline.slime.generate_rollout` and
+- a trainer loop calling the real `pipeline.slime.data_source.generate_rollout` and
   `RedisDataSource` (no slime needed): each step takes B whole groups, "trains" for a
   simulated step time, acknowledges them (`save`) and moves the engine's weight
   version, so the policy version advances and staleness is real.
@@ -46,11 +46,11 @@ from rich.table import Table
 
 from pipeline.aio import wait_for
 from pipeline.config import ENV_NAMESPACE, check_redis_url, parse_config
-from pipeline.fake_redis import FakeRedisServer
 from pipeline.keys import Counter, Keys
-from pipeline.local_redis import LocalRedis
-from pipeline.monitor import MonitorSnapshot, snapshot
-from pipeline.redis_conn import ENV_REDIS_URL, connect, redact
+from pipeline.ops.monitor import MonitorSnapshot, snapshot
+from pipeline.store.fake_redis import FakeRedisServer
+from pipeline.store.local_redis import LocalRedis
+from pipeline.store.redis_conn import ENV_REDIS_URL, connect, redact
 
 TASKS_FILE = Path(__file__).with_name("demo_tasks.jsonl")
 DEFAULT_NAMESPACE = "demo"
@@ -143,7 +143,7 @@ class Trainer(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        from pipeline.slime import RedisDataSource
+        from pipeline.slime.data_source import RedisDataSource
 
         try:
             source = RedisDataSource(self.args)
@@ -159,7 +159,7 @@ class Trainer(threading.Thread):
             source.close()
 
     def _train(self, source: Any) -> None:
-        from pipeline.slime import generate_rollout
+        from pipeline.slime.data_source import generate_rollout
 
         report = self.report
         report.started = time.monotonic()

@@ -6,7 +6,7 @@ layers outside attention by the batch's new tokens; context attention per sequen
 size, new tokens and cached prefix) and the memory budget (`estimate_kv_cache`), all with its
 SGLang database. The context and prefix axes end at the model's context length
 (`max_position_embeddings` in aiconfigurator's model config). The simulator reads only the committed tables (workers/sim/physics.py), so running
-it needs no aiconfigurator; tests/test_sim_physics.py checks the tables against it.
+it needs no aiconfigurator; tests/conformance/test_sim_physics.py checks the tables against it.
 
     python scripts/gen_step_tables.py                      # the committed set
     python scripts/gen_step_tables.py --model Qwen/Qwen3-8B --gpu h100_sxm --tp 2

@@ -1,13 +1,13 @@
-"""`rollout monitor`: the command line over `pipeline.monitor` (snapshot), `pipeline.monitor_view`
-(live terminal view), `pipeline.metrics` (Prometheus endpoint, wandb).
+"""`rollout monitor`: the command line over `pipeline.ops.monitor` (snapshot), `pipeline.ops.monitor_view`
+(live terminal view), `pipeline.ops.metrics` (Prometheus endpoint, wandb).
 
     rollout monitor                  # live terminal view (rich), refreshed every --interval s
     rollout monitor --once           # print the table once and exit
     rollout monitor --json           # one snapshot as JSON, for scripts
-    rollout monitor --serve 9400     # Prometheus text endpoint (see pipeline/metrics.py)
+    rollout monitor --serve 9400     # Prometheus text endpoint (see pipeline/ops/metrics.py)
     rollout monitor --wandb          # log the figures to a wandb run (offline works)
 
-Where each figure comes from: pipeline/monitor.py.
+Where each figure comes from: pipeline/ops/monitor.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from redis.exceptions import RedisError
 
 from pipeline.keys import Keys
-from pipeline.monitor import (
+from pipeline.ops.monitor import (
     DEFAULT_DEAD_AFTER_S,
     DEFAULT_RECENT_N,
     DEFAULT_WINDOW_S,
@@ -27,7 +27,7 @@ from pipeline.monitor import (
     Target,
     to_json,
 )
-from pipeline.redis_conn import connect, redact
+from pipeline.store.redis_conn import connect, redact
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     target = resolve_target(args)
     try:
         if args.serve is not None:
-            from pipeline.metrics import serve_prometheus
+            from pipeline.ops.metrics import serve_prometheus
 
             return serve_prometheus(target, args.host, args.serve)
         if not (args.json or args.once):
-            from pipeline.monitor_view import run_live
+            from pipeline.ops.monitor_view import run_live
 
             return asyncio.run(run_live(target, args))
         snap = asyncio.run(_one_snapshot(target))
@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(to_json(snap))
     else:
-        from pipeline.monitor_view import print_once
+        from pipeline.ops.monitor_view import print_once
 
         print_once(snap)
     if args.wandb:  # one point, e.g. from cron
-        from pipeline.metrics import WandbLogger
+        from pipeline.ops.metrics import WandbLogger
 
         logger = WandbLogger(project=args.wandb_project, namespace=target.keys.ns, mode=args.wandb_mode)
         logger.log(snap)

@@ -23,7 +23,7 @@ from typing import IO, TypeVar
 import yaml
 
 from pipeline.config import PipelineConfig
-from pipeline.local_redis import free_port
+from pipeline.store.local_redis import free_port
 
 _Child = TypeVar("_Child", bound="ChildProcess")
 

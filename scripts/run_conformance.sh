@@ -26,7 +26,7 @@ echo "conformance: install took $(( $(date +%s) - install_started ))s"
 "$PY" -m scripts.upstream where >/dev/null || "$PY" -m scripts.upstream fetch
 "$PY" -m scripts.upstream where
 
-# NeMo Gym (tests/test_conformance_nemo_gym.py) declares Python >= 3.13.14 and runs on an earlier
+# NeMo Gym (tests/conformance/test_conformance_nemo_gym.py) declares Python >= 3.13.14 and runs on an earlier
 # 3.13 with --ignore-requires-python, in its own venv.
 NG_VENV=${ROLLOUT_NEMO_GYM_VENV:-$HOME/.cache/rollout-conformance/nemo-gym-venv}
 if [ ! -x "$NG_VENV/bin/gym" ]; then

@@ -4,10 +4,10 @@
 # slime's train_async.py keeps its own SGLang engines (weights are pushed to them after every
 # step) but does not generate: our worker pools call those engines through slime's router and
 # push scored groups to Redis; slime pulls whole groups through
-#     --data-source-path pipeline.slime.RedisDataSource
-#     --rollout-function-path pipeline.slime.generate_rollout
+#     --data-source-path pipeline.slime.data_source.RedisDataSource
+#     --rollout-function-path pipeline.slime.data_source.generate_rollout
 # normalises rewards per group without the failed episodes
-#     --custom-reward-post-process-path pipeline.slime.post_process_rewards
+#     --custom-reward-post-process-path pipeline.slime.data_source.post_process_rewards
 # and corrects the remaining off-policy gap with truncated importance sampling (--use-tis)
 # on the log-probs the engines returned with every token.
 #
@@ -48,7 +48,7 @@
 #                        the engine and re-prefill on the new weights; use it with slime's disk
 #                        updater), abort (slime's own default: answered, the workers resend them).
 #                        Installed in slime's SGLangEngine by Ray's worker_process_setup_hook
-#                        (pipeline/weight_push.py; docs/architecture.md "Off-policy control")
+#                        (pipeline/slime/weight_push.py; docs/architecture.md "Off-policy control")
 #   ROLLOUT_SIZING_ADVICE  `rollout plan --save FILE` output: said here once when ROLLOUT_BATCH_SIZE is
 #                        below the B that keeps the engines full at ROLLOUT_ETA (pipeline/sizing.py) [unset]
 #   RAY_ADDRESS          a running Ray cluster's dashboard; unset = start a local head [unset]
@@ -90,9 +90,9 @@ check_prerequisites() {
     need "python: '${PYTHON}' is not on PATH (set PYTHON=...)"
     return
   fi
-  "${PYTHON}" -c "import pipeline.slime" 2>/dev/null \
-    || need "this pipeline: 'import pipeline.slime' fails; run: pip install -e ${REPO_DIR}"
-  case "${ROLLOUT_PUSH_MODE}" in  # pipeline.weight_push.PushMode
+  "${PYTHON}" -c "import pipeline.slime.data_source" 2>/dev/null \
+    || need "this pipeline: 'import pipeline.slime.data_source' fails; run: pip install -e ${REPO_DIR}"
+  case "${ROLLOUT_PUSH_MODE}" in  # pipeline.slime.weight_push.PushMode
     abort|retract|in_place) ;;
     *) need "ROLLOUT_PUSH_MODE: unknown weight-push mode '${ROLLOUT_PUSH_MODE}'; one of abort, retract, in_place" ;;
   esac
@@ -112,7 +112,7 @@ check_prerequisites() {
 import os, sys
 try:
     import redis
-    from pipeline.redis_conn import redact
+    from pipeline.store.redis_conn import redact
 except ImportError as exc:
     sys.exit(f"cannot import {exc.name}")
 url = os.environ["ROLLOUT_REDIS_URL"]
@@ -143,14 +143,14 @@ check_sizing() {
     || need "sizing advice: ROLLOUT_SIZING_ADVICE=${ROLLOUT_SIZING_ADVICE} is not readable \`rollout plan --save\` output"
 }
 
-# Our settings reach pipeline.slime through slime's --custom-config-path: slime sets every key
+# Our settings reach pipeline.slime.data_source through slime's --custom-config-path: slime sets every key
 # of this YAML as an attribute of `args` (pipeline/config.py TrainerSettings reads pipeline_*).
 # rollout_batch_size / n_samples_per_prompt are slime's own flags below, not repeated here.
 write_pipeline_config() {
   mkdir -p "${SAVE_DIR}"
   PIPELINE_YAML="${SAVE_DIR}/pipeline_slime.yaml"
   {
-    echo "# written by scripts/run_slime_grpo.sh; read by pipeline.slime (TrainerSettings)"
+    echo "# written by scripts/run_slime_grpo.sh; read by pipeline.slime.data_source (TrainerSettings)"
     # A URL with a password stays out of files: Ray actors read ROLLOUT_REDIS_URL from the env.
     if [[ "${ROLLOUT_REDIS_URL}" != *@* ]]; then echo "pipeline_redis_url: ${ROLLOUT_REDIS_URL}"; fi
     echo "pipeline_namespace: ${ROLLOUT_NAMESPACE}"
@@ -184,8 +184,8 @@ build_command() {
     --hf-checkpoint "${HF_CHECKPOINT}" --ref-load "${REF_LOAD}" --load "${SAVE_DIR}"
     --save "${SAVE_DIR}" --save-interval "${SAVE_INTERVAL}"
     # the pipeline: whole groups from Redis, no generation inside slime
-    --data-source-path pipeline.slime.RedisDataSource
-    --rollout-function-path pipeline.slime.generate_rollout
+    --data-source-path pipeline.slime.data_source.RedisDataSource
+    --rollout-function-path pipeline.slime.data_source.generate_rollout
     --custom-config-path "${PIPELINE_YAML}"
     --num-rollout "${NUM_ROLLOUT}"                    # required: our source has no epoch length
     --rollout-batch-size "${ROLLOUT_BATCH_SIZE}"      # groups per step = producers' B
@@ -197,7 +197,7 @@ build_command() {
     # GRPO with off-policy correction from the engines' per-token log-probs
     --advantage-estimator grpo
     # group mean/std over the kept samples: a failed episode (remove_sample) shifts no baseline
-    --custom-reward-post-process-path pipeline.slime.post_process_rewards
+    --custom-reward-post-process-path pipeline.slime.data_source.post_process_rewards
     --use-tis --tis-clip 2.0
     --use-kl-loss --kl-loss-coef 0.0 --kl-loss-type low_var_kl
     --entropy-coef 0.0 --eps-clip 0.2 --eps-clip-high 0.28
@@ -248,9 +248,9 @@ fi
 # files). Ray keeps a job's runtime env in its job record: use a Redis user with only the rights
 # the pipeline needs. JSON built by Python, so no character of the URL breaks the quoting.
 # ROLLOUT_PUSH_MODE reaches slime's SGLangEngine actors through Ray's worker_process_setup_hook, which
-# every worker process of the job runs before its actor (pipeline.weight_push.ray_worker_setup).
+# every worker process of the job runs before its actor (pipeline.slime.weight_push.ray_worker_setup).
 RUNTIME_ENV=$("${PYTHON}" -c 'import json, os
 keys = ("PYTHONPATH", "CUDA_DEVICE_MAX_CONNECTIONS", "ROLLOUT_REDIS_URL", "ROLLOUT_NAMESPACE", "ROLLOUT_PUSH_MODE")
 print(json.dumps({"env_vars": {k: os.environ[k] for k in keys if k in os.environ},
-                  "worker_process_setup_hook": "pipeline.weight_push.ray_worker_setup"}))')
+                  "worker_process_setup_hook": "pipeline.slime.weight_push.ray_worker_setup"}))')
 exec ray job submit --address="${RAY_ADDRESS}" --runtime-env-json="${RUNTIME_ENV}" -- "${CMD[@]}"

@@ -2,7 +2,7 @@
 
 Checks an install in seconds without GPUs, engines or slime: a private redis-server
 (or --redis-url), synthetic contract-valid groups pushed the way workers push them,
-then `pipeline.slime.generate_rollout` pulling whole batches as slime would.
+then `pipeline.slime.data_source.generate_rollout` pulling whole batches as slime would.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import time
 import uuid
 from types import SimpleNamespace
 
-from pipeline.buffer import GroupBuffer
 from pipeline.keys import Keys
-from pipeline.local_redis import LocalRedis
-from pipeline.redis_conn import connect, redact
-from pipeline.slime import RedisDataSource, generate_rollout
+from pipeline.slime.data_source import RedisDataSource, generate_rollout
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.local_redis import LocalRedis
+from pipeline.store.redis_conn import connect, redact
 from pipeline.synthetic import make_group
 
 

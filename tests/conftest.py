@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from pipeline.keys import Keys
-from pipeline.local_redis import LocalRedis
-from pipeline.redis_conn import connect
+from pipeline.store.local_redis import LocalRedis
+from pipeline.store.redis_conn import connect
 
 
 @pytest.fixture(scope="session")

@@ -348,7 +348,7 @@ class EpisodeRunner:
         # The conversation verify saw (prompt, assistant turns with tool calls, observations): what
         # `rollout ledger rescore` verifies again and `rollout show` renders. When it is just the
         # task's prompt and the response (a plain single-turn episode), a marker says so instead
-        # of repeating both on the wire (pipeline/ledger.py rebuilds it).
+        # of repeating both on the wire (pipeline/ops/ledger.py rebuilds it).
         plain = _task_messages(task) + [{"role": "assistant", "content": response.strip()}]
         metadata["messages"] = PLAIN_CONVERSATION if trace.messages == plain else trace.messages
         response_text = " ".join(t.get("text", "") for t in trace.turns)

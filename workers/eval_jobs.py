@@ -1,6 +1,6 @@
 """The arq eval job: one eval task x n episodes, pushed into its round's own stream.
 
-`run_eval_group(ctx, round_id, payload)` (enqueued by `pipeline/evaluation.py`, name
+`run_eval_group(ctx, round_id, payload)` (enqueued by `pipeline/eval/evaluation.py`, name
 `EVAL_FUNCTION`) runs the episodes exactly as a training group (`workers.jobs.run_episodes`:
 same environments, sampling merge and policy-version stamps) and pushes the group into
 `{ns}:eval:<round>` once (an operation key named by the group id, the buffer's dedup pattern),
@@ -24,9 +24,9 @@ from typing import Any
 
 from arq.worker import Retry
 
-from pipeline.evaluation import STREAM_TTL_S
-from pipeline.redis_conn import ALREADY, REFUSED, run_once
+from pipeline.eval.evaluation import STREAM_TTL_S
 from pipeline.schema import SampleGroup, SchemaError, decode_job, encode
+from pipeline.store.redis_conn import ALREADY, REFUSED, run_once
 from workers.errors import is_bug
 from workers.jobs import (
     ARQ_WORKER_KEY,

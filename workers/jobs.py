@@ -44,11 +44,8 @@ import msgspec
 from arq.constants import job_key_prefix, result_key_prefix
 from arq.worker import Retry
 
-from pipeline.buffer import GroupBuffer
 from pipeline.config import ConfigError, PipelineConfig
-from pipeline.jobqueue import JOB_EXPIRES_MS, job_envelope
 from pipeline.keys import Counter, Keys, attempts_field
-from pipeline.redis_conn import REFUSED, run_once
 from pipeline.schema import (
     PromptJob,
     Sample,
@@ -58,6 +55,9 @@ from pipeline.schema import (
     decode_job,
     job_id_for,
 )
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.jobqueue import JOB_EXPIRES_MS, job_envelope
+from pipeline.store.redis_conn import REFUSED, run_once
 from workers.chat import ChatTokens
 from workers.engine import EngineClient
 from workers.envs.base import Environment

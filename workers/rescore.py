@@ -4,7 +4,7 @@ generated.
 
     rollout ledger rescore --dir D --config new.yaml [--from A --to B] [--env E] [-o rows.jsonl]
 
-It runs the environments, so it lives with them; the ledger itself (`pipeline/ledger.py`) is
+It runs the environments, so it lives with them; the ledger itself (`pipeline/ops/ledger.py`) is
 storage every side reads, and `rollout ledger` is its list/summary/export plus this action
 (`ledger_main`). `stored_record` is also what slime in-process mode's reward verifies
 (`workers/inslime.py`).
@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from pipeline.config import ConfigError, PipelineConfig, load_config
-from pipeline.ledger import Ledger, LedgerAction, LedgerError, LedgerGroup, open_ledger
-from pipeline.ledger import main as ledger_cli
+from pipeline.ops.ledger import Ledger, LedgerAction, LedgerError, LedgerGroup, open_ledger
+from pipeline.ops.ledger import main as ledger_cli
 from pipeline.schema import Sample, Status, Task
 from workers.envs.base import Environment, EpisodeRecord
 from workers.envs.registry import build_environment
@@ -176,5 +176,5 @@ RESCORE = LedgerAction("rescore", "verify stored episodes again with a changed e
 
 
 def ledger_main(argv: list[str] | None = None) -> int:
-    """`rollout ledger`: list, summary, export (pipeline/ledger.py) and rescore."""
+    """`rollout ledger`: list, summary, export (pipeline/ops/ledger.py) and rescore."""
     return ledger_cli(argv, extra=[RESCORE])

@@ -19,7 +19,7 @@
 - SIGTERM/SIGINT drain: stop taking jobs, let running groups finish for
   `drain_grace_s`, then cancel the rest, which arq hands back for re-run at once;
 - heartbeats + reaper (`workers.liveness`) started with the worker;
-- arq's Redis connection has the pipeline's reconnect policy (`pipeline.jobqueue.redis_settings`:
+- arq's Redis connection has the pipeline's reconnect policy (`pipeline.store.jobqueue.redis_settings`:
   a Redis restart of up to `$ROLLOUT_REDIS_OUTAGE_S` is ridden out, socket timeouts set);
   past it the worker exits with one line naming the cause.
 
@@ -48,11 +48,11 @@ from arq.worker import Worker, func
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from pipeline.config import PipelineConfig
-from pipeline.evaluation import EVAL_FUNCTION, EVAL_SCORE_MAX
-from pipeline.jobqueue import JOB_FUNCTION, fit_arq_pool, job_deserializer, job_serializer, redis_settings
+from pipeline.eval.evaluation import EVAL_FUNCTION, EVAL_SCORE_MAX
 from pipeline.keys import Keys
-from pipeline.redis_conn import RedisUnavailable, connect, redact
 from pipeline.state import ChannelWake, PipelineState, PolicyClock
+from pipeline.store.jobqueue import JOB_FUNCTION, fit_arq_pool, job_deserializer, job_serializer, redis_settings
+from pipeline.store.redis_conn import RedisUnavailable, connect, redact
 from workers.chat import ChatTokens
 from workers.engine import EngineClient, EngineLocator
 from workers.envs.options import check_tool_parsers
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 # EXISTS job key, result key), and so do our admission scripts. That existence is all anyone
 # reads: results are stored without the job's arguments (`result_serializer`: ~150 B each, not
 # the whole job), for ROLLOUT_KEEP_RESULT_S seconds. A re-run after that is still stored once:
-# the group's dedup marker (pipeline/buffer.py, ROLLOUT_DEDUP_TTL_S) refuses its push.
+# the group's dedup marker (pipeline/store/buffer.py, ROLLOUT_DEDUP_TTL_S) refuses its push.
 KEEP_RESULT_S = int(os.environ.get("ROLLOUT_KEEP_RESULT_S", "3600"))
 
 
@@ -113,14 +113,14 @@ def build_worker(
     worker = RolloutWorker(
         functions=[
             func(run_group, name=JOB_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s),
-            # evaluation rounds (pipeline/evaluation.py): queued ahead of training jobs
+            # evaluation rounds (pipeline/eval/evaluation.py): queued ahead of training jobs
             func(run_eval_group, name=EVAL_FUNCTION, max_tries=wcfg.max_tries + 1, timeout=wcfg.job_timeout_s),
         ],
         queue_name=keys.queue,
         redis_settings=redis_settings(config.redis.resolved_url()),
         max_jobs=concurrency or wcfg.concurrency,
         eval_slots=eval_slots(wcfg.eval_share, concurrency or wcfg.concurrency),
-        eval_prefix=keys.arq_job_id("eval:"),  # eval group ids begin "eval:" (pipeline/evaluation.py)
+        eval_prefix=keys.arq_job_id("eval:"),  # eval group ids begin "eval:" (pipeline/eval/evaluation.py)
         poll_delay=wcfg.poll_delay_s,
         wake_channel=keys.queued_events if wcfg.wake_on_admission else "",
         job_timeout=wcfg.job_timeout_s,
@@ -369,7 +369,7 @@ def back_in_queue_at(score: int, incr_score: int | None) -> int:
 
 
 def _set_socket_timeout(pool: Any, url: str) -> None:
-    """arq's pool gets the pipeline's timeouts and reconnect policy (`pipeline.jobqueue.fit_arq_pool`;
+    """arq's pool gets the pipeline's timeouts and reconnect policy (`pipeline.store.jobqueue.fit_arq_pool`;
     in Sentinel mode arq passes none of it)."""
     fit_arq_pool(pool, url)
 

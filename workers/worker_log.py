@@ -21,10 +21,10 @@ from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pipeline.buffer import GroupBuffer
 from pipeline.keys import Counter
-from pipeline.redis_conn import ENV_OUTAGE_S, RedisUnavailable, outage_budget_s, redact, sync_client
 from pipeline.schema import SampleGroup, Status
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.redis_conn import ENV_OUTAGE_S, RedisUnavailable, outage_budget_s, redact, sync_client
 
 log = logging.getLogger("workers.groups")
 wait_log = logging.getLogger("workers.settings")

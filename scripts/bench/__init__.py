@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pipeline.local_redis import LocalRedis
+from pipeline.store.local_redis import LocalRedis
 from scripts.bench.report import Figure, Report, machine, print_figures
 
 SECTIONS = ("codec", "buffer", "handoff", "queue", "worker", "async")

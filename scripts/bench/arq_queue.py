@@ -48,7 +48,7 @@ class Profile:
 
 def _our_serializers() -> tuple[Callable | None, Callable | None, str]:
     """The workers' msgspec job serializer when workers/ has one (looked up lazily: scripts may run without it)."""
-    for module_name in ("pipeline.jobqueue",):
+    for module_name in ("pipeline.store.jobqueue",):
         try:
             module = importlib.import_module(module_name)
         except ImportError:

@@ -10,7 +10,7 @@ What runs (all real, nothing in-process but the trainer loop):
 - the trainer loop, in this process, as a slime train.py-style loop: each step calls
   `generate_rollout(args, rid, source)` with `RedisDataSource`, sleeps the simulated train time,
   calls `save(rid)` and pushes the next weight version to the engine (pause in `Setup.push_mode`,
-  `/update_weight_version`, continue: pipeline.weight_push; labelled as slime's updater labels its
+  `/update_weight_version`, continue: pipeline.slime.weight_push; labelled as slime's updater labels its
   pushes). `pipeline_trainer_loop: sync` (the engines
   hold version r at generate(r)), so eta = 0 is possible: the sync baseline is this same
   pipeline at eta = 0.
@@ -50,8 +50,8 @@ import numpy as np
 
 from pipeline.keys import Counter, Keys
 from pipeline.schema import SampleGroup, Status, decode_group
-from pipeline.slime import RedisDataSource, generate_rollout
-from pipeline.weight_push import push_weights
+from pipeline.slime.data_source import RedisDataSource, generate_rollout
+from pipeline.slime.weight_push import push_weights
 from scripts.bench.harness import TASKS, PipelineProcs, engine_stats, fleet_of, post_json
 from scripts.bench.report import Figure
 from scripts.processes import write_config
@@ -83,7 +83,7 @@ class Setup:
     due_wait_s: float = 600.0
     # the engine's --enable-priority-scheduling: the workers send each group's clock as `priority`
     priority_scheduling: bool = True
-    push_mode: str = "abort"  # SGLang's pause mode of each weight push (pipeline/weight_push.py)
+    push_mode: str = "abort"  # SGLang's pause mode of each weight push (pipeline/slime/weight_push.py)
 
 
 # ------------------------------------------------------------------ one run
@@ -404,7 +404,7 @@ def bench_async(redis_url: str, *, quick: bool, setup: Setup | None = None, repe
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline.local_redis import LocalRedis
+    from pipeline.store.local_redis import LocalRedis
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")

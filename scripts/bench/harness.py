@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.local_redis import LocalRedis, free_port
+from pipeline.store.local_redis import LocalRedis, free_port
 from scripts.processes import ChildProcess, SimEngineProcess, WorkerProcess, write_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -21,7 +21,7 @@ whole seeds. Reported: accuracy per step and per second (mean over seeds), steps
 reach sync's final accuracy, per-step accuracy minus sync's with a bootstrap 95% interval over
 seeds, each accuracy with the eval's standard error over the held-out problems (201, none in the
 warm start's data: workers/sim/arith.py; the start at temperature 1 printed first), and per
-contender the drift per lag of its trained tokens (pipeline/drift.py: mean |dlogp|, the share
+contender the drift per lag of its trained tokens (pipeline/learning/drift.py: mean |dlogp|, the share
 outside |ratio - 1| > 0.2, slime's TIS-clipped share, the ESS). The trainer's lr is `--lr`
 (default the calibrated 5e-4, workers/sim/arith.py `LEARN_LR`); the stress rows run 1e-3.
 
@@ -61,7 +61,7 @@ from typing import Any
 
 import msgspec
 
-from pipeline.drift import LagDrift, format_table
+from pipeline.learning.drift import LagDrift, format_table
 from scripts.bench.learn_clock import STEP_TIME_FACTOR, clock_lines, length_stats, step_split
 from scripts.bench.report import Figure
 from workers.sim.arith import LEARN_LR
@@ -176,7 +176,7 @@ class Curve:
     seconds_kept: dict[int, float] = field(default_factory=dict)
     lr: float = 0.0  # the trainer's learning rate (0: not recorded)
     accuracy_se: dict[int, float] = field(default_factory=dict)  # the eval's standard error over its problems
-    drift: list[dict[str, Any]] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, as builtins
+    drift: list[dict[str, Any]] = field(default_factory=list)  # pipeline.learning.drift.LagDrift per lag, as builtins
     split: dict[str, float] = field(default_factory=dict)  # learn_clock.step_split: generate vs trainer s a step
     response_tokens: dict[str, Any] = field(default_factory=dict)  # learn_clock.length_stats
 
@@ -189,7 +189,7 @@ def _sim_stat(url: str, key: str) -> float:
 def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, workdir: Path, setup: Any,
             time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR,
             family: str = "arith", step_time_factor: float | None = None) -> Curve:
-    from pipeline.local_redis import LocalRedis
+    from pipeline.store.local_redis import LocalRedis
     from scripts.oracle.cpu_actor import Controls
     from scripts.oracle.run import LearnRun, run_learning
 
@@ -254,7 +254,7 @@ def _lags(drift: list[Any]) -> dict[str, Any]:
 
 
 def _setup(workdir: Path, family: str = "arith") -> Any:
-    """slime on sys.path with pipeline.slime bound to its classes, the task set, the warm start."""
+    """slime on sys.path with pipeline.slime.data_source bound to its classes, the task set, the warm start."""
     import importlib
     from types import SimpleNamespace
 
@@ -268,7 +268,7 @@ def _setup(workdir: Path, family: str = "arith") -> Any:
     names = ("slime.ray.rollout", "slime.backends.megatron_utils.loss", "slime.observability.rollout_data_utils",
              "slime.ray.placement_group")
     slime = SimpleNamespace(path=path, modules={name: importlib.import_module(name) for name in names})
-    import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
+    import pipeline.slime.data_source  # noqa: F401  (after slime: its samples are slime's)
     from scripts.tiny_tasks import prepare_sums_tasks, prepare_tasks
     from workers.sim import arith, sums
 
@@ -371,7 +371,7 @@ def _pooled_drift(runs: list[Curve]) -> list[LagDrift]:
 
 
 def drift_tables(summary: dict[str, Any]) -> str:
-    """Per contender, its trained tokens' drift per lag (pipeline/drift.py), pooled over seeds."""
+    """Per contender, its trained tokens' drift per lag (pipeline/learning/drift.py), pooled over seeds."""
     parts = []
     for name, c in summary["contenders"].items():
         rows = [msgspec.convert(r, LagDrift) for r in c.get("drift", [])]

@@ -21,12 +21,12 @@ from typing import Any, Union
 import msgspec
 import numpy as np
 
-from pipeline.buffer import GroupBuffer
 from pipeline.keys import TRAINER_GROUP, Keys
-from pipeline.redis_conn import connect
 from pipeline.schema import Prompt, Sample, SampleGroup, SchemaError, Status, Task, decode_group, encode
-from pipeline.slime import RedisDataSource, to_trainer_group
-from pipeline.slime_samples import mask_list
+from pipeline.slime.data_source import RedisDataSource, to_trainer_group
+from pipeline.slime.samples import mask_list
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.redis_conn import connect
 from pipeline.synthetic import make_group
 from scripts.bench.report import Figure
 from scripts.bench.timing import ratio

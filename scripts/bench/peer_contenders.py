@@ -7,7 +7,7 @@ tokenizer, a fresh one per contender) with lognormal response lengths (length_si
 per-token latency; B = 8 groups per step, n = 4 samples per group, a trainer step simulated as
 a sleep, then a weight push as slime does it (POST /pause_generation in `Workload.push_mode`,
 {} - SGLang's abort - by default, /update_weight_version {"new_version": str(step + 1)},
-/continue_generation: pipeline.weight_push.push_weights). The engine's
+/continue_generation: pipeline.slime.weight_push.push_weights). The engine's
 weight-version label is therefore the policy version, so the lag of a generate call is
 `training step - int(label)` for every contender alike. The trainer loop is train.py's order
 (generate(r), train(r), push) for all five.
@@ -18,7 +18,7 @@ Contenders, each driven through its own code:
      groups still running once B are done and hands the partial samples back to its data source
   c  slime.rollout.fully_async_rollout.generate_rollout_fully_async (its background worker)
   d  this pipeline: redis-server, `rollout workers`, `rollout enqueue --follow`, and
-     pipeline.slime.generate_rollout + RedisDataSource with save(rid) each step
+     pipeline.slime.data_source.generate_rollout + RedisDataSource with save(rid) each step
   e  the pipeline's in-process mode (issue 15): (a)'s generate_rollout with
      custom_generate_function_path=workers.inslime.generate, custom_rm_path=workers.inslime.reward
      and custom_config_path = a pipeline YAML (the math environment; apply_chat_template off:

@@ -20,8 +20,8 @@ CLOCK_SAMPLE_S = 0.5
 
 def push_weights(engine_url: str | list[str], version: int, mode: str = "abort") -> None:
     """slime's update_weights as the engines see it: pause (in `mode`), new label, continue, on
-    each engine (pipeline.weight_push.push_weights)."""
-    from pipeline.weight_push import push_weights as push
+    each engine (pipeline.slime.weight_push.push_weights)."""
+    from pipeline.slime.weight_push import push_weights as push
 
     push([engine_url] if isinstance(engine_url, str) else engine_url, str(version), mode)
 

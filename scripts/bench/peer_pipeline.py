@@ -1,5 +1,5 @@
 """The pipeline's contender of the peer benchmark, (d): redis-server, `rollout workers`, `rollout
-enqueue --follow` (scripts/bench/harness.py starts them), and pipeline.slime.generate_rollout +
+enqueue --follow` (scripts/bench/harness.py starts them), and pipeline.slime.data_source.generate_rollout +
 RedisDataSource with save(rid) each step in train.py's loop (scripts/bench/peer_measure.py)."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def run_pipeline_contender(wl: Workload, engine_url: str | Fleet, tasks: Path, w
 
     from pipeline.keys import Keys
     from pipeline.schema import decode_group
-    from pipeline.slime import RedisDataSource, generate_rollout
+    from pipeline.slime.data_source import RedisDataSource, generate_rollout
 
     sys.path.insert(0, str(slime_path()))  # RedisDataSource hands out slime's own Sample
     fleet = as_fleet(engine_url)

@@ -79,7 +79,7 @@ def ceiling_tokens_per_s(r: Result, eta: int | None = None) -> float:
     version k - eta or later, which is out at S_{k-eta-1} + tau; it cannot start earlier, and
     the step cannot start before it ends: S_k >= S_{k-eta-1} + tau + D_k, D_k the longest
     episode the step trained (measured). The earliest S_k by these two rules (a max-plus
-    recursion; tests/test_bench_peer.py checks it against a brute-force search over every
+    recursion; tests/conformance/test_bench_peer.py checks it against a brute-force search over every
     admission version and delay on small instances), plus the last step's own tau, is the
     least wall time for these steps with these durations. (The first eta + 1 steps take groups
     admitted before the clock started.) `eta` other than the run's: the same schedule for the

@@ -58,7 +58,7 @@ class Workload:
     # engines behind one router (issue 38 item 4): 1 is the engine itself; more run one process
     # each behind sglang-router (slime's router), every contender's requests through it
     engines: int = 1
-    # how every contender's weight push treats running requests (pipeline/weight_push.py): abort
+    # how every contender's weight push treats running requests (pipeline/slime/weight_push.py): abort
     # (slime's default: answered, resumed by the client, re-prefilled), retract or in_place (kept)
     push_mode: str = "abort"
 

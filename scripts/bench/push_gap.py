@@ -41,8 +41,8 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from pipeline.keys import Counter, Keys
-from pipeline.redis_conn import connect
 from pipeline.state import PipelineState, TrainerInfo
+from pipeline.store.redis_conn import connect
 from scripts.bench.harness import math_tasks, pipeline_contender
 
 NS = "gap"

@@ -16,10 +16,10 @@ import statistics
 import time
 import uuid
 
-from pipeline.buffer import GroupBuffer
 from pipeline.keys import Keys
-from pipeline.local_redis import LocalRedis
-from pipeline.redis_conn import connect
+from pipeline.store.buffer import GroupBuffer
+from pipeline.store.local_redis import LocalRedis
+from pipeline.store.redis_conn import connect
 from pipeline.synthetic import make_group
 
 

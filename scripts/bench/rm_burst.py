@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pipeline.local_redis import free_port
+from pipeline.store.local_redis import free_port
 
 SLOW = {"prompt": "What is 2 + 3?", "response": "\\boxed{10^{10^{10}}}", "label": "5"}
 

@@ -15,7 +15,7 @@ This module runs the three as the section, each on a private redis-server of its
 
 from __future__ import annotations
 
-from pipeline.local_redis import LocalRedis
+from pipeline.store.local_redis import LocalRedis
 from scripts.bench.report import Figure
 from scripts.bench.scale_liveness import _idle, _liveness_run, bench_liveness
 from scripts.bench.scale_memory import BATCH, FILTERED, STALE, WORKER_DEAD, bench_memory

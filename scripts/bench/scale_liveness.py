@@ -27,7 +27,7 @@ from typing import Any
 import redis as sync_redis
 
 from pipeline.keys import Keys
-from pipeline.redis_conn import connect
+from pipeline.store.redis_conn import connect
 from scripts.bench.report import Figure
 
 WORKER_COUNTS = (10, 50, 200, 500)

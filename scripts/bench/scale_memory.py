@@ -16,7 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline.keys import Keys, attempts_field
-from pipeline.redis_conn import connect
+from pipeline.store.redis_conn import connect
 from scripts.bench.report import Figure
 
 BATCH = 64
@@ -86,8 +86,8 @@ def bench_memory(url: str, *, quick: bool, groups: int | None = None) -> list[Fi
     """`groups` trained groups through the buffer and the data source, and beside them every other
     way a task or a job ends (see the constants above); bytes per key family after each half."""
     from pipeline.aio import LoopThread
-    from pipeline.buffer import GroupBuffer
-    from pipeline.slime import RedisDataSource
+    from pipeline.slime.data_source import RedisDataSource
+    from pipeline.store.buffer import GroupBuffer
 
     total = groups or (10_000 if quick else 100_000)
     steps = total // BATCH
@@ -276,8 +276,8 @@ async def _result_sizes(redis: Any, keys: Keys) -> dict[str, int]:
     write it (`workers.settings.result_serializer`) and as arq's default would (the whole job)."""
     from arq.jobs import serialize_result
 
-    from pipeline.jobqueue import JOB_FUNCTION, job_serializer
     from pipeline.schema import PromptJob, Task, encode
+    from pipeline.store.jobqueue import JOB_FUNCTION, job_serializer
     from workers.settings import result_serializer
 
     job = PromptJob(task=Task(id="t", env="math", prompt="p" * 2000, label="1"), epoch=0, n_samples=8)

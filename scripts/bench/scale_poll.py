@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from pipeline.keys import Keys
-from pipeline.redis_conn import connect
+from pipeline.store.redis_conn import connect
 from scripts.bench.report import Figure
 from scripts.bench.scale_liveness import DEFAULT_HEARTBEAT_S, GOAL_CORE_SHARE, _exponent, _server_cpu_s
 
@@ -33,7 +33,7 @@ def _poller(url: str, keys: Keys, *, arq_poll: bool = False) -> Any:
     build_worker's poll settings; `arq_poll`: arq 0.28's own poll instead (the 2a5bbd0 baseline)."""
     from arq.worker import Worker, func
 
-    from pipeline.jobqueue import redis_settings
+    from pipeline.store.jobqueue import redis_settings
     from workers.settings import RolloutWorker
 
     class Counted(RolloutWorker):  # counts its loop's iterations: is the one process keeping up?

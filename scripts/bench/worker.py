@@ -24,12 +24,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.config import parse_config  # noqa: E402
-from pipeline.jobqueue import create_arq_pool, enqueue_prompt_job  # noqa: E402
 from pipeline.keys import Keys  # noqa: E402
-from pipeline.local_redis import LocalRedis  # noqa: E402
-from pipeline.redis_conn import connect  # noqa: E402
 from pipeline.schema import PromptJob, Task  # noqa: E402
 from pipeline.state import PipelineState  # noqa: E402
+from pipeline.store.jobqueue import create_arq_pool, enqueue_prompt_job  # noqa: E402
+from pipeline.store.local_redis import LocalRedis  # noqa: E402
+from pipeline.store.redis_conn import connect  # noqa: E402
 from scripts.bench.harness import engine_stats, fleet_of  # noqa: E402
 from workers.jobs import CTX_KEY  # noqa: E402
 from workers.settings import build_worker, stop_worker  # noqa: E402

@@ -26,10 +26,10 @@ pipeline (the learning test's and the bench's negative controls: does a signal t
 learning?): advantages of the wrong sign, each trained position scored against the token before
 it, rollout log-probs of another sample, rewards shuffled across groups. They plant nothing in the
 pipeline's own code; the bugs planted there, each where it would really sit, are
-tests/signal_bugs.py's (docs/signal-bugs.md).
+tests/support/signal_bugs.py's (docs/signal-bugs.md).
 
 Each step also keeps the actor's recomputed old log-probs of every sample (`CPUTrainer.recomputed`,
-by rollout id), which the signal checks (pipeline/signal_check.py) hold the rollout log-probs and
+by rollout id), which the signal checks (pipeline/learning/signal_check.py) hold the rollout log-probs and
 masks against, and reports slime's means (`reduce_train_step_metrics`), as `train_one_step` logs
 them: e.g. `train_rollout_logprob_abs_diff`, the mean over samples, not their sum.
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.weight_push import pause_body, post_json
+from pipeline.slime.weight_push import pause_body, post_json
 from scripts.oracle.slime_loop import Cluster, MegatronActor
 
 
@@ -154,7 +154,7 @@ class CPUTrainer:
         self.metrics: list[dict[str, float]] = []  # slime's per-step means, one dict a step
         self.recomputed: dict[int, list[list[float]]] = {}  # rollout id -> per sample: the recomputed old log-probs
         # rollout id -> the policy version that recomputed them: the steps taken before it (the
-        # k-th push is version k, so a token's lag is this minus its own version: pipeline/drift.py)
+        # k-th push is version k, so a token's lag is this minus its own version: pipeline/learning/drift.py)
         self.version_at: dict[int, int] = {}
         self.clock = clock or TrainerClock()
 

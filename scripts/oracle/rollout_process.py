@@ -5,7 +5,7 @@ no longer shares the trainer's process (and its GIL) with the CPU actor, and the
 seconds are its own.
 
 The child (multiprocessing's spawn: nothing of the parent's slime state is inherited) imports
-slime's `RolloutManager` and binds `pipeline.slime` before the run's clock starts; on `init` it
+slime's `RolloutManager` and binds `pipeline.slime.data_source` before the run's clock starts; on `init` it
 builds `slime_loop.RolloutManagerActor` (slime's own methods on a light object) from the run's
 args, in a fresh rollout process (`fresh_slime_rollout_process`). `RolloutManagerHandle` is what
 slime's loop holds in the trainer's process: the same `generate`/`eval`/`save`/`load` as futures
@@ -123,7 +123,7 @@ def _serve(conn: Any, slime_path: str) -> None:
         import importlib
 
         rollout = importlib.import_module("slime.ray.rollout")
-        import pipeline.slime  # noqa: F401  (after slime: its samples are slime's)
+        import pipeline.slime.data_source  # noqa: F401  (after slime: its samples are slime's)
         from scripts.oracle.run import close_eval_sources, fresh_slime_rollout_process, stop_fully_async_worker
         from scripts.oracle.slime_loop import RolloutManagerActor
     except Exception:  # noqa: BLE001 - said to the parent, which raises it

@@ -51,7 +51,7 @@ class LearnRun:
     eval_interval: int | None = 4  # None: no eval round (the signal checks need none)
     eval_samples: int = 4  # episodes per held-out task
     # also a greedy round (temperature 0, one episode per task): no sampling noise, so a CI test can
-    # hold a margin on it (tests/test_learning.py); LearnResult.greedy
+    # hold a margin on it (tests/conformance/test_learning.py); LearnResult.greedy
     eval_greedy: bool = False
     lr: float = LEARN_LR
     use_tis: bool = True
@@ -68,7 +68,7 @@ class LearnRun:
     # the arq workers in a `rollout workers` child process (their grading and HTTP then leave the
     # trainer's process and its GIL, as on a cluster), else `workers` of them in this process
     worker_process: bool = False
-    # what feeds slime's loop: "pipeline" (RedisDataSource + pipeline.slime.generate_rollout, the
+    # what feeds slime's loop: "pipeline" (RedisDataSource + pipeline.slime.data_source.generate_rollout, the
     # producer and workers) or "slime_fully_async" (slime's own RolloutDataSourceWithBuffer and
     # fully_async_rollout over the train split's single-turn problems; `slime_fully_async_args`;
     # its RolloutManager in a process of its own, scripts/oracle/rollout_process.py)
@@ -98,7 +98,7 @@ class LearnResult:
     untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
     greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
     signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
-    drift: list[Any] = field(default_factory=list)  # pipeline.drift.LagDrift per lag, over every trained step
+    drift: list[Any] = field(default_factory=list)  # pipeline.learning.drift.LagDrift per lag, over every trained step
     accuracy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> the eval's standard error
     # rollout id -> real seconds slime's loop spent in its generate call (sync: the step's whole generation)
     generate_s: dict[int, float] = field(default_factory=dict)
@@ -106,7 +106,7 @@ class LearnResult:
 
 @dataclass
 class StepSignal:
-    """One trained step's signal checks (pipeline/signal_check.py): the token audit of what the
+    """One trained step's signal checks (pipeline/learning/signal_check.py): the token audit of what the
     actor was handed against its recomputed log-probs, and the checks on the samples themselves."""
 
     tokens: Any  # signal_check.TokenAudit
@@ -117,7 +117,7 @@ class StepSignal:
 
     def failures(self) -> dict[str, list[str]]:
         """The checks this step failed -> what they found ({} when the signal is aligned)."""
-        from pipeline.signal_check import REMOVAL, REWARD, VERSION
+        from pipeline.learning.signal_check import REMOVAL, REWARD, VERSION
 
         found = {REWARD: self.rewards, REMOVAL: self.removal, VERSION: self.versions or []}
         return {**self.tokens.failures(), **{check: _first_few(messages) for check, messages in found.items() if messages}}
@@ -173,7 +173,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     import time
 
     from pipeline.config import parse_config
-    from pipeline.redis_conn import connect
+    from pipeline.store.redis_conn import connect
     from producers.enqueue import ProducerOptions, run_producer
     from scripts.oracle.cpu_actor import (
         Controls,
@@ -295,7 +295,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
 def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,
                  sync: bool) -> dict[int, StepSignal]:
     """The signal checks of every step the actor trained (the last trainer process's run)."""
-    from pipeline.signal_check import audit_tokens, removal_mismatches, reward_mismatches, version_mismatches
+    from pipeline.learning.signal_check import audit_tokens, removal_mismatches, reward_mismatches, version_mismatches
 
     trained = cluster.trained[max(cluster.trained)] if cluster.trained else {}
     grade = grader()
@@ -314,10 +314,10 @@ def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[flo
 
 
 def drift_by_lag(cluster: Any, manager: Any, trainer: Any) -> list[Any]:
-    """The drift per lag (pipeline/drift.py) over every step the actor trained: each trained
+    """The drift per lag (pipeline/learning/drift.py) over every step the actor trained: each trained
     token's rollout log-prob against the trainer's recompute at that step, its lag the trainer's
     version then minus the token's own policy version."""
-    from pipeline.drift import DriftTally, token_versions
+    from pipeline.learning.drift import DriftTally, token_versions
 
     run = max(cluster.trained) if cluster.trained else 0
     trained = cluster.trained.get(run, {})
@@ -334,7 +334,7 @@ def drift_by_lag(cluster: Any, manager: Any, trainer: Any) -> list[Any]:
 
 def call_versions(sample: Any, truth: dict[tuple[int, str], int], run: int) -> list[Any]:
     """A sample's policy version per generate call. The pipeline's samples carry versions already
-    (pipeline/slime_samples.py: `weight_versions` are policy versions, the engine's labels kept in
+    (pipeline/slime/samples.py: `weight_versions` are policy versions, the engine's labels kept in
     `engine_weight_versions`); slime's own generate (the fully async contender) keeps SGLang's
     labels, which the actor's pushes map to versions (`Cluster.truth`: slime's k-th push of a
     process is label k, the policy after k - 1 steps there); a label no push made (the engine's
@@ -428,12 +428,12 @@ def slime_fully_async_args(run: LearnRun, workdir: Path, engine_url: str, engine
 
 def pipeline_eval(args: Any, rollout_id: int, data_source: Any, evaluation: bool = True) -> Any:
     """slime's --eval-function-path for a run whose data source is not the pipeline's: the
-    pipeline's eval (`pipeline.eval_entry.evaluate`, `pipeline_eval_datasets`, through the
+    pipeline's eval (`pipeline.slime.eval_entry.evaluate`, `pipeline_eval_datasets`, through the
     workers) on a RedisDataSource built on first use from the pipeline_* args and kept per
     (redis, namespace) until `close_eval_sources`. No producer is needed: the workers run the eval
     jobs. So every contender's held-out accuracy is one code, sampling and grader."""
-    from pipeline.eval_entry import evaluate
-    from pipeline.slime import RedisDataSource
+    from pipeline.slime.data_source import RedisDataSource
+    from pipeline.slime.eval_entry import evaluate
 
     if not evaluation:
         raise ValueError("scripts.oracle.run.pipeline_eval is an eval function (slime calls it with evaluation=True)")

@@ -5,7 +5,7 @@ What stays slime's: the loop order in both files, `create_training_models` (it s
 `start_rollout_id` and calls `rollout_manager.load(start - 1)`), `create_rollout_manager`,
 `should_run_periodic_action` (checkpoints), and the RolloutManager methods the loop reaches
 (`_get_rollout_data`: `call_rollout_fn` + `validate_rollout_id_annotated`, `save`, `load`),
-bound to a light object as tests/test_conformance_slime.py does. The data source and rollout
+bound to a light object as tests/conformance/test_conformance_slime.py does. The data source and rollout
 function are the pipeline's, loaded by slime's `load_function` from `--data-source-path` and
 `--rollout-function-path`.
 
@@ -13,7 +13,7 @@ What is stood in for: Ray (`ray.get` resolves futures; an actor's calls run one 
 submission order on one thread, as a plain `@ray.remote` actor runs them), the placement
 groups, tracking, and the Megatron actor: `update_weights()` does what slime's updater does to
 the engines (pause in the cluster's `push_mode`, `/update_weight_version` with the per-process
-push count, continue: pipeline.weight_push.push_weights; under abort the engines answer running
+push count, continue: pipeline.slime.weight_push.push_weights; under abort the engines answer running
 requests as SGLang does, under in_place / retract they keep them) and records which policy version each
 (run, label) really is, from the steps it trained: the oracle.
 """
@@ -31,7 +31,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 from unittest import mock
 
-from pipeline.weight_push import PushMode, push_weights
+from pipeline.slime.weight_push import PushMode, push_weights
 
 
 class Crash(Exception):
@@ -215,7 +215,7 @@ def slime_args(pipeline_args: dict[str, Any], *, num_rollout: int, interval: int
         check_weight_update_equal=False, num_rollout=num_rollout, num_epoch=None, eval_interval=None,
         skip_eval_before_train=True, save_interval=save_interval, rollout_global_dataset=True,
         update_weights_interval=interval, num_critic_only_steps=0, start_rollout_id=None,
-        data_source_path="pipeline.slime.RedisDataSource", rollout_function_path="pipeline.slime.generate_rollout",
+        data_source_path="pipeline.slime.data_source.RedisDataSource", rollout_function_path="pipeline.slime.data_source.generate_rollout",
         load_debug_rollout_data=None, debug_rollout_only=False, debug_train_only=False,
         eval_function_path=None, save_debug_rollout_data=None,
         # what slime's RolloutManager.eval -> log_eval_rollout_data reads (no tracker here)

@@ -10,7 +10,7 @@ math-verify finds them equal, else 0.0; the extracted answer and the label go in
 
 The box is read as NeMo-Skills' `extract_answer` reads it (the last one, braces matched; a last
 box cut off or without braces is no answer) except in three places, where this kind reads more
-(`tests/test_env_math.py` pins each against NeMo-Skills' own code):
+(`tests/workers/test_env_math.py` pins each against NeMo-Skills' own code):
 - `\\fbox{3}` with no `\\boxed` anywhere: 3 here; None there (it looks for `\\fbox` only
   after finding a `\\boxed`);
 - `\\boxed {4}` (a space before the brace, valid LaTeX): 4 here; None there;

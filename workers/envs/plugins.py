@@ -16,7 +16,7 @@
   last episode is scored (`GroupMetrics`), and the metrics go into every sample's components.
 - `kind: slime_rm`: a slime custom reward function `async def rm(args, sample) -> float`
   (`--custom-rm-path` style; a plain function works too) as the verifier. `sample` is
-  slime's `Sample` when slime is importable, else `pipeline.slime.LocalSample` with the
+  slime's `Sample` when slime is importable, else `pipeline.slime.data_source.LocalSample` with the
   same field names; `args` is a namespace built from `options.args`.
 """
 
@@ -527,7 +527,7 @@ class SlimeRMOptions(Options, frozen=True):
 
 def slime_sample(task: Task, episode: EpisodeRecord) -> Any:
     """The episode as slime's Sample (or LocalSample): prompt, response, label, metadata, status."""
-    from pipeline.slime_samples import SampleClass
+    from pipeline.slime.samples import SampleClass
 
     return SampleClass(
         prompt=task.prompt,

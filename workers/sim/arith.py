@@ -98,7 +98,7 @@ def _prompt_ids(tokenizer: Any, question: str) -> list[int]:
 def prompt_tokenizers() -> list[Any]:
     """The two ways a client tokenizes the prompt: the shared test tokenizer as its own class
     (the simulator's /model_info names it), and as transformers' Qwen2Tokenizer (what a client
-    loads from the Qwen2 model directory SGLang's front serves in tests/engine_stack.py: it
+    loads from the Qwen2 model directory SGLang's front serves in tests/support/engine_stack.py: it
     splits numbers into digits). The warm start teaches the model both."""
     from transformers import Qwen2Tokenizer
 

@@ -732,8 +732,8 @@ class SimEngine:
         """The weight-version spans SGLang's `compute_weight_version_spans` (utils/weight_versions.py)
         makes of the request's events: output tokens per label. The simulator runs without sglang
         (importing it costs seconds and torch, in every process that plays an engine), so the rule
-        is its own, pinned to SGLang's function by tests/test_sim_sglang_rules.py; the engine
-        stack (tests/engine_stack.py, SGLang's front) calls SGLang's own on these events."""
+        is its own, pinned to SGLang's function by tests/conformance/test_sim_sglang_rules.py; the engine
+        stack (tests/support/engine_stack.py, SGLang's front) calls SGLang's own on these events."""
         spans: list[dict[str, Any]] = []
         for version, end in [*running.version_events, (self.weight_version, produced)]:
             end = min(end, produced)

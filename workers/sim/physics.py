@@ -14,7 +14,7 @@ per step, and the step's length is set by the whole batch):
   over cached p_i) takes shared(sum n_i) + sum_i attention(B, n_i, p_i): a batch of 8 x 1,000
   tokens is aiconfigurator's `predict_prefill_latency(8, 1000, 0)`, not one 8,000-token sequence.
   The context and prefix axes reach the model's context length. Values between grid points are
-  interpolated linearly (tests/test_sim_physics.py checks them against aiconfigurator within 10%).
+  interpolated linearly (tests/conformance/test_sim_physics.py checks them against aiconfigurator within 10%).
 - `FlatSteps`: every decode step lasts `token_latency_s`, prefill costs nothing: the old simulator's
   speed without its per-request lognormal draw, for tests that only need requests in flight.
 

@@ -2,7 +2,7 @@
 time, one step loop per engine. Each step is a prefill batch or a decode batch (SGLang's default,
 no mixed chunks), and lasts what the step model says (workers/sim/physics.py).
 
-Rules, each from the SGLang function named (tests/test_sim_scheduler.py pins them; tests/test_sim_sglang_rules.py
+Rules, each from the SGLang function named (tests/workers/test_sim_scheduler.py pins them; tests/conformance/test_sim_sglang_rules.py
 runs the same sequences through SGLang's own code):
 - Admission, `PrefillAdder.add_one_req` / `_select_prefill_admission` (managers/schedule_policy.py),
   called from `Scheduler._get_new_batch_prefill_raw` (managers/scheduler.py) in the queue's order:

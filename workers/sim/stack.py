@@ -11,7 +11,7 @@ the project's simulator as the scheduler (workers/sim/sglang_front.py says what 
   the public build of it), both the PyPI CPU wheels of the `conformance` extra, in front of one or
   more fronts.
 
-The tests (tests/engine_stack.py: one shared stack per session), the learning oracle's bench
+The tests (tests/support/engine_stack.py: one shared stack per session), the learning oracle's bench
 (scripts/bench/learn.py) and `rollout check-signal` start it here. `start_engine_stack` is
 blocking; async code calls `await asyncio.to_thread(start_engine_stack, ...)`.
 

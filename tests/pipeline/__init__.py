@@ -1,0 +1,1 @@
+"""Tests of pipeline/: the contracts, the Redis store, the slime side, evaluation, the operator's views."""

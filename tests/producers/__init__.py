@@ -1,0 +1,1 @@
+"""Tests of producers/: task preparation, admission and enqueue."""

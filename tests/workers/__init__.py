@@ -1,0 +1,1 @@
+"""Tests of workers/: engine client, episodes, environments, liveness, the pool, the simulator."""

@@ -138,7 +138,7 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
     0.36, 0.90, 166528, w5, 0.14, 0.0 and 0.39 here (295 s of one core at a load of ~7)."""
     import torch
 
-    from workers.sim.tinylm import TinyPolicy, count_parameters, new_model, save_checkpoint
+    from workers.sim.tinylm import count_parameters, new_model
     from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
 
     info_file = path / "warm_start.json"
@@ -181,13 +181,8 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, boxed_shar
                 prompt, first = rng.choice(singles)
                 one = pick(first)
                 batch.append((prompt + one, [0] * len(prompt) + [1] * len(one)))
-        loss = _sft_loss(model, batch, eos)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    save_checkpoint(model, path)
-    policy = TinyPolicy(path, tokenizer, seed=seed)
+        sft_step(model, optimizer, batch, eos)
+    policy = saved_policy(model, path, tokenizer, seed)
     accuracy = sample_accuracy(policy, tokenizer, rows, repeats=2)
     knows = sample_accuracy(policy, tokenizer, rows, repeats=1, temperature=0.0, prefix="\\boxed{")
     info = {"steps": steps, "accuracy": accuracy, "boxed_greedy_accuracy": knows, "parameters": count_parameters(model),
@@ -227,6 +222,23 @@ def cached_build(name: str, build: Any) -> Path:
         pass
     shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def sft_step(model: Any, optimizer: Any, batch: list[tuple[list[int], list[int]]], eos: int) -> None:
+    """One optimizer step of the warm start's supervised loss on `batch` (both task families)."""
+    loss = _sft_loss(model, batch, eos)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def saved_policy(model: Any, path: Path, tokenizer: Any, seed: int) -> Any:
+    """The trained warm start saved at `path` (transformers' directory) and served as a TinyPolicy."""
+    from workers.sim.tinylm import TinyPolicy, save_checkpoint
+
+    model.eval()
+    save_checkpoint(model, path)
+    return TinyPolicy(path, tokenizer, seed=seed)
 
 
 def _sft_loss(model: Any, batch: list[tuple[list[int], list[int]]], pad: int) -> Any:

@@ -106,8 +106,8 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, lr: float 
     answers' lengths at temperature 1)}."""
     import torch
 
-    from workers.sim.arith import _prompt_ids, _sft_loss, prompt_tokenizers
-    from workers.sim.tinylm import TinyPolicy, count_parameters, new_model, save_checkpoint
+    from workers.sim.arith import _prompt_ids, prompt_tokenizers, saved_policy, sft_step
+    from workers.sim.tinylm import count_parameters, new_model
     from workers.sim.tokenizer import default_tokenizer_path, load_test_tokenizer
 
     info_file = path / "warm_start.json"
@@ -126,13 +126,8 @@ def warm_start(path: Path, *, seed: int = 0, steps: int = WARM_STEPS, lr: float 
     rng = random.Random(seed)
     model.train()
     for _ in range(steps):
-        loss = _sft_loss(model, [rng.choice(examples) for _ in range(32)], eos)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    save_checkpoint(model, path)
-    policy = TinyPolicy(path, tokenizer, seed=seed)
+        sft_step(model, optimizer, [rng.choice(examples) for _ in range(32)], eos)
+    policy = saved_policy(model, path, tokenizer, seed)
     held_out = [row for row in problems() if row[2]]
     sampled, lengths = accuracy(policy, tokenizer, held_out, temperature=1.0)
     greedy, _ = accuracy(policy, tokenizer, held_out, temperature=0.0)

@@ -55,7 +55,9 @@ from pipeline.state import PipelineState, TrainerInfo
 from pipeline.store.buffer import Entry, GroupBuffer
 from pipeline.store.redis_conn import connect, new_op_id, redact, run_once
 
-log = logging.getLogger(__name__)
+# the trainer-side log users grep in slime's output, and that the quickstart records: its name stays
+# "pipeline.slime" (the module moved into the package: issue 48)
+log = logging.getLogger("pipeline.slime")
 
 READ_BLOCK_MS = 1000
 READ_ALL = 256  # due-first reads up to this many groups at a time to choose from

@@ -95,10 +95,13 @@ class RolloutManagerHandle:
         self.batches: dict[int, list[Any]] = {}  # rollout id -> the samples generate() returned
         self.evals: list[tuple[int, dict[str, Any], float]] = []  # (rollout id, the round's metrics, when done)
         self.eval_calls: list[tuple[int, float]] = []  # (rollout id, seconds the loop waited for the call)
+        self.generate_s: dict[int, float] = {}  # rollout id -> seconds its generate call took (the data's wait)
 
         def generate(rollout_id: int) -> Any:
+            started = time.monotonic()
             samples, data = process.call("generate", rollout_id)
             self.batches[rollout_id] = samples
+            self.generate_s[rollout_id] = time.monotonic() - started
             return data
 
         def evaluate(rollout_id: int) -> None:

@@ -332,7 +332,7 @@ def test_a_stale_storm_is_named_once(redis_url, namespace, caplog):
     stale = [make_group(f"old{i}:0", n=4, admission_version=0) for i in range(4)]
     push_groups(redis_url, namespace, [*stale, make_group("new:0", n=4, admission_version=6), make_group("new2:0", n=4, admission_version=7)])
     ds = RedisDataSource(_args(redis_url, namespace, pipeline_eta=1, pipeline_stale_policy="drop", rollout_batch_size=1))
-    with caplog.at_level("WARNING", logger="pipeline.slime.data_source"):
+    with caplog.at_level("WARNING", logger="pipeline.slime"):
         generate_rollout(ds.args, 6, ds)
         generate_rollout(ds.args, 7, ds)
     storms = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]

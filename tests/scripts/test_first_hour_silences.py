@@ -222,7 +222,7 @@ def _wait_lines(redis_url: str, ns: str, rid: int, caplog, **extra: Any) -> list
 
     source = RedisDataSource(_source_args(redis_url, ns, **extra))
     try:
-        with caplog.at_level(logging.INFO, logger="pipeline.slime.data_source"), pytest.raises(TimeoutError):
+        with caplog.at_level(logging.INFO, logger="pipeline.slime"), pytest.raises(TimeoutError):
             generate_rollout(source.args, rid, source)
     finally:
         source.close()
@@ -287,7 +287,7 @@ def test_stale_storm_warning_fires_while_no_batch_fills(redis_url, namespace, ca
     from tests.support.source_helpers import push_groups
 
     push_groups(redis_url, namespace, [make_group(f"old{i}:0", n=2, admission_version=0) for i in range(6)])
-    with caplog.at_level(logging.WARNING, logger="pipeline.slime.data_source"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.slime"):
         _wait_lines(redis_url, namespace, 6, caplog, pipeline_stale_policy="drop")  # no batch: every group is stale
     storms = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]
     assert len(storms) == 1 and "6 of 6 groups read were stale (eta 1)" in storms[0], storms

@@ -297,7 +297,7 @@ async def test_no_turn_is_sent_once_slime_has_aborted(slime, stack, tmp_path, mo
 
 
 async def recording_reward(args, samples, **kwargs):
-    """--custom-rm-path test_inprocess.recording_reward: records slime's call, then ours."""
+    """--custom-rm-path tests.workers.test_inprocess.recording_reward: records slime's call, then ours."""
     from workers.inslime import reward
 
     CALLS.append(samples)
@@ -310,7 +310,7 @@ async def test_group_rm_calls_reward_once_per_group_with_the_list(slime, stack, 
     rollout = slime.modules["slime.rollout.sglang_rollout"]
     CALLS.clear()
     twin(stack, seed=5)
-    args = _args(stack.router_url, _config(tmp_path), group_rm=True, custom_rm_path="test_inprocess.recording_reward")
+    args = _args(stack.router_url, _config(tmp_path), group_rm=True, custom_rm_path="tests.workers.test_inprocess.recording_reward")
     params = rollout.GenerateState(args).sampling_params
     group = _samples(slime, *QUESTIONS[0])
     for s in group:

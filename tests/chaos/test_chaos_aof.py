@@ -130,12 +130,15 @@ async def test_redis_sigkilled_and_restarted_from_its_aof_three_times(fsync, cut
             def after_step(rid: int) -> None:
                 saved.extend(trainer.trained_groups[len(saved):])
 
+            # done once epoch 0 is trained AND every kill happened: a trainer that outpaces the kill
+            # cycle (an idle machine: each kill, copy and restart spans ~6 of its 20 steps) trains on
+            # into epoch 1 instead of ending the run before the third kill
             trainer = Trainer(server.url, namespace, batch=BATCH, n=N, eta=ETA, max_steps=3 * TASKS // BATCH,
-                              done=lambda t: epoch0 <= t.trained_tasks(0), after_step=after_step,
+                              done=lambda t: epoch0 <= t.trained_tasks(0) and len(kills) >= KILLS, after_step=after_step,
                               wait_timeout_s=25.0 if cut_s else 60.0)
             trainer.start()
             run.producer = asyncio.create_task(run_producer(
-                parse_config(run.data), tmp_path / "tasks.jsonl", follow=True, stop_event=run.stop,
+                parse_config(run.data), tmp_path / "tasks.jsonl", follow=True, stop_event=run.stop, epochs=2,
                 options=ProducerOptions(max_requeues=3),
             ))
             while trainer.is_alive() and trainer.steps < 2:  # a few steps in: a lost second is a suffix

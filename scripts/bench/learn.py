@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import re
 import statistics
 import sys
@@ -63,6 +62,7 @@ import msgspec
 
 from pipeline.learning.drift import LagDrift, format_table
 from scripts.bench.learn_clock import STEP_TIME_FACTOR, clock_lines, length_stats, step_split
+from scripts.bench.learn_stats import goal_rows, goal_table, paired_interval, sync_intervals
 from scripts.bench.report import Figure
 from workers.sim.arith import LEARN_LR
 
@@ -179,6 +179,9 @@ class Curve:
     drift: list[dict[str, Any]] = field(default_factory=list)  # pipeline.learning.drift.LagDrift per lag, as builtins
     split: dict[str, float] = field(default_factory=dict)  # learn_clock.step_split: generate vs trainer s a step
     response_tokens: dict[str, Any] = field(default_factory=dict)  # learn_clock.length_stats
+    # `seconds` less every eval round's own seconds so far (x the scale): the training's clock, as a
+    # run that evaluates rarely or in the background pays it (the workers generate on during a round)
+    seconds_less_eval: dict[int, float] = field(default_factory=dict)
 
 
 def _sim_stat(url: str, key: str) -> float:
@@ -214,13 +217,14 @@ def run_one(contender: Contender, seed: int, *, steps: int, eval_interval: int, 
         rate = (_sim_stat(stats, "sim_time_s") - clock0) / max(time.monotonic() - real0, 1e-9) / time_scale
         behind = _sim_stat(stats, "max_behind_sim_s")
     kept = {k: (v - _overrun_before(result.trainer_steps, k)) * time_scale for k, v in result.seconds.items()}
+    less_eval = {k: (v - sum(s for d, s in result.eval_s.items() if d <= k)) * time_scale for k, v in result.seconds.items()}
     return Curve(contender.name, seed, result.accuracy, {k: v * time_scale for k, v in result.seconds.items()}, rate,
                  result.wall_s, accuracy_se=dict(result.accuracy_se), time_scale=time_scale, trainer_overruns=result.trainer_overruns,
                  trainer_cpu_share=result.trainer_cpu_share, seconds_are=SIMULATED, engine_behind_s=behind,
                  untrained_groups=result.untrained_groups, seconds_kept=kept, lr=lr,
                  drift=[msgspec.to_builtins(row) for row in result.drift], **_lags(result.drift),
                  split=step_split(result.generate_s, result.trainer_steps, time_scale),
-                 response_tokens=length_stats(result.samples))
+                 response_tokens=length_stats(result.samples), seconds_less_eval=less_eval)
 
 
 def _engine(engine_args: list[str], sub: Path) -> Any:
@@ -300,12 +304,6 @@ def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
     return {s: statistics.fmean(getattr(c, key)[s] for c in curves) for s in steps}
 
 
-def _bootstrap(diffs: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(diffs, k=len(diffs))) for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
-
-
 def summarize(curves: list[Curve]) -> dict[str, Any]:
     by: dict[str, list[Curve]] = {}
     for c in curves:
@@ -314,26 +312,28 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
     sync = by.get("sync", [])
     sync_acc = _mean_curve(sync, "accuracy")
     target = sync_acc[max(sync_acc)] if sync_acc else float("nan")
-    out: dict[str, Any] = {"sync_final_accuracy": target, "contenders": {}}
+    out: dict[str, Any] = {"sync_final_accuracy": target, "contenders": {},
+                           "sync_interval": {s: list(v) for s, v in sync_intervals(sync).items()}}
     for name, runs in by.items():
         acc, secs, kept = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds"), _mean_curve(runs, "seconds_kept")
+        less_eval = _mean_curve(runs, "seconds_less_eval")
         # the eval's standard error of the mean over seeds (each seed's round independent)
         se = {s: (sum(c.accuracy_se.get(s, float("nan")) ** 2 for c in runs)) ** 0.5 / len(runs) for s in acc}
         reach = next((s for s in sorted(acc) if acc[s] >= target), None)
         per_step = {}
         for step in sorted(acc):
-            pairs = [(c.accuracy[step], s.accuracy[step]) for c in runs for s in sync
-                     if s.seed == c.seed and step in s.accuracy and step in c.accuracy]
+            pairs = [(c.accuracy[step], c.accuracy_se.get(step, math.nan), s.accuracy[step], s.accuracy_se.get(step, math.nan))
+                     for c in runs for s in sync if s.seed == c.seed and step in s.accuracy and step in c.accuracy]
             if pairs:
-                diffs = [a - b for a, b in pairs]
-                low, high = _bootstrap(diffs)
-                per_step[step] = {"diff": statistics.fmean(diffs), "ci95": [low, high]}
+                low, high = paired_interval(pairs)
+                per_step[step] = {"diff": statistics.fmean(a - b for a, _, b, _ in pairs), "ci95": [low, high]}
         first, last = min(acc), max(acc)
         out["contenders"][name] = {
             "seeds": sorted(c.seed for c in runs), "accuracy": acc, "accuracy_se": se, "seconds": secs,
             "gain": acc[last] - acc[first], "gain_per_seed": [c.accuracy[last] - c.accuracy[first] for c in runs],
             "steps_to_sync_final": reach, "seconds_to_sync_final": secs.get(reach) if reach is not None else None,
-            "seconds_kept": kept,
+            "seconds_kept": kept, "seconds_less_eval": less_eval,
+            "seconds_less_eval_to_sync_final": less_eval.get(reach) if reach is not None else None,
             "vs_sync": per_step, "clock_rate": [round(c.clock_rate, 3) for c in runs],
             "wall_s": [round(c.wall_s, 1) for c in runs],
             "seconds_are": sorted({c.seconds_are for c in runs}),
@@ -384,7 +384,7 @@ def drift_tables(summary: dict[str, Any]) -> str:
 def table(summary: dict[str, Any]) -> str:
     lines = [f"sync's final held-out accuracy (mean of its seeds): {summary['sync_final_accuracy']:.3f}", "",
              "| contender | seeds | held-out accuracy by step (mean ± the eval's standard error) | gain (per seed) | steps to sync's final | "
-             "simulated H100 s to sync's final (at step) | final step minus sync (95% bootstrap over seeds) | "
+             "simulated H100 s to sync's final (at step) | final step minus sync, paired by seed (95% bootstrap over seeds and problems) | "
              "simulated H100 s at the last step, mean [less overruns] | lag per trained token (its own version), mean / max | finished groups never trained | "
              "engine busy share (behind its clock, max s) | trainer CPU share of its step, max (overruns) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -456,14 +456,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_interval: int = 4,
+def bench_learn(*, quick: bool = False, seeds: int = 5, steps: int = 12, eval_interval: int = 4,
                 deadline_s: float | None = None, out_dir: Path = Path("."), contenders: tuple[Contender, ...] = CONTENDERS,
-                seed_ids: tuple[int, ...] | None = None, merge: Path | None = None,
+                seed_ids: tuple[int, ...] | None = None, merge: tuple[Path, ...] = (),
                 time_scale: float = TIME_SCALE, two_turn: bool = False, lr: float = DEFAULT_LR,
                 family: str = "arith", step_time_factor: float | None = None) -> list[Figure]:
     """Run every contender for every seed (seed-major), write learn.json / learn.txt / learn.png
     in `out_dir`, return the figures. `deadline_s`: stop starting runs past it (said in the table).
-    `seed_ids`: these seeds instead of 0..seeds-1. `merge`: an earlier learn.json whose curves
+    `seed_ids`: these seeds instead of 0..seeds-1. `merge`: earlier learn.json files whose curves
     (and skipped runs) are kept, except those this run redoes, so the table and plot cover both.
     `two_turn`: the producer's train mix has the two-turn task (off: the single-turn problems only,
     which every contender, slime's fully async included, can train on)."""
@@ -479,7 +479,11 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
 
     quiet_transformers()
     started = time.monotonic()
-    curves, skipped = _load(merge) if merge is not None else ([], [])
+    curves: list[Curve] = []
+    skipped: list[str] = []
+    for path in merge:
+        more_curves, more_skipped = _load(path)
+        curves, skipped = curves + more_curves, skipped + more_skipped
     for seed in seed_ids if seed_ids is not None else range(seeds):
         for contender in contenders:
             done = f"{contender.name} seed {seed}"
@@ -505,13 +509,16 @@ def bench_learn(*, quick: bool = False, seeds: int = 3, steps: int = 12, eval_in
             _write(curves, skipped, out_dir)
     summary = _write(curves, skipped, out_dir)
     print(table(summary))
+    print(goal_table(summary))
     print(drift_tables(summary))
     print(clock_lines(summary))
     figures = []
+    inside = {r["contender"]: r["met"] for r in goal_rows(summary)}
     for name, c in summary["contenders"].items():
-        goal_met = c["gain"] < 0.1 if name.startswith("(") else c["steps_to_sync_final"] is not None
+        goal_met = c["gain"] < 0.1 if name.startswith("(") else inside.get(name, c["steps_to_sync_final"] is not None)
         figures.append(Figure(section="learn", name=f"{name}: held-out gain over {steps} steps", value=c["gain"],
                               unit="accuracy", goal="no rise (a control)" if name.startswith("(") else
+                              "inside sync's interval at the last step" if name in inside else
                               "reaches sync's final accuracy", met=goal_met, details=c))
     return figures
 
@@ -538,7 +545,8 @@ def _load(path: Path) -> tuple[list[Curve], list[str]]:
     curves = [Curve(**{**c, "accuracy": {int(k): v for k, v in c["accuracy"].items()},
                        "seconds": {int(k): v for k, v in c["seconds"].items()},
                        "seconds_kept": {int(k): v for k, v in c.get("seconds_kept", {}).items()},
-                       "accuracy_se": {int(k): v for k, v in c.get("accuracy_se", {}).items()}})
+                       "accuracy_se": {int(k): v for k, v in c.get("accuracy_se", {}).items()},
+                       "seconds_less_eval": {int(k): v for k, v in c.get("seconds_less_eval", {}).items()}})
               for c in data["curves"]]
     return curves, list(data["summary"].get("skipped", []))
 
@@ -563,7 +571,7 @@ def _write(curves: list[Curve], skipped: list[str], out_dir: Path) -> dict[str, 
     summary["failed"] = [f"{c.contender} seed {c.seed}: {c.error}" for c in curves if c.error]
     (out_dir / "learn.json").write_text(json.dumps({"summary": summary, "curves": [asdict(c) for c in curves]},
                                                    indent=1, default=str))
-    text = (table(summary) + "\n\n" + drift_tables(summary) + "\n\n" + clock_lines(summary)
+    text = (table(summary) + "\n\n" + goal_table(summary) + "\n\n" + drift_tables(summary) + "\n\n" + clock_lines(summary)
             if summary["contenders"] else "(no run finished)")
     if skipped:
         text += f"\n\nnot run (time budget): {', '.join(skipped)}"
@@ -579,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m scripts.bench.learn", description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--eval-interval", type=int, default=4)
     p.add_argument("--deadline-s", type=float, default=None, help="start no run after this many seconds")
@@ -601,12 +609,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-time-factor", type=float, default=None,
                    help="the engine's steps this many times the table's (default: the family's calibrated factor, "
                         "scripts/bench/learn_clock.py STEP_TIME_FACTOR)")
-    p.add_argument("--merge", type=Path, default=None,
-                   help="an earlier learn.json: keep its curves (those rerun here replaced) in the table and plot")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the table, verdicts and plot of the --merge files' curves")
+    p.add_argument("--merge", type=Path, action="append", default=[],
+                   help="an earlier learn.json (repeatable): keep its curves (those rerun here replaced) in the table and plot")
     a = p.parse_args(argv)
     seed_ids = tuple(int(s) for s in a.seed_ids.split(",")) if a.seed_ids.strip() else None
     bench_learn(seeds=a.seeds, steps=a.steps, eval_interval=a.eval_interval, deadline_s=a.deadline_s,
-                out_dir=Path(a.out), contenders=_chosen(a.only), seed_ids=seed_ids, merge=a.merge,
+                out_dir=Path(a.out), contenders=() if a.report_only else _chosen(a.only), seed_ids=seed_ids, merge=tuple(a.merge),
                 time_scale=a.time_scale, two_turn=a.two_turn, lr=a.lr, family=a.family,
                 step_time_factor=a.step_time_factor)
     return 0

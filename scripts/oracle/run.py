@@ -102,6 +102,8 @@ class LearnResult:
     accuracy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> the eval's standard error
     # rollout id -> real seconds slime's loop spent in its generate call (sync: the step's whole generation)
     generate_s: dict[int, float] = field(default_factory=dict)
+    # trainer steps done -> real seconds its eval round took (the loop's wait inside the eval call)
+    eval_s: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -252,6 +254,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         if fully_async and args.skip_eval_before_train:  # train_async.py evaluates after steps only: the start too
             first_eval = await asyncio.to_thread(pipeline_eval, args, 0, None)
             first_eval_at = time.monotonic()
+            first_eval_s = first_eval_at - started
         await asyncio.to_thread(loop.train, args)
         wall = time.monotonic() - started
         manager = cluster.managers[-1]
@@ -270,12 +273,14 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         await redis.aclose()
         if own_patches is not None:
             own_patches.undo()
-    accuracy, greedy, accuracy_se = {}, {}, {}
-    rounds = [(0, first_eval.metrics, first_eval_at)] if first_eval is not None else []
+    accuracy, greedy, accuracy_se, eval_s = {}, {}, {}, {}
+    rounds = [(0, first_eval.metrics, first_eval_at, first_eval_s)] if first_eval is not None else []
+    call_s = [s for _, s in manager.eval_calls]  # in the order of manager.evals: one call, one round
     for i, (rid, metrics, when) in enumerate(manager.evals):
-        rounds.append((0 if (i == 0 and not args.skip_eval_before_train) else rid + 1, metrics, when))  # train.py's eval before step 0
-    for done, metrics, when in rounds:
-        accuracy[done], seconds[done] = float(metrics["eval/heldout/pass@1"]), when - started
+        done = 0 if (i == 0 and not args.skip_eval_before_train) else rid + 1  # train.py's eval before step 0
+        rounds.append((done, metrics, when, call_s[i] if i < len(call_s) else 0.0))
+    for done, metrics, when, took in rounds:
+        accuracy[done], seconds[done], eval_s[done] = float(metrics["eval/heldout/pass@1"]), when - started, took
         accuracy_se[done] = float(metrics.get("eval/heldout/pass@1_stderr", float("nan")))
         if "eval/greedy/pass@1" in metrics:
             greedy[done] = float(metrics["eval/greedy/pass@1"])
@@ -289,7 +294,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
                        greedy=greedy, signal=signal, drift=drift_by_lag(cluster, manager, trainer),
-                       accuracy_se=accuracy_se, generate_s=dict(manager.generate_s))
+                       accuracy_se=accuracy_se, generate_s=dict(manager.generate_s), eval_s=eval_s)
 
 
 def step_signals(cluster: Any, manager: Any, recomputed: dict[int, list[list[float]]], *,

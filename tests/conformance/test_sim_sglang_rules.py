@@ -363,7 +363,7 @@ def test_pause_modes_follow_sglangs_source():
     and `retract` to the scheduler and handles `abort` itself (`abort_request(abort_all=True)`:
     every request ends with what it produced); `Scheduler.pause_generation(in_place)` only sets
     `_engine_paused` (state untouched), and `event_loop_normal` runs no batch while it is set.
-    The simulator: abort ends every request (`/pause_generation` -> `_abort_all`), in_place and
+    The simulator: abort ends every request (`/pause_generation` -> `abort_all`), in_place and
     retract clear the step loop's `resumed` (no step runs), retract also `retract_all`."""
     import ast
     import importlib.util

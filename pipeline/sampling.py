@@ -5,7 +5,7 @@ Read from `sglang/srt/sampling/sampling_params.py` (`SamplingParams.__post_init_
 episode of a run would fail. `sampling_errors` applies them to a plain dict the way the
 engine does (None means "SGLang's default"), so it serves both the client's config check
 (`pipeline.schema.SamplingParams`) and the simulated engine's request check
-(workers/sim/engine.py). tests/conformance/test_conformance_sglang.py compares its verdicts with
+(workers/sim/http_front.py). tests/conformance/test_conformance_sglang.py compares its verdicts with
 SGLang's own class.
 
 One rule is the pipeline's, not SGLang's: `n` must be 1. With n > 1 SGLang answers a JSON

@@ -4,7 +4,7 @@ A discrete-event simulation (no clock, no network: deterministic for a seed) of 
 ideal pipeline would run on the SAME engines the bench plays: each engine is the simulated
 engine's own scheduler (workers/sim/scheduler.py: SGLang's admission by KV pool and chunk
 budget, priority queue, decode retraction, prefix cache) with its own physics
-(workers/sim/engine.py `engine_physics`: the aiconfigurator step table, the KV pool, the weight
+(workers/sim/config.py `engine_physics`: the aiconfigurator step table, the KV pool, the weight
 push's GPU time), stepped here instead of in real time. Under the same rules as the pipeline:
 
 - **Admission bound** (pipeline/staleness.py `admission_headroom`): at most (eta + v + 1) x B

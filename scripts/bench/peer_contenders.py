@@ -81,19 +81,21 @@ def write_inputs(workdir: Path) -> tuple[Path, Path]:
 
 
 def length_plan(wl: Workload, tasks: Path, draws: int = 4000) -> list[int]:
-    """The engine's own plan for a complete answer (workers.sim.engine.SimEngine._plan) on the
-    same prompts: what every contender would generate if nothing were cut short."""
+    """The engine's own plan for a complete answer (workers.sim.scripted.ScriptedPolicy.plan) on
+    the same prompts: what every contender would generate if nothing were cut short."""
     from workers.sim.engine import SimEngine, config_from_args, parse_args
+    from workers.sim.scripted import ScriptedPolicy
 
     engine = SimEngine(config_from_args(parse_args(wl.engine_args(str(tasks)))))
     tok = engine.tokenizer
+    script = ScriptedPolicy(tok)
     rows = [json.loads(line) for line in tasks.read_text().splitlines() if line.strip()]
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                                   add_generation_prompt=True), add_special_tokens=False)
                for r in rows]
     lengths = []
     for i in range(draws):
-        ids, _, _ = engine._plan(list(prompts[i % len(prompts)]), f"plan-{i}")
+        ids, _, _ = script.plan(list(prompts[i % len(prompts)]), f"plan-{i}", engine.config)
         lengths.append(min(len(ids), wl.max_response_len))
     return lengths
 

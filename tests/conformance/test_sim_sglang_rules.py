@@ -172,7 +172,7 @@ def _scheduler(**limits: Any) -> BatchScheduler:
 
 
 def test_weight_version_spans_are_sglangs(sglang_answers):
-    """The simulator's spans (workers/sim/engine.py `_spans`, its own: it runs without sglang)
+    """The simulator's spans (workers/sim/core.py `_spans`, its own: it runs without sglang)
     are SGLang's `compute_weight_version_spans` of the same events (issue 39 item 5)."""
     from workers.sim.engine import SimEngine
 
@@ -363,7 +363,7 @@ def test_pause_modes_follow_sglangs_source():
     and `retract` to the scheduler and handles `abort` itself (`abort_request(abort_all=True)`:
     every request ends with what it produced); `Scheduler.pause_generation(in_place)` only sets
     `_engine_paused` (state untouched), and `event_loop_normal` runs no batch while it is set.
-    The simulator: abort ends every request (`/pause_generation` -> `_abort_all`), in_place and
+    The simulator: abort ends every request (`/pause_generation` -> `abort_all`), in_place and
     retract clear the step loop's `resumed` (no step runs), retract also `retract_all`."""
     import ast
     import importlib.util
@@ -395,7 +395,7 @@ def test_pause_modes_follow_sglangs_source():
     from workers.sim import engine
 
     ours = inspect.getsource(engine.SimEngine.pause)
-    assert 'self._abort_all("Abort for pause generation")' in ours and "self.scheduler.retract_all()" in ours
+    assert 'self.abort_all("Abort for pause generation")' in ours and "self.scheduler.retract_all()" in ours
     assert "self._resumed.clear()" in ours
 
 

@@ -53,11 +53,16 @@ def stack():
 
 def twin(stack, **fields):
     """A simulator configured as the stack's engine now is (`stack.configure(**fields)`), for
-    recomputing the engine's plan of a context in the test."""
-    from workers.sim.engine import SimConfig, SimEngine
+    recomputing the engine's plan of a context in the test (`.plan(input_ids, routing_key)`)."""
+    import functools
+
+    from workers.sim.config import SimConfig
+    from workers.sim.scripted import ScriptedPolicy
+    from workers.sim.tokenizer import load_test_tokenizer
 
     stack.configure(**fields)
-    return SimEngine(SimConfig(**fields))
+    script = ScriptedPolicy(load_test_tokenizer())
+    return SimpleNamespace(plan=functools.partial(script.plan, config=SimConfig(**fields)))
 
 
 @pytest.fixture
@@ -142,7 +147,7 @@ def _check_sample(slime, sample, sim, stats: dict, *, label: str, tools: list) -
     for value, start, end in _runs(sample.loss_mask):
         if value == 1:
             model_runs += 1
-            ids, lps, done = sim._plan(sample.tokens[: P + start], keys[0])
+            ids, lps, done = sim.plan(sample.tokens[: P + start], keys[0])
             assert done == 0
             assert sample.tokens[P + start : P + end] == ids[: end - start]
             assert sample.rollout_log_probs[start:end] == lps[: end - start]

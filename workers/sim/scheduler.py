@@ -84,7 +84,7 @@ class SimReq:
     input_ids: list[int]
     # everything it will produce (the simulator knows its plan); the ids past `produced` may be
     # re-drawn, longer or shorter, while no step runs (the tiny policy after a weight load,
-    # workers/sim/engine.py): its length is read at every step, never kept
+    # workers/sim/core.py): its length is read at every step, never kept
     output_ids: list[int]
     max_new_tokens: int  # what it asked for (the admission budget, what KV reservations use), >= len(output_ids)
     priority: int | None = None
@@ -98,7 +98,7 @@ class SimReq:
     prefix: int = 0  # cached tokens matched at admission
     private: int = 0  # KV tokens it holds outside the tree
     node: Any = None  # the locked radix node
-    owner: Any = None  # the caller's handle (the engine's _Running), for `on_token`
+    owner: Any = None  # the caller's handle (the engine's RunningRequest), for `on_token`
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -19,7 +19,7 @@ workers/sim/stack.py starts it, with a router in front).
   prefix cache; a weight-version update is the simulator's push: its GPU time, the cache
   flushed; a `retract` pause frees KV; `/update_weights_from_disk` loads the tiny policy's
   checkpoint, with SGLang's own flush rule). Tokens, log-probs, latency and aborts come from
-  `workers.sim.engine.SimEngine`, the project's simulator.
+  `workers.sim.core.SimEngine`, the project's simulator.
 
 It is a process of its own: importing SGLang's server sets uvloop as the event-loop policy and
 publishes process-wide config, and costs ~20 s of CPU. SGLang is the `conformance` extra's (not a
@@ -201,7 +201,7 @@ class SimScheduler:
     def publish_load(self) -> None:
         from sglang.srt.managers.load_snapshot import LoadSnapshot
 
-        held, slots = len(self.engine._running), self.engine.config.slots
+        held, slots = self.engine.held_count(), self.engine.config.slots
         running = min(held, slots) if slots > 0 else held
         self.loads.write(LoadSnapshot(timestamp=time.time(), num_running_reqs=running, num_waiting_reqs=held - running,
                                       max_running_requests=slots, max_total_num_tokens=self.max_total_num_tokens))
@@ -239,13 +239,9 @@ class SimScheduler:
                     running.message = obj.abort_message or "Aborted"
                     running.aborted.set()
         elif isinstance(obj, io.PauseGenerationReqInput):  # in_place / retract (abort is the tokenizer's loop)
-            engine._resumed.clear()
-            engine._paused_in_place = True
-            if obj.mode == "retract" and engine.scheduler is not None:
-                engine.scheduler.retract_all()  # their KV is freed: they re-prefill after continue
+            engine.pause(obj.mode)
         elif isinstance(obj, io.ContinueGenerationReqInput):
-            engine._paused_in_place = False
-            engine._resumed.set()
+            engine.resume()
         elif isinstance(obj, io.UpdateWeightVersionReqInput):
             # the simulator's update: the push time on the step loop, the prefix cache flushed, spans
             await engine.push_weights(obj.new_version)
@@ -259,13 +255,11 @@ class SimScheduler:
                                                                rid=obj.rid, http_worker_ipc=obj.http_worker_ipc))
         elif isinstance(obj, io.GetInternalStateReq):
             state = {"max_req_input_len": self.max_req_input_len, "weight_version": engine.weight_version,
-                     "running": len(engine._running)}
+                     "running": engine.held_count()}
             await self._reply(io.GetInternalStateReqOutput(internal_state=state, http_worker_ipc=obj.http_worker_ipc))
 
     async def _generate(self, req: Any) -> None:
         from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
-
-        from workers.sim.engine import _Running
 
         engine = self.engine
         input_ids = [int(t) for t in req.input_ids]
@@ -274,8 +268,9 @@ class SimScheduler:
             await self._output(req, [0], [0.0], {"type": "length", "length": 1}, None)
             return
         engine.stats["requests"] += 1
-        if engine._faults:  # /sim/fail_next: the scheduler aborts it with that status (FINISH_ABORT)
-            status, message = engine._faults.pop(0)
+        fault = engine.take_fault()
+        if fault is not None:  # /sim/fail_next: the scheduler aborts it with that status (FINISH_ABORT)
+            status, message = fault
             engine.stats["errors"] += 1
             await self._output(req, [], [], {"type": "abort", "message": message, "status_code": status,
                                              "err_type": "SimulatedFault"}, None)
@@ -302,15 +297,14 @@ class SimScheduler:
         routing_key = req.routing_key or req.rid
         keys = engine.stats["routing_keys"]
         keys[routing_key] = keys.get(routing_key, 0) + 1
-        running = engine._running[req.rid] = _Running(req.rid)
-        engine.stats["max_running"] = max(engine.stats["max_running"], len(engine._running))
+        [running] = engine.track([req.rid])
         self.publish_load()
         try:
-            await engine._resumed.wait()
-            async with engine._slot(engine._note_priority(req.rid, req.priority)):  # the scheduler's waiting queue (workers/sim/scheduler.py)
-                ids, lps, finish, _spans = await engine._run(running, input_ids, routing_key, sim_params)
+            await engine.until_resumed()
+            engine.note_priority(req.rid, req.priority)  # the scheduler's waiting queue (workers/sim/scheduler.py)
+            ids, lps, finish, _spans = await engine.run(running, input_ids, routing_key, sim_params)
         finally:
-            engine._running.pop(req.rid, None)
+            engine.release([req.rid])
             self.publish_load()
         engine.stats["output_tokens"] += len(ids)
         if finish.get("type") == "abort":
@@ -440,7 +434,8 @@ async def _serve_front(args: argparse.Namespace) -> None:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import PortArgs, ServerArgs
 
-    from workers.sim.engine import SimConfig, SimEngine
+    from workers.sim.config import SimConfig
+    from workers.sim.core import SimEngine
 
     _serving = contextvars.ContextVar("sglang_engine")
     http_server.set_global_state(_EngineState())
@@ -504,7 +499,10 @@ async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
 
     from aiohttp import web
 
+    from workers.sim.http_front import HttpFront
+
     engine = scheduler.engine
+    front = HttpFront(engine)  # the simulator's own routes are the plain front's
 
     async def configure(request: web.Request) -> web.Response:
         """New SimConfig fields; the counters, the queued faults and the kept bodies start afresh."""
@@ -517,16 +515,16 @@ async def serve_sim_control(scheduler: SimScheduler, port: int) -> Any:
         scheduler.bodies.clear()
         for key, value in engine.stats.items():
             engine.stats[key] = {} if isinstance(value, dict) else 0
-        engine.stats["max_running"] = len(engine._running)
+        engine.stats["max_running"] = engine.held_count()
         return web.json_response(dataclasses.asdict(engine.config))
 
     async def bodies(_request: web.Request) -> web.Response:
         return web.json_response(scheduler.bodies)
 
     app = web.Application()
-    app.router.add_get("/sim/stats", engine.get_stats)
+    app.router.add_get("/sim/stats", front.get_stats)
     app.router.add_get("/sim/bodies", bodies)
-    app.router.add_post("/sim/fail_next", engine.fail_next)
+    app.router.add_post("/sim/fail_next", front.fail_next)
     app.router.add_post("/sim/config", configure)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()

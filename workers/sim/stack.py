@@ -164,7 +164,7 @@ class EngineStack:
     def configure(self, i: int | None = None, **fields: Any) -> None:
         """The simulator's SimConfig defaults updated with `fields`, on engine i or every engine;
         weight label, counters, queued faults and kept bodies start afresh (a test's clean slate)."""
-        from workers.sim.engine import SimConfig
+        from workers.sim.config import SimConfig
 
         unknown = set(fields) - set(_CONFIGURABLE)
         if unknown:

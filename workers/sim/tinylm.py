@@ -14,7 +14,11 @@ Weights are a transformers checkpoint directory (`save_checkpoint`), loaded the 
 says which load drew it (`GenResult.weights`), and a request can go on from output it already
 has (`GenRequest.emitted`): the engine re-draws the tokens a request has not emitted yet when
 new weights load while it is in flight, so each token is the draw of the weights loaded at its
-step, as SGLang decodes (workers/sim/engine.py `SimEngine.load_weights_from_disk`).
+step, as SGLang decodes (workers/sim/core.py `SimEngine.load_weights_from_disk`).
+
+`TinyLMPolicy` is the model behind the engine's policy interface (workers/sim/policy.py): it
+turns a request's sampling params into a `GenRequest`, batches the requests that arrive in one
+tick, and re-draws the drafts in flight after a load.
 
 torch and transformers are imported lazily: the project imports, and the demo runs, without
 them; only a policy that is asked for needs them.
@@ -22,10 +26,16 @@ them; only a policy that is asked for needs them.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from workers.sim.config import SimConfig
+from workers.sim.policy import DEFAULT_MAX_NEW_TOKENS, Draft
 
 # the model's shape (Qwen2ForCausalLM): small enough that a GRPO step over a few hundred short
 # answers trains in about a second on one CPU core
@@ -205,3 +215,97 @@ class TinyPolicy:
         if len(produced) >= request.max_new_tokens:
             return {"type": "length", "length": len(produced)}
         return None
+
+
+@dataclass(kw_only=True)
+class ModelDraft(Draft):
+    """A tiny-policy request's answer, with what a re-draw needs: what it asked for, and which
+    load of the weights drew the ids past the emitted ones."""
+
+    request: GenRequest
+    weights: int
+
+
+def gen_request(input_ids: list[int], params: dict[str, Any]) -> GenRequest:
+    """The request as the model samples it, from SGLang's sampling params (absent or null: SGLang's defaults)."""
+    budget = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    stops = params.get("stop") or []
+    return GenRequest(
+        input_ids=input_ids, max_new_tokens=int(budget if budget is not None else DEFAULT_MAX_NEW_TOKENS),
+        temperature=float(params.get("temperature", 1.0) if params.get("temperature") is not None else 1.0),
+        top_p=float(params.get("top_p") or 1.0), top_k=int(params.get("top_k") or -1),
+        stop=[stops] if isinstance(stops, str) else list(stops),
+        stop_token_ids=list(params.get("stop_token_ids") or []))
+
+
+class TinyLMPolicy:
+    """The tiny LM behind the engine's `Policy` interface (workers/sim/policy.py). A request's
+    answer is drawn whole when it arrives, at its own sampling params; the scheduler times it. A
+    weight load while it is in flight re-draws what it has not emitted yet (`redraw`), so every
+    token is the draw of the weights loaded at its step."""
+
+    def __init__(self, path: str, tokenizer: Any, *, seed: int):
+        self.model = TinyPolicy(path, tokenizer, seed=seed)
+        self._queue: list[tuple[GenRequest, asyncio.Future[GenResult]]] = []
+        self._busy = False
+
+    def weights_refusal(self) -> str | None:
+        return None
+
+    def load(self, path: str) -> None:
+        self.model.load(path)
+
+    async def draft(self, input_ids: list[int], routing_key: str, params: dict[str, Any], config: SimConfig) -> Draft:
+        request = gen_request(input_ids, params)
+        result = await self._generate(request)
+        while result.weights != self.model.loads:  # drawn before a load that ended since: draw again
+            result = await self._generate(request)
+        return ModelDraft(result.ids, result.log_probs, result.finish, request.max_new_tokens, request=request,
+                          weights=result.weights)
+
+    async def redraw(self, in_flight: list[tuple[Draft, int]]) -> int:
+        """Every draft in flight that an earlier load drew gets the rest of its answer drawn again
+        by the weights now loaded, in one batch: conditioned on its prompt and the tokens it
+        already emitted, at its own sampling params, within what is left of its max_new_tokens,
+        with these weights' log-probs and finish."""
+        stale = [(draft, produced) for draft, produced in in_flight
+                 if isinstance(draft, ModelDraft) and draft.weights != self.model.loads]
+        if not stale:
+            return 0
+        requests = [dataclasses.replace(draft.request, emitted=draft.ids[:produced]) for draft, produced in stale]
+        results = await asyncio.to_thread(self.model.generate, requests)
+        for (draft, produced), result in zip(stale, results):
+            draft.ids[produced:] = result.ids  # in place: the scheduler's SimReq steps through this list
+            draft.log_probs[produced:] = result.log_probs
+            draft.finish, draft.weights = result.finish, result.weights
+        return len(stale)
+
+    async def _generate(self, request: GenRequest) -> GenResult:
+        """Requests that arrive while a batch generates go together in the next one (one forward
+        per token for the whole batch, as the scheduler's running batch)."""
+        future: asyncio.Future[GenResult] = asyncio.get_running_loop().create_future()
+        self._queue.append((request, future))
+        if not self._busy:
+            self._busy = True
+            asyncio.ensure_future(self._loop())
+        return await future
+
+    async def _loop(self) -> None:
+        try:
+            while self._queue:
+                await asyncio.sleep(0)  # the requests of this tick join the batch
+                batch, self._queue = self._queue, []
+                results: Sequence[GenResult | Exception]
+                try:
+                    results = await asyncio.to_thread(self.model.generate, [r for r, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - every waiter hears of it
+                    results = [exc] * len(batch)
+                for (_, future), result in zip(batch, results):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._busy = False

@@ -146,11 +146,13 @@ def step_failures(signal: dict[int, Any], sync: bool) -> dict[int, dict[str, lis
 def report_learning(v: LearnVerdict, options: LearnOptions) -> list[str]:
     from pipeline.learning.drift import format_table
     from pipeline.learning.signal_check import MISMATCH_BOUND
+    from scripts.oracle.run import LearnRun
 
     flags = options.loss
     mode = getattr(options.push_mode, "value", options.push_mode)
     lines = [f"learning: {v.steps} steps of slime's {v.loop}.py at eta {v.eta}, push mode {mode}, "
-             f"16 groups x 8 a step ({v.wall_s:.0f} s); slime's loss flags: {' '.join(flags.given) or 'slime defaults'}"]
+             f"{LearnRun.batch} groups x {LearnRun.n} a step ({v.wall_s:.0f} s); slime's loss flags: "
+             f"{' '.join(flags.given) or 'slime defaults'}"]
     if flags.ignored or flags.unknown:
         lines.append(f"  not read by the check: {' '.join(flags.ignored) or '-'} (the run's own: batch, lr, paths); "
                      f"not slime's parser's: {' '.join(flags.unknown) or '-'}")

@@ -1,16 +1,18 @@
 """`rollout check-signal`: does the pipeline, as you configured it, hand the trainer an aligned
-training signal? A few minutes on a CPU, no GPU, no model of yours.
+training signal, and does a policy learn from it? A few minutes on a CPU, no GPU, no model of yours.
 
-It runs the tiny policy (workers/sim/tinylm.py, warm-started on arithmetic: workers/sim/arith.py)
-behind the simulated engine, a redis-server of its own, the producer and the arq workers with
-your configuration's rollout and worker settings (sampling, eta, concurrency, retries) on the
-tiny policy's own tasks (one- and two-turn arithmetic: your environments and their servers are
-not called), and takes two rollouts of each task through the pipeline's slime data source
-(`pipeline.slime.data_source.generate_rollout`: the conversion slime trains on) as slime's train.py does,
-with a weight push between them (`--push-mode`, slime's labels: a perturbed copy of the policy
-as version 1). It recomputes every sample's log-probs under the weights of the version the
-sample says generated it (a sample whose calls span the push is counted and left out) and runs
-the checks of pipeline/learning/signal_check.py (docs/signal-bugs.md):
+Two stages, then one verdict.
+
+The signal checks. The tiny policy (workers/sim/tinylm.py, warm-started on arithmetic:
+workers/sim/arith.py) behind the simulated engine, a redis-server of its own, the producer and the
+arq workers with your configuration's rollout and worker settings (sampling, eta, concurrency,
+retries) on the tiny policy's own tasks (one- and two-turn arithmetic: your environments and
+their servers are not called); two rollouts of each task through the pipeline's slime data source
+(`pipeline.slime.data_source.generate_rollout`: the conversion slime trains on) as slime's train.py
+takes them, with a weight push between them (`--push-mode`, slime's labels: a perturbed copy of
+the policy as version 1). Every sample's log-probs are recomputed under the weights of the version
+the sample says generated it (a sample whose calls span the push is counted and left out) and the
+checks of pipeline/learning/signal_check.py run (docs/signal-bugs.md):
 
 - the mismatch bound: slime's `train_rollout_logprob_abs_diff` (mean |recomputed - rollout|
   over trained tokens, per sample, averaged) under 1e-5, overall, for one- and two-turn
@@ -19,24 +21,41 @@ the checks of pipeline/learning/signal_check.py (docs/signal-bugs.md):
   out of the loss and no other; every version within eta of its rollout (and, through the
   recompute, the one whose weights made the tokens).
 
-It prints each figure and check, then `VERDICT: PASS` (exit 0) or `VERDICT: FAIL` (exit 4).
-It prints the drift per lag too (pipeline/learning/drift.py: mean |dlogp|, the share outside |ratio - 1|
-> 0.2, the TIS-clipped share, the ESS), every sample against version 1; version 1 being a
-perturbed copy, not a trained step, a real run's drift is the learning bench's. Not covered
-here: learning itself (the learning bench, `rollout bench --sections learn`), slime's loss flags (no trainer step runs), your tool formats.
+It prints each figure and check, and the drift per lag (pipeline/learning/drift.py: mean |dlogp|,
+the share outside |ratio - 1| > 0.2, the TIS-clipped share, the ESS) of every sample against
+version 1 (a perturbed copy, not a trained step: the learning stage's table is a run's drift).
+
+The learning stage (scripts/check_learning.py), when the signal checks pass: `--learn-steps`
+(default 10) steps of slime's own train.py (eta 0) or train_async.py (eta > 0, as the launcher
+runs it) over the same pipeline at your eta, sampling and push mode, trained by slime's loss with
+your loss flags (`--slime-args`, default scripts/run_slime_grpo.sh's), through the learning oracle
+(scripts/oracle/). It prints greedy held-out accuracy before and after with its standard error,
+slime's `train_rollout_logprob_abs_diff` per step, the drift per lag of the trained tokens, each
+step's checks, and LEARNS / DOES NOT LEARN against a margin of 0.15 in 10 steps. It needs
+slime's pinned snapshot (scripts/upstream.py), torch and megatron-core (the conformance extra).
+
+`VERDICT: PASS` (exit 0) needs the signal checks and learning; `--learn-steps 0` checks the
+signal only and says "learning not checked". `VERDICT: FAIL` exits 4. A stage that cannot run
+here (no torch; for learning no slime snapshot or megatron-core) says what is missing and exits
+5, checking nothing. ~30 s for the signal checks and ~1-2 min for learning once the tiny policy's
+warm start is cached (~1-5 min more the first time on a machine). Not covered: your tool formats
+and environments, your model's own numerics.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import sys
 import tempfile
 from argparse import Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-EXIT_FAIL = 4  # the checks ran and the signal failed them (scripts/cli.py's exit table)
+EXIT_FAIL = 4  # the checks ran and the signal failed them, or the policy did not learn (scripts/cli.py's exit table)
+EXIT_UNCHECKED = 5  # a stage cannot run on this machine (torch, slime's snapshot, megatron-core missing): nothing checked
 
 
 @dataclass
@@ -239,17 +258,15 @@ def drift_against_newest(checkpoints: dict[int, Path], samples: list[Any]) -> li
     return tally.table()
 
 
-def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions) -> SignalVerdict:
-    """Engine, Redis, tasks and warm start of its own; per task two rollouts with a push between."""
+def run_check(user: dict[str, Any] | None, workdir: Path, options: CheckOptions, *, warm: Path,
+              tasks: Path) -> SignalVerdict:
+    """Engine and Redis of its own; per task two rollouts with a push between."""
     from pipeline.config import parse_config
     from pipeline.store.local_redis import LocalRedis
     from scripts.processes import SimEngineProcess
-    from scripts.tiny_tasks import prepare_tasks
-    from workers.sim.arith import tasks_of, warm_checkpoint
+    from workers.sim.arith import tasks_of
 
-    warm = warm_checkpoint()  # 2-5 min of one core the first time on a machine, then cached
     checkpoints = {0: warm, 1: pushed_policy(warm, workdir / "policy-1")}
-    tasks = prepare_tasks(workdir / "tasks")[0]
     engine_args = ["--policy-path", str(warm), "--weight-version", "0"]
     samples: list[tuple[int, Any]] = []
     eta = 0
@@ -292,10 +309,23 @@ def report(result: SignalVerdict) -> str:
         from pipeline.learning.drift import format_table
 
         lines += ["drift per lag, every sample against the newest version (version 1 is a perturbed copy of the "
-                  "policy, not a trained step: the rows show each token's lag, the learning bench a real run's drift):",
+                  "policy, not a trained step: the rows show each token's lag, the learning stage a run's drift):",
                   format_table(result.drift)]
-    lines.append(f"VERDICT: {'PASS' if result.passed else 'FAIL'}")
     return "\n".join(lines)
+
+
+def final_verdict(signal: SignalVerdict, learning: Any, learn_steps: int) -> tuple[bool, str]:
+    """(passed, the verdict's line): PASS needs the signal checks and learning
+    (check_learning.LearnVerdict; None: not run, because the signal failed or `--learn-steps 0`)."""
+    if not signal.passed:
+        return False, f"VERDICT: FAIL (the signal checks failed; learning {'not run' if learn_steps else 'not checked'})"
+    if learning is None:
+        return True, "VERDICT: PASS (the signal checks; learning not checked: --learn-steps 0)"
+    if not learning.learns:
+        return False, "VERDICT: FAIL (the signal checks passed; the policy DOES NOT LEARN)"
+    if learning.failures:
+        return False, "VERDICT: FAIL (the signal checks passed; the learning run's steps failed their checks)"
+    return True, "VERDICT: PASS (the signal checks and learning)"
 
 
 def _figure(value: float | None) -> str:
@@ -303,29 +333,122 @@ def _figure(value: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rollout check-signal", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="your pipeline configuration (YAML): its rollout and workers "
-                        "sections are kept; redis, engine URL and environments are the check's own")
-    parser.add_argument("--groups", type=int, default=CheckOptions.groups)
-    parser.add_argument("--n", type=int, default=CheckOptions.n)
-    parser.add_argument("--push-mode", default=None, help="the pause mode of the weight push between the two "
-                        "rollouts: abort (slime's default), retract or in_place (default: $ROLLOUT_PUSH_MODE, else abort)")
-    parser.add_argument("--workdir", help="where tasks and logs go (default: a temporary directory)")
-    args = parser.parse_args(argv)
-    user = None
-    if args.config:
-        import yaml
-
-        user = yaml.safe_load(Path(args.config).read_text()) or {}
-        if not isinstance(user, dict):
-            raise ValueError(f"--config {args.config}: a YAML mapping expected, got {type(user).__name__}")
+    args = _parser().parse_args(argv)
+    user = _user_config(args.config)
     import os
 
     from pipeline.slime.weight_push import PUSH_MODE_ENV, parse_push_mode
 
     push_mode = parse_push_mode(args.push_mode or os.environ.get(PUSH_MODE_ENV) or "abort", "--push-mode")
     options = CheckOptions(groups=args.groups, n=args.n, push_mode=push_mode)
+    rollout = _rollout_settings(user, options)  # a configuration that does not load fails here (exit 2)
+    if importlib.util.find_spec("torch") is None:
+        return _not_run("torch is not installed (the tiny policy runs on it)")
+    learning = None
+    if args.learn_steps:
+        from scripts.check_learning import learning_options
+        from scripts.oracle.slime_flags import SlimeMissing
+
+        try:
+            learning = learning_options(args.learn_steps, args.trainer_loop, args.slime_args, push_mode, rollout.eta)
+        except SlimeMissing as exc:
+            return _not_run(f"the learning stage: {exc}; `--learn-steps 0` runs the signal checks only")
     with tempfile.TemporaryDirectory(prefix="check-signal-") as tmp:
-        result = run_check(user, Path(args.workdir or tmp), options)
-    print(report(result))
-    return 0 if result.passed else EXIT_FAIL
+        passed = run_stages(user, Path(args.workdir or tmp), options, learning, rollout)
+    return 0 if passed else EXIT_FAIL
+
+
+def _not_run(missing: str) -> int:
+    print(f"rollout check-signal: cannot run here: {missing}\nVERDICT: NOT RUN (nothing checked)", file=sys.stderr)
+    return EXIT_UNCHECKED
+
+
+def run_stages(user: dict[str, Any] | None, workdir: Path, options: CheckOptions, learning: Any,
+               rollout: Any) -> bool:
+    """The signal checks, then (`learning`: check_learning.LearnOptions) the learning stage if they
+    passed; prints each stage's report as it ends, then the verdict; whether it passed."""
+    import msgspec
+
+    from scripts.check_learning import report_learning, run_learning_stage
+    from scripts.oracle.cpu_actor import quiet_transformers
+    from scripts.tiny_tasks import prepare_tasks
+    from workers.sim.arith import warm_checkpoint
+
+    quiet_transformers()  # no progress bar for each checkpoint the checks load and save
+    warm = warm_checkpoint()  # 2-5 min of one core the first time on a machine, then cached
+    tasks, heldout = prepare_tasks(workdir / "tasks")
+    signal = run_check(user, workdir, options, warm=warm, tasks=tasks)
+    print(report(signal), flush=True)
+    learned = None
+    if learning is not None and signal.passed:
+        learned = run_learning_stage(workdir / "learn", learning, eta=rollout.eta,
+                                     sampling=msgspec.to_builtins(rollout.sampling), warm=warm, tasks=tasks,
+                                     heldout=heldout)
+        print("\n".join(report_learning(learned, learning)))
+    passed, line = final_verdict(signal, learned, learning.steps if learning is not None else 0)
+    print(line, flush=True)
+    return passed
+
+
+def _parser() -> argparse.ArgumentParser:
+    from scripts.check_learning import LOOPS
+    from scripts.oracle.run import LEARN_STEPS
+
+    parser = argparse.ArgumentParser(prog="rollout check-signal", description=__doc__.split("\n\n")[0],
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="your pipeline configuration (YAML): its rollout and workers "
+                        "sections are kept; redis, engine URL and environments are the check's own")
+    parser.add_argument("--groups", type=int, default=CheckOptions.groups, help="groups per rollout of the signal checks")
+    parser.add_argument("--n", type=int, default=CheckOptions.n, help="samples per group of the signal checks")
+    parser.add_argument("--push-mode", default=None, help="the pause mode of every weight push: abort (slime's "
+                        "default), retract or in_place (default: $ROLLOUT_PUSH_MODE, else abort)")
+    parser.add_argument("--learn-steps", type=_steps, default=LEARN_STEPS, help="trainer steps of the learning "
+                        f"stage (default {LEARN_STEPS}, what its margin is set for); 0: the signal checks only, and "
+                        "the verdict says 'learning not checked'")
+    parser.add_argument("--slime-args", default=None, help="your slime loss flags as one argument (e.g. \"--use-tis "
+                        "--eps-clip 0.2 --kl-loss-coef 0.0\"), read with slime's own parser on slime's defaults; a whole "
+                        "slime command line may be given: what is not the loss's is listed and not used (default: "
+                        "scripts/run_slime_grpo.sh's loss flags)")
+    parser.add_argument("--trainer-loop", choices=LOOPS, default="auto", help="slime's loop of the learning stage: "
+                        "train (train.py), train_async, or auto: train.py at eta 0, else train_async.py (the launcher's)")
+    parser.add_argument("--workdir", help="where tasks and logs go (default: a temporary directory)")
+    return parser
+
+
+EPILOG = """stages:
+  1. the signal checks: two rollouts per task (one- and two-turn) with a weight push between, every
+     sample recomputed under its version's weights: slime's train_rollout_logprob_abs_diff under
+     1e-5, no model token untrained, rewards, failed samples, versions; the drift per lag
+  2. learning (if 1 passed): --learn-steps steps of slime's train.py (eta 0) or train_async.py at
+     your eta, trained by slime's loss with your --slime-args; greedy held-out accuracy before and
+     after with its standard error, LEARNS when it gains 0.15; the drift per lag of the run
+VERDICT: PASS needs both (--learn-steps 0: the signal checks only, "learning not checked").
+
+exit codes: 0 PASS, 4 FAIL, 5 not run here (torch missing; for the learning stage slime's
+snapshot or megatron-core), 2 a bad flag or configuration. docs/signal-bugs.md says what each check
+catches, docs/check-signal-demo.txt shows a run."""
+
+
+def _steps(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return value
+
+
+def _user_config(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    import yaml
+
+    user = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(user, dict):
+        raise ValueError(f"--config {path}: a YAML mapping expected, got {type(user).__name__}")
+    return user
+
+
+def _rollout_settings(user: dict[str, Any] | None, options: CheckOptions) -> Any:
+    """The configuration's rollout section as the checks run it (pipeline.config.RolloutSection)."""
+    from pipeline.config import parse_config
+
+    return parse_config(check_config(user, "redis://127.0.0.1:6379", "http://127.0.0.1:30000", options, "arith")).rollout

@@ -14,6 +14,7 @@ on the line, or `ROLLOUT_DEBUG=1`) prints the traceback too.
 | 2 | usage or configuration: bad flag, bad config key or value, bad tasks file, unknown kind |
 | 3 | connection: Redis or the engine unreachable, authentication refused |
 | 4 | a check ran and its verdict is FAIL (`rollout check-signal`) |
+| 5 | a check cannot run on this machine (`rollout check-signal`: torch, slime's snapshot or megatron-core missing): nothing checked |
 | 130 | interrupted (Ctrl-C) |
 """
 
@@ -54,7 +55,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("scripts.bench.sizing:main", "the groups per step (B) that keep the engines full at eta, from the bound's ideal"),
     "smoke": ("scripts.smoke:main", "push synthetic groups through the buffer into the slime data source"),
     "ledger": ("workers.rescore:ledger_main", "list, summarise, export or re-score the ledger of trained groups"),
-    "check-signal": ("scripts.check_signal:main", "check on a CPU that your configuration hands the trainer an aligned training signal"),
+    "check-signal": ("scripts.check_signal:main", "check on a CPU that your configuration hands the trainer an aligned training signal a policy learns from"),
     "show": ("pipeline.ops.show:main", "render a trained episode (ledger) or a dead letter as a conversation"),
     "rm-server": ("workers.rm_server:main", "serve slime's remote reward model (--rm-url, behind $ROLLOUT_RM_TOKEN off loopback) with the configured environments"),
 }

@@ -35,6 +35,11 @@ from workers.sim.arith import (  # noqa: F401  (the tasks and warm start moved t
 )
 
 REPO = Path(__file__).resolve().parent.parent
+# A short sync run learns when it gains this much greedy held-out accuracy (temperature 0, one
+# episode per held-out problem: no sampling noise) in `LEARN_STEPS` steps over its own start:
+# the CI learning test's margin (tests/conformance/test_learning.py) and `rollout check-signal`'s
+LEARN_STEPS = 10
+LEARN_MARGIN = 0.15
 
 # ---------------------------------------------------------------- the run
 
@@ -56,6 +61,13 @@ class LearnRun:
     lr: float = LEARN_LR
     use_tis: bool = True
     use_rollout_logprobs: bool = False  # slime's --use-rollout-logprobs
+    # slime's loss arguments in full (scripts/oracle/slime_flags.py `loss_flags`: a user's flags on
+    # slime's defaults); None: cpu_actor.slime_loss_args with `use_tis` and `use_rollout_logprobs`
+    slime_loss: dict[str, Any] | None = None
+    push_mode: str = "abort"  # SGLang's pause mode of every weight push (pipeline.slime.weight_push.PushMode)
+    # also evaluate the start under train_async.py (which evaluates after steps only): one round
+    # through the pipeline's eval before the producer starts (slime's fully async rollout always does)
+    eval_start: bool = False
     seed: int = 0
     controls: Any = None  # cpu_actor.Controls
     workers: int = 2
@@ -97,6 +109,7 @@ class LearnResult:
     eval_metrics: list[dict[str, Any]] = field(default_factory=list)  # every eval round's metrics, in order
     untrained_groups: int = 0  # slime_fully_async: groups its worker finished that no step took (never trained)
     greedy: dict[int, float] = field(default_factory=dict)  # trainer steps done -> greedy held-out pass@1 (eval_greedy)
+    greedy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> its standard error over the problems
     signal: dict[int, StepSignal] = field(default_factory=dict)  # rollout id -> the step's signal checks
     drift: list[Any] = field(default_factory=list)  # pipeline.learning.drift.LagDrift per lag, over every trained step
     accuracy_se: dict[int, float] = field(default_factory=dict)  # trainer steps done -> the eval's standard error
@@ -175,6 +188,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     import time
 
     from pipeline.config import parse_config
+    from pipeline.slime.weight_push import parse_push_mode
     from pipeline.store.redis_conn import connect
     from producers.enqueue import ProducerOptions, run_producer
     from scripts.oracle.cpu_actor import (
@@ -203,10 +217,15 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     workers = [] if child else [build_worker(config, handle_signals=False) for _ in range(run.workers)]
     tasks_running = [asyncio.create_task(w.async_run()) for w in workers]
     redis = connect(redis_url)
-    producer = None if fully_async else asyncio.create_task(run_producer(
-        config, train_tasks(tasks, run.two_turn) if run.family == "arith" else tasks, follow=True, epochs=1000, redis=redis,
-        options=ProducerOptions(poll_s=0.02)))
-    cluster = Cluster(engine_urls)
+
+    def start_producer() -> asyncio.Task[Any]:
+        return asyncio.create_task(run_producer(
+            config, train_tasks(tasks, run.two_turn) if run.family == "arith" else tasks, follow=True, epochs=1000,
+            redis=redis, options=ProducerOptions(poll_s=0.02)))
+
+    # with `eval_start` the producer waits for the start's eval round (no training group is admitted under it)
+    producer = None if fully_async or run.eval_start else start_producer()
+    cluster = Cluster(engine_urls, push_mode=parse_push_mode(run.push_mode, "LearnRun.push_mode"))
     pipeline_args = dict(
         pipeline_redis_url=redis_url, pipeline_namespace=ns, rollout_batch_size=run.batch,
         n_samples_per_prompt=run.n, pipeline_eta=run.eta, pipeline_wait_timeout_s=300.0, pipeline_wait_log_s=30.0,
@@ -216,7 +235,8 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         pipeline_eval_timeout_s=300.0,
         sglang_router_ip="127.0.0.1", sglang_router_port=int(engine_url.rsplit(":", 1)[1]),
         global_batch_size=run.batch * run.n, micro_batch_size=1, use_dynamic_batch_size=False,
-        cpu_actor=True, **slime_loss_args(use_tis=run.use_tis, use_rollout_logprobs=run.use_rollout_logprobs),
+        cpu_actor=True, **(run.slime_loss if run.slime_loss is not None
+                           else slime_loss_args(use_tis=run.use_tis, use_rollout_logprobs=run.use_rollout_logprobs)),
     )
     if fully_async:
         pipeline_args.update(slime_fully_async_args(run, workdir, engine_url, len(engine_urls), tasks))
@@ -251,10 +271,14 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
     try:
         install(patches, loop, slime, cluster, actor=actor,
                 manager=rollout_process.manager if rollout_process is not None else None)
-        if fully_async and args.skip_eval_before_train:  # train_async.py evaluates after steps only: the start too
+        if (fully_async or run.eval_start) and args.skip_eval_before_train:  # train_async.py evaluates after steps only
             first_eval = await asyncio.to_thread(pipeline_eval, args, 0, None)
             first_eval_at = time.monotonic()
             first_eval_s = first_eval_at - started
+            if not fully_async:  # the trainer's own data source (a trainer run of its own) evaluates from here
+                close_eval_sources()
+        if producer is None and not fully_async:
+            producer = start_producer()
         await asyncio.to_thread(loop.train, args)
         wall = time.monotonic() - started
         manager = cluster.managers[-1]
@@ -270,10 +294,11 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
             await stop_worker(worker, task)
         if child is not None:
             await asyncio.to_thread(child.stop)
+        close_eval_sources()  # a start's eval cut short
         await redis.aclose()
         if own_patches is not None:
             own_patches.undo()
-    accuracy, greedy, accuracy_se, eval_s = {}, {}, {}, {}
+    accuracy, greedy, accuracy_se, greedy_se, eval_s = {}, {}, {}, {}, {}
     rounds = [(0, first_eval.metrics, first_eval_at, first_eval_s)] if first_eval is not None else []
     call_s = [s for _, s in manager.eval_calls]  # in the order of manager.evals: one call, one round
     for i, (rid, metrics, when) in enumerate(manager.evals):
@@ -284,6 +309,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
         accuracy_se[done] = float(metrics.get("eval/heldout/pass@1_stderr", float("nan")))
         if "eval/greedy/pass@1" in metrics:
             greedy[done] = float(metrics["eval/greedy/pass@1"])
+            greedy_se[done] = float(metrics.get("eval/greedy/pass@1_stderr", float("nan")))
     signal = step_signals(cluster, manager, trainer.recomputed, sync=run.loop == "train" and run.eta == 0
                           and not fully_async)
     masks = [m for steps in cluster.trained.values() for data in steps.values() for m in data["loss_masks"]]
@@ -293,7 +319,7 @@ async def run_learning(run: LearnRun, *, slime: Any, workdir: Path, redis_url: s
                        trainer_overruns=trainer.clock.overruns, trainer_cpu_share=trainer.clock.cpu_share,
                        trainer_steps=list(trainer.clock.steps),
                        samples=dict(manager.batches), eval_metrics=evals, untrained_groups=untrained,
-                       greedy=greedy, signal=signal, drift=drift_by_lag(cluster, manager, trainer),
+                       greedy=greedy, greedy_se=greedy_se, signal=signal, drift=drift_by_lag(cluster, manager, trainer),
                        accuracy_se=accuracy_se, generate_s=dict(manager.generate_s), eval_s=eval_s)
 
 

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import pytest
 
+from scripts.oracle.run import LEARN_MARGIN, LEARN_STEPS
 from tests.conformance.test_conformance_slime import slime  # noqa: F401  (slime's classes under pipeline.slime.data_source)
 from tests.support.engine_stack import START_TIMEOUT_S
 
 pytestmark = pytest.mark.conformance
 
-STEPS = 10
-MARGIN = 0.15
+# the product's: `rollout check-signal`'s learning stage holds the same margin
+STEPS, MARGIN = LEARN_STEPS, LEARN_MARGIN
 
 
 @pytest.fixture(scope="module")

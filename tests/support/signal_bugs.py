@@ -13,6 +13,9 @@ and then gets one thing wrong, at exactly that layer:
 
 Each names the checks it must trip (pipeline/learning/signal_check.py's, as `StepSignal.failures` of
 scripts/oracle/run.py reports them); a bug that tripped none would fail its test.
+
+`LEARNING_BUGS` sit where no signal check looks (what slime computes from the samples, not the
+samples): `rollout check-signal`'s learning stage must catch them (tests/scripts/test_check_signal.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from pipeline.learning.signal_check import MISMATCH, REMOVAL, REWARD, UNTRAINED,
 
 CONVERSION = "pipeline/slime/samples.py `_to_trainer_group`"
 TEMPLATE_TOKENS = "workers/episode.py `_Trace.add_template`"
+ADVANTAGES = "pipeline/slime/advantages.py `_normalise`"
+LEARNING = "DOES NOT LEARN"  # the learning stage's line (scripts/check_learning.py), for a bug no signal check reads
 MODEL_TOKENS = "workers/episode.py `_Trace.add_model`"
 
 
@@ -169,3 +174,22 @@ BUGS: tuple[PlantedBug, ...] = (
                _episode("add_model", _log_probs_one_late)),
 )
 
+
+
+def _advantages_negated(monkeypatch: Any) -> None:
+    """The launcher's reward post-processing (`--custom-reward-post-process-path
+    pipeline.slime.data_source.post_process_rewards`) normalising each group to the wrong sign."""
+    from pipeline.slime import advantages
+
+    original = advantages._normalise
+
+    def buggy(rewards: Any, kept: Any, scale: bool) -> list[float]:
+        return [-a for a in original(rewards, kept, scale)]
+
+    monkeypatch.setattr(advantages, "_normalise", buggy)
+
+
+LEARNING_BUGS: tuple[PlantedBug, ...] = (
+    PlantedBug("advantages-negated", ADVANTAGES, "GRPO advantages of the wrong sign (the group-normalised rewards "
+               "slime trains on)", (LEARNING,), _advantages_negated),
+)

@@ -3,7 +3,7 @@ learn from what the pipeline, configured as yours, hands slime's loss?
 
 A short run of the learning oracle (scripts/oracle/run.py `run_learning`, the one the CI learning
 test and the learning bench run): a redis-server and `rollout engine --policy-path` (the warm tiny
-LM behind the simulator's own HTTP front) of its own, the producer and two arq workers in this
+LM behind smg and SGLang's own HTTP front, as CI's learning test runs it) of its own, the producer and two arq workers in this
 process on the tiny policy's one- and two-turn arithmetic (a quarter two-turn) at your
 configuration's eta and sampling; slime's own train.py at eta 0, else train_async.py as the
 launcher runs it (scripts/run_slime_grpo.sh; `--trainer-loop` to choose); slime's RolloutManager
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,17 +110,15 @@ def run_learning_stage(workdir: Path, options: LearnOptions, *, eta: int, sampli
     """The run, on an engine and a Redis of its own; its figures and checks."""
     from pipeline.store.local_redis import LocalRedis
     from scripts.oracle.run import LearnRun, run_learning
-    from scripts.processes import SimEngineProcess
-
     loop = options.loop
     run = LearnRun(steps=options.steps, eval_interval=options.steps, eta=eta, loop=loop, eval_greedy=True,
                    eval_samples=1, eval_start=True, slime_loss=dict(options.loss.values), sampling=dict(sampling),
                    push_mode=getattr(options.push_mode, "value", options.push_mode))
     workdir.mkdir(parents=True, exist_ok=True)
     engine_args = ["--policy-path", str(warm), "--weight-version", "0"]
-    with LocalRedis() as server, SimEngineProcess(engine_args, log_path=str(workdir / "engine.log")) as engine:
+    with LocalRedis() as server, _engine(engine_args, workdir) as (engine_url, engine_urls):
         result = asyncio.run(run_learning(run, slime=options.slime, workdir=workdir, redis_url=server.url,
-                                          ns="check-signal-learn", engine_url=engine.url, engine_urls=[engine.url],
+                                          ns="check-signal-learn", engine_url=engine_url, engine_urls=engine_urls,
                                           warm=warm, tasks=tasks, heldout=heldout))
     return LearnVerdict(
         steps=options.steps, loop=loop, eta=eta, greedy=result.greedy, greedy_se=result.greedy_se,
@@ -127,6 +127,27 @@ def run_learning_stage(workdir: Path, options: LearnOptions, *, eta: int, sampli
         abs_diff=[float(m.get("train_rollout_logprob_abs_diff", math.nan)) for m in result.metrics],
         margin=options.margin, wall_s=result.wall_s, failures=step_failures(result.signal, loop == "train" and eta == 0),
         drift=result.drift)
+
+
+@contextmanager
+def _engine(engine_args: list[str], workdir: Path) -> Iterator[tuple[str, list[str]]]:
+    """The tiny policy's engine: behind SGLang's own HTTP front and smg, as CI's learning test and
+    the learning bench run it (workers/sim/stack.py), where the conformance extra is installed
+    (it is: slime's loss needs it); else behind the simulator's own routes, said on stdout. Yields
+    the URL the workers call and the engines' URLs the weight push reaches."""
+    from workers.sim.stack import engine_stack, missing_parts, sim_fields
+
+    missing = missing_parts("smg")
+    if missing is None:
+        print("engine: the tiny policy behind smg and SGLang's own front (workers/sim/stack.py)", flush=True)
+        with engine_stack(workdir / "engine", 1, router="smg", sim=sim_fields(engine_args)) as stack:
+            yield stack.router_url, list(stack.engine_urls)
+        return
+    from scripts.processes import SimEngineProcess
+
+    print(f"engine: the simulator's own routes ({missing})", flush=True)
+    with SimEngineProcess(engine_args, log_path=str(workdir / "engine.log")) as engine:
+        yield engine.url, [engine.url]
 
 
 def step_failures(signal: dict[int, Any], sync: bool) -> dict[int, dict[str, list[str]]]:

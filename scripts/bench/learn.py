@@ -509,7 +509,7 @@ def bench_learn(*, quick: bool = False, seeds: int = 5, steps: int = 12, eval_in
             _write(curves, skipped, out_dir)
     summary = _write(curves, skipped, out_dir)
     print(table(summary))
-    print(goal_table(summary))
+    print("\n" + goal_table(summary) + "\n")
     print(drift_tables(summary))
     print(clock_lines(summary))
     figures = []

@@ -304,6 +304,19 @@ def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
     return {s: statistics.fmean(getattr(c, key)[s] for c in curves) for s in steps}
 
 
+def _training_clock(c: Curve) -> dict[int, float]:
+    """The run's simulated seconds less its eval rounds and its trainer's overruns: the clock of
+    the training a user pays for (a run evaluates rarely or in the background, and an overrun is
+    this CPU's, not the simulated H100's: exact where the trainer is the critical path)."""
+    return {k: v - (c.seconds[k] - c.seconds_kept.get(k, c.seconds[k])) for k, v in c.seconds_less_eval.items()
+            if k in c.seconds}
+
+
+def _mean_dicts(dicts: list[dict[int, float]]) -> dict[int, float]:
+    steps = sorted(set.intersection(*(set(d) for d in dicts))) if dicts and all(dicts) else []
+    return {s: statistics.fmean(d[s] for d in dicts) for s in steps}
+
+
 def summarize(curves: list[Curve]) -> dict[str, Any]:
     by: dict[str, list[Curve]] = {}
     for c in curves:
@@ -316,7 +329,7 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
                            "sync_interval": {s: list(v) for s, v in sync_intervals(sync).items()}}
     for name, runs in by.items():
         acc, secs, kept = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds"), _mean_curve(runs, "seconds_kept")
-        less_eval = _mean_curve(runs, "seconds_less_eval")
+        less_eval = _mean_dicts([_training_clock(c) for c in runs])
         # the eval's standard error of the mean over seeds (each seed's round independent)
         se = {s: (sum(c.accuracy_se.get(s, float("nan")) ** 2 for c in runs)) ** 0.5 / len(runs) for s in acc}
         reach = next((s for s in sorted(acc) if acc[s] >= target), None)

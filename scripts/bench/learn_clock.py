@@ -63,7 +63,7 @@ def clock_lines(summary: dict[str, Any]) -> str:
     sync = contenders.get("sync", {})
     lines = ["| contender | generate s / step (median, simulated) | trainer s / step | generate / trainer | "
              "response tokens p50 / p90 / p99 / max (mean) | simulated s to sync's final | / sync's | "
-             "the same less the eval rounds | / sync's |",
+             "the same less the eval rounds and overruns | / sync's |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, c in contenders.items():
         splits = [s for s in c.get("split", []) if s]
@@ -86,7 +86,7 @@ def clock_lines(summary: dict[str, Any]) -> str:
 
 def _eta2_line(sync: dict[str, Any], eta2: dict[str, Any]) -> str:
     """The goal line: on the training's clock (less the eval rounds) where recorded, else with them."""
-    key, clock = ("seconds_less_eval_to_sync_final", "less the eval rounds")
+    key, clock = ("seconds_less_eval_to_sync_final", "less the eval rounds and the trainer's overruns")
     if not sync.get(key):
         key, clock = "seconds_to_sync_final", "the eval rounds included"
     base, secs = sync.get(key), eta2.get(key)

@@ -68,5 +68,13 @@ def test_the_goal_is_judged_on_the_training_s_clock_where_the_eval_rounds_were_r
     sync = {**_contender(2.5, 1.0, 100.0), "seconds_less_eval_to_sync_final": 80.0}
     eta2 = {**_contender(0.3, 1.0, 70.0), "seconds_less_eval_to_sync_final": 40.0}
     lines = clock_lines({"contenders": {"sync": sync, "eta 2": eta2}})
-    assert "(less the eval rounds): eta 2 40.0 s = 0.50x of sync's 80.0 s (goal <= 0.6x): MET" in lines
+    assert "(less the eval rounds and the trainer's overruns): eta 2 40.0 s = 0.50x of sync's 80.0 s (goal <= 0.6x): MET" in lines
     assert "| 70.00 | 0.70x | 40.00 | 0.50x |" in lines
+
+
+def test_the_training_clock_leaves_out_the_eval_rounds_and_the_trainer_s_overruns():
+    from scripts.bench.learn import Curve, _training_clock
+
+    curve = Curve("sync", 0, {0: 0.1, 4: 0.2}, seconds={0: 2.0, 4: 10.0}, clock_rate=0.5, wall_s=400.0,
+                  seconds_kept={0: 2.0, 4: 9.0}, seconds_less_eval={0: 0.0, 4: 6.0})
+    assert _training_clock(curve) == {0: 0.0, 4: 5.0}  # 10 s, less 4 s of evals and 1 s of overruns

@@ -304,6 +304,16 @@ def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
     return {s: statistics.fmean(getattr(c, key)[s] for c in curves) for s in steps}
 
 
+def _start(c: Curve, sync: list[Curve]) -> float:
+    """The run's held-out accuracy before its first step: its own round at step 0, else (train_async.py
+    evaluates after steps only) sync's round of the same seed, the same warm start through the same
+    eval; else its first round."""
+    if 0 in c.accuracy:
+        return c.accuracy[0]
+    same = [s.accuracy[0] for s in sync if s.seed == c.seed and 0 in s.accuracy]
+    return same[0] if same else c.accuracy[min(c.accuracy)]
+
+
 def _training_clock(c: Curve) -> dict[int, float]:
     """The run's simulated seconds less its eval rounds and its trainer's overruns: the clock of
     the training a user pays for (a run evaluates rarely or in the background, and an overrun is
@@ -340,10 +350,11 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
             if pairs:
                 low, high = paired_interval(pairs)
                 per_step[step] = {"diff": statistics.fmean(a - b for a, _, b, _ in pairs), "ci95": [low, high]}
-        first, last = min(acc), max(acc)
+        last = max(acc)
+        gains = [c.accuracy[last] - _start(c, sync) for c in runs]
         out["contenders"][name] = {
             "seeds": sorted(c.seed for c in runs), "accuracy": acc, "accuracy_se": se, "seconds": secs,
-            "gain": acc[last] - acc[first], "gain_per_seed": [c.accuracy[last] - c.accuracy[first] for c in runs],
+            "gain": statistics.fmean(gains), "gain_per_seed": gains,
             "steps_to_sync_final": reach, "seconds_to_sync_final": secs.get(reach) if reach is not None else None,
             "seconds_kept": kept, "seconds_less_eval": less_eval,
             "seconds_less_eval_to_sync_final": less_eval.get(reach) if reach is not None else None,
@@ -396,7 +407,7 @@ def drift_tables(summary: dict[str, Any]) -> str:
 
 def table(summary: dict[str, Any]) -> str:
     lines = [f"sync's final held-out accuracy (mean of its seeds): {summary['sync_final_accuracy']:.3f}", "",
-             "| contender | seeds | held-out accuracy by step (mean ± the eval's standard error) | gain (per seed) | steps to sync's final | "
+             "| contender | seeds | held-out accuracy by step (mean ± the eval's standard error) | gain from step 0 (per seed; async: sync's step-0 round of the seed) | steps to sync's final | "
              "simulated H100 s to sync's final (at step) | final step minus sync, paired by seed (95% bootstrap over seeds and problems) | "
              "simulated H100 s at the last step, mean [less overruns] | lag per trained token (its own version), mean / max | finished groups never trained | "
              "engine busy share (behind its clock, max s) | trainer CPU share of its step, max (overruns) |",

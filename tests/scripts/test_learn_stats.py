@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from scripts.bench.learn_stats import eta_of, goal_rows, goal_table, interval, paired_interval, sync_intervals
 
 
@@ -46,3 +48,15 @@ def test_eta_up_to_4_is_judged_at_the_last_step_against_sync_s_interval():
     text = goal_table(summary)
     assert "| eta 2 |" in text and "| MET |" in text and "NOT MET" in text
     assert eta_of("eta 8, TIS off") is None and eta_of("eta 1") == 1 and eta_of("sync") is None
+
+
+def test_an_async_contender_s_gain_counts_from_sync_s_step_0_round_of_its_seed():
+    from scripts.bench.learn import Curve, summarize
+
+    def curve(name: str, seed: int, acc: dict[int, float]) -> Curve:
+        return Curve(name, seed, acc, {k: float(k) for k in acc}, 0.5, 1.0, accuracy_se={k: 0.02 for k in acc})
+
+    runs = [curve("sync", 0, {0: 0.10, 4: 0.30}), curve("sync", 1, {0: 0.20, 4: 0.30}),
+            curve("eta 2", 0, {4: 0.25}), curve("eta 2", 1, {4: 0.35})]  # train_async.py: no round at step 0
+    eta2 = summarize(runs)["contenders"]["eta 2"]
+    assert eta2["gain_per_seed"] == pytest.approx([0.15, 0.15])

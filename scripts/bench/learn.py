@@ -335,14 +335,18 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
     sync = by.get("sync", [])
     sync_acc = _mean_curve(sync, "accuracy")
     target = sync_acc[max(sync_acc)] if sync_acc else float("nan")
+    intervals = sync_intervals(sync)
+    final_low = intervals[max(intervals)][0] if intervals else float("nan")
     out: dict[str, Any] = {"sync_final_accuracy": target, "contenders": {},
-                           "sync_interval": {s: list(v) for s, v in sync_intervals(sync).items()}}
+                           "sync_interval": {s: list(v) for s, v in intervals.items()}}
     for name, runs in by.items():
         acc, secs, kept = _mean_curve(runs, "accuracy"), _mean_curve(runs, "seconds"), _mean_curve(runs, "seconds_kept")
         less_eval = _mean_dicts([_training_clock(c) for c in runs])
         # the eval's standard error of the mean over seeds (each seed's round independent)
         se = {s: (sum(c.accuracy_se.get(s, float("nan")) ** 2 for c in runs)) ** 0.5 / len(runs) for s in acc}
         reach = next((s for s in sorted(acc) if acc[s] >= target), None)
+        # the first eval inside (or above) sync's final 95% interval: a reach that equal learners share
+        reach_low = next((s for s in sorted(acc) if acc[s] >= final_low), None)
         per_step = {}
         for step in sorted(acc):
             pairs = [(c.accuracy[step], c.accuracy_se.get(step, math.nan), s.accuracy[step], s.accuracy_se.get(step, math.nan))
@@ -358,6 +362,7 @@ def summarize(curves: list[Curve]) -> dict[str, Any]:
             "steps_to_sync_final": reach, "seconds_to_sync_final": secs.get(reach) if reach is not None else None,
             "seconds_kept": kept, "seconds_less_eval": less_eval,
             "seconds_less_eval_to_sync_final": less_eval.get(reach) if reach is not None else None,
+            "seconds_less_eval_to_sync_interval": less_eval.get(reach_low) if reach_low is not None else None,
             "vs_sync": per_step, "clock_rate": [round(c.clock_rate, 3) for c in runs],
             "wall_s": [round(c.wall_s, 1) for c in runs],
             "seconds_are": sorted({c.seconds_are for c in runs}),

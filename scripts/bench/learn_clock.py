@@ -63,8 +63,9 @@ def clock_lines(summary: dict[str, Any]) -> str:
     sync = contenders.get("sync", {})
     lines = ["| contender | generate s / step (median, simulated) | trainer s / step | generate / trainer | "
              "response tokens p50 / p90 / p99 / max (mean) | simulated s to sync's final | / sync's | "
-             "the same less the eval rounds and overruns | / sync's |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "the same less the eval rounds and overruns | / sync's | "
+             "less them, to sync's final 95% interval | / sync's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in contenders.items():
         splits = [s for s in c.get("split", []) if s]
         gen = statistics.fmean(s["generate_s"] for s in splits) if splits else None
@@ -74,13 +75,17 @@ def clock_lines(summary: dict[str, Any]) -> str:
         if name == "sync" and ratio is not None:
             goal = f" (goal {GEN_TO_TRAIN_GOAL[0]:g}-{GEN_TO_TRAIN_GOAL[1]:g}x: {verdict(_in(ratio, GEN_TO_TRAIN_GOAL))})"
         cells = []
-        for key in ("seconds_to_sync_final", "seconds_less_eval_to_sync_final"):
+        for key in ("seconds_to_sync_final", "seconds_less_eval_to_sync_final", "seconds_less_eval_to_sync_interval"):
             secs, base = c.get(key), sync.get(key)
             cells += [_num(secs, "", "not reached"), _num(secs / base if secs is not None and base else None, "x")]
         lines.append(f"| {name} | {_num(gen)} | {_num(train)} | {_num(ratio, 'x')}{goal} | {_lengths(c)} | "
                      + " | ".join(cells) + " |")
     if "eta 2" in contenders:
         lines.append("\n" + _eta2_line(sync, contenders["eta 2"]))
+        inside, base = contenders["eta 2"].get("seconds_less_eval_to_sync_interval"), sync.get("seconds_less_eval_to_sync_interval")
+        if inside is not None and base:
+            lines.append(f"(beside the goal: eta 2 inside sync's final 95% interval at {inside:.1f} s, {inside / base:.2f}x "
+                         f"of sync's {base:.1f} s to it)")
     return "\n".join(lines)
 
 

@@ -69,7 +69,7 @@ def test_the_goal_is_judged_on_the_training_s_clock_where_the_eval_rounds_were_r
     eta2 = {**_contender(0.3, 1.0, 70.0), "seconds_less_eval_to_sync_final": 40.0}
     lines = clock_lines({"contenders": {"sync": sync, "eta 2": eta2}})
     assert "(less the eval rounds and the trainer's overruns): eta 2 40.0 s = 0.50x of sync's 80.0 s (goal <= 0.6x): MET" in lines
-    assert "| 70.00 | 0.70x | 40.00 | 0.50x |" in lines
+    assert "| 70.00 | 0.70x | 40.00 | 0.50x | not reached | - |" in lines
 
 
 def test_the_training_clock_leaves_out_the_eval_rounds_and_the_trainer_s_overruns():

@@ -300,8 +300,7 @@ def start_line(warm: Path) -> str:
 
 
 def _mean_curve(curves: list[Curve], key: str) -> dict[int, float]:
-    steps = sorted(set.intersection(*(set(getattr(c, key)) for c in curves))) if curves else []
-    return {s: statistics.fmean(getattr(c, key)[s] for c in curves) for s in steps}
+    return _mean_dicts([getattr(c, key) for c in curves])
 
 
 def _start(c: Curve, sync: list[Curve]) -> float:
@@ -323,7 +322,7 @@ def _training_clock(c: Curve) -> dict[int, float]:
 
 
 def _mean_dicts(dicts: list[dict[int, float]]) -> dict[int, float]:
-    steps = sorted(set.intersection(*(set(d) for d in dicts))) if dicts and all(dicts) else []
+    steps = sorted(set.intersection(*(set(d) for d in dicts))) if dicts else []
     return {s: statistics.fmean(d[s] for d in dicts) for s in steps}
 
 
